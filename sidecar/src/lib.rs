@@ -1,0 +1,1 @@
+//! The idemgate lock sidecar (work in progress: see the sidecar issue).

@@ -1,0 +1,134 @@
+#![allow(clippy::unwrap_used, clippy::indexing_slicing)]
+
+use super::*;
+use alloc::string::ToString;
+use alloc::vec;
+
+fn claim() -> ClaimRequest {
+    ClaimRequest {
+        key: "a".repeat(64),
+        mode: Mode::Idempotency,
+        lease_ms: 30_000,
+        fingerprint: Some("f".repeat(64)),
+        wait: Some(WaitPolicy {
+            budget_ms: 1000,
+            per_waiter_ms: 100,
+            max_budget_ms: 1500,
+            max_queue: 10,
+        }),
+    }
+}
+
+#[test]
+fn frame_without_payload_is_plain_json() {
+    let bytes = encode(&claim(), b"");
+    assert!(!bytes.contains(&b'\n'));
+    let (back, payload): (ClaimRequest, _) = decode(&bytes).unwrap();
+    assert_eq!(back, claim());
+    assert!(payload.is_empty());
+}
+
+#[test]
+fn payload_with_newlines_and_binary_roundtrips() {
+    let body = b"line1\nline2\n\x00\xff";
+    let outcome = ClaimOutcome::Completed {
+        response: StoredResponse {
+            status: 201,
+            headers: vec![("content-type".to_string(), "a\nb".to_string())],
+        },
+        waited_ms: 3,
+    };
+    let bytes = encode(&outcome, body);
+    let (back, payload): (ClaimOutcome, _) = decode(&bytes).unwrap();
+    assert_eq!(back, outcome);
+    assert_eq!(payload, body);
+}
+
+#[test]
+fn outcomes_are_tagged_snake_case() {
+    let bytes = encode(
+        &ClaimOutcome::QueueFull {
+            retry_after_ms: 5,
+            queue_len: 2,
+        },
+        b"",
+    );
+    assert_eq!(
+        core::str::from_utf8(&bytes).unwrap(),
+        r#"{"outcome":"queue_full","retry_after_ms":5,"queue_len":2}"#
+    );
+    let (o, _): (OwnerOutcome, _) = decode(br#"{"outcome":"stale"}"#).unwrap();
+    assert_eq!(o, OwnerOutcome::Stale);
+}
+
+#[test]
+fn garbage_and_unknown_fields_are_errors() {
+    assert!(decode::<ClaimOutcome>(b"").is_err());
+    assert!(decode::<ClaimOutcome>(b"\xff\xfe").is_err());
+    assert!(decode::<ClaimOutcome>(br#"{"outcome":"granted"}"#).is_err());
+    assert!(decode::<ClaimOutcome>(br#"{"outcome":"mismatch","x":1}"#).is_err());
+    assert!(decode::<OwnerOutcome>(br#"{"outcome":"released"} trailing"#).is_err());
+}
+
+#[test]
+fn wait_budget_grows_with_queue_and_is_capped() {
+    let w = claim().wait.unwrap();
+    assert_eq!(w.budget_for(0), 1000);
+    assert_eq!(w.budget_for(3), 1300);
+    assert_eq!(w.budget_for(100), 1500);
+    assert_eq!(w.longest_budget(), 1500);
+    let flat = WaitPolicy {
+        budget_ms: 800,
+        per_waiter_ms: 0,
+        max_budget_ms: 0,
+        max_queue: 4,
+    };
+    assert_eq!(flat.budget_for(4), 800);
+}
+
+#[test]
+fn limits_name_the_offending_field() {
+    let limits = Limits::default();
+    assert!(limits.claim(&claim()).is_ok());
+    let mut bad = claim();
+    bad.key = "has space".to_string();
+    assert_eq!(limits.claim(&bad).unwrap_err().field, "key");
+    bad.key = "k".repeat(129);
+    let err = limits.claim(&bad).unwrap_err();
+    assert!(err.too_large);
+    let mut bad = claim();
+    bad.lease_ms = 0;
+    assert_eq!(limits.claim(&bad).unwrap_err().field, "lease_ms");
+
+    let complete = CompleteRequest {
+        key: "k".to_string(),
+        owner: "o".to_string(),
+        retention_ms: 1,
+        response: Some(StoredResponse {
+            status: 200,
+            headers: vec![("x-ok".to_string(), "v\r\nset-cookie: x".to_string())],
+        }),
+    };
+    assert_eq!(
+        limits.complete(&complete, b"").unwrap_err().field,
+        "response.headers"
+    );
+    let release_only = CompleteRequest {
+        response: None,
+        ..complete
+    };
+    assert!(limits.complete(&release_only, b"").is_ok());
+    assert_eq!(
+        limits.complete(&release_only, b"body").unwrap_err().field,
+        "response"
+    );
+    let big = vec![0u8; limits.max_body + 1];
+    let with_body = CompleteRequest {
+        response: Some(StoredResponse {
+            status: 200,
+            headers: vec![],
+        }),
+        ..release_only
+    };
+    assert!(limits.complete(&with_body, &big).unwrap_err().too_large);
+}
