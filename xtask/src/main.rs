@@ -2,6 +2,7 @@
 //! points. Each command installs or builds what it needs on a fresh machine by itself.
 
 mod cmd;
+mod envoy;
 mod toolchain;
 mod wasm;
 
@@ -13,8 +14,8 @@ usage: cargo xtask <command>
 
 commands:
   wasm    build the filter to target/idemgate.wasm (and the host-test fixtures)
-  test    the whole test suite: fmt, clippy (native and wasm32), unit tests, wasm build,
-          then every test that loads the built wasm
+  test    the whole test suite: fmt, clippy (native and wasm32), Envoy config schema checks,
+          unit tests, wasm build, then every test that loads the built wasm
 ";
 
 fn main() {
@@ -71,6 +72,7 @@ fn test(root: &Path) -> Result<()> {
             ])
             .current_dir(root),
     )?;
+    envoy::check(root)?;
     let route = toolchain::wasm_route()?;
     cmd::step("clippy (wasm32-wasip1)", &mut wasm::clippy(root, route))?;
     cmd::step(
