@@ -181,8 +181,8 @@ impl<'a> Execution<'a> {
         }
     }
 
-    /// Checks the fencing token at write time; `Err` is the 409 answer for a stale one.
-    fn commit(&self, ledger: &mut Ledger) -> Result<(), Response> {
+    /// Checks the fencing token at write time and counts the execution.
+    fn commit(&self, ledger: &mut Ledger) -> Result<(), StaleFence> {
         if let Some(fence) = self.fence {
             let highest = ledger
                 .highest_fence
@@ -190,11 +190,10 @@ impl<'a> Execution<'a> {
                 .or_default();
             if fence < *highest {
                 ledger.stats.stale_refused += 1;
-                return Err(problem(
-                    StatusCode::CONFLICT,
-                    "stale fencing token",
-                    format!("token {fence} is older than {highest} already written"),
-                ));
+                return Err(StaleFence {
+                    fence,
+                    highest: *highest,
+                });
             }
             *highest = fence;
             ledger
@@ -206,6 +205,25 @@ impl<'a> Execution<'a> {
         }
         ledger.stats.executions += 1;
         Ok(())
+    }
+}
+
+/// A write whose fencing token is older than one already written: answered 409.
+struct StaleFence {
+    fence: u64,
+    highest: u64,
+}
+
+impl IntoResponse for StaleFence {
+    fn into_response(self) -> Response {
+        problem(
+            StatusCode::CONFLICT,
+            "stale fencing token",
+            format!(
+                "token {} is older than {} already written",
+                self.fence, self.highest
+            ),
+        )
     }
 }
 
@@ -267,8 +285,8 @@ async fn start_bot(
     }
     tokio::time::sleep(work_time(&headers, backend.timings.bot_spawn)).await;
     let mut ledger = backend.ledger();
-    if let Err(refused) = exec.commit(&mut ledger) {
-        return refused;
+    if let Err(stale) = exec.commit(&mut ledger) {
+        return stale.into_response();
     }
     ledger.stats.engines_started += 1;
     let engines = ledger.running_bots.entry(bot.clone()).or_default();
@@ -314,8 +332,8 @@ async fn attach_tool(
     tokio::time::sleep(work_time(&headers, backend.timings.attach)).await;
     tools.push(attach.tool);
     let mut ledger = backend.ledger();
-    if let Err(refused) = exec.commit(&mut ledger) {
-        return refused;
+    if let Err(stale) = exec.commit(&mut ledger) {
+        return stale.into_response();
     }
     let version = ledger.agent_versions.entry(agent.clone()).or_default();
     if *version != read_version {
@@ -349,8 +367,8 @@ async fn pay(
     let exec = Execution::begin(&backend, format!("payment:{caller}:{key}"), &headers);
     tokio::time::sleep(work_time(&headers, backend.timings.payment)).await;
     let mut ledger = backend.ledger();
-    if let Err(refused) = exec.commit(&mut ledger) {
-        return refused;
+    if let Err(stale) = exec.commit(&mut ledger) {
+        return stale.into_response();
     }
     ledger.stats.charges += 1;
     let id = ledger.stats.charges;
