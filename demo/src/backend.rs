@@ -25,7 +25,7 @@ use axum::{Json, Router};
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex, MutexGuard};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 /// Header carrying the fencing token idemgate stamps on forwarded requests.
 pub const FENCING_HEADER: &str = "x-fencing-token";
@@ -76,6 +76,9 @@ pub struct Stats {
     pub order: BTreeMap<String, Vec<String>>,
     /// Per resource, the fencing tokens of the writes that went through, in order.
     pub fences: BTreeMap<String, Vec<u64>>,
+    /// Per resource, when each committed call started and finished its work, in
+    /// microseconds since the backend started: hand-off gaps and overlaps are read off it.
+    pub spans: BTreeMap<String, Vec<(u64, u64)>>,
     /// Each agent's tools as stored.
     pub agent_tools: BTreeMap<String, Vec<String>>,
 }
@@ -93,6 +96,7 @@ struct Ledger {
 /// The backend's state, shared by its handlers.
 pub struct Backend {
     timings: Timings,
+    epoch: Instant,
     ledger: Mutex<Ledger>,
 }
 
@@ -100,6 +104,7 @@ impl Backend {
     pub fn new(timings: Timings) -> Arc<Self> {
         Arc::new(Backend {
             timings,
+            epoch: Instant::now(),
             ledger: Mutex::new(Ledger::default()),
         })
     }
@@ -110,6 +115,10 @@ impl Backend {
 
     pub fn reset(&self) {
         *self.ledger() = Ledger::default();
+    }
+
+    fn micros(&self, at: Instant) -> u64 {
+        u64::try_from(at.duration_since(self.epoch).as_micros()).unwrap_or(u64::MAX)
     }
 
     /// A poisoned lock only means a handler panicked mid-update; the counters are still
@@ -156,6 +165,7 @@ struct Execution<'a> {
     backend: &'a Backend,
     resource: String,
     fence: Option<u64>,
+    started: Instant,
 }
 
 impl<'a> Execution<'a> {
@@ -178,6 +188,7 @@ impl<'a> Execution<'a> {
             backend,
             resource,
             fence,
+            started: Instant::now(),
         }
     }
 
@@ -204,6 +215,16 @@ impl<'a> Execution<'a> {
                 .push(fence);
         }
         ledger.stats.executions += 1;
+        let span = (
+            self.backend.micros(self.started),
+            self.backend.micros(Instant::now()),
+        );
+        ledger
+            .stats
+            .spans
+            .entry(self.resource.clone())
+            .or_default()
+            .push(span);
         Ok(())
     }
 }
