@@ -48,7 +48,10 @@ mod tests {
 
     #[test]
     fn opens_after_consecutive_failures_and_probes_once() {
-        let cfg = BreakerConfig { failures: 2, cooldown_ms: 100 };
+        let cfg = BreakerConfig {
+            failures: 2,
+            cooldown_ms: 100,
+        };
         let mut b = Breaker::default();
         assert!(b.allow(0));
         b.failure(&cfg, 0);

@@ -31,7 +31,12 @@ pub struct Capture {
 impl Capture {
     /// Starts from the response headers (pseudo-headers included, as Envoy lists them).
     pub fn begin(policy: &ResponsePolicy, headers: &[(String, Vec<u8>)]) -> Capture {
-        let value = |name: &str| headers.iter().find(|(n, _)| n == name).map(|(_, v)| v.as_slice());
+        let value = |name: &str| {
+            headers
+                .iter()
+                .find(|(n, _)| n == name)
+                .map(|(_, v)| v.as_slice())
+        };
         let status = value(":status")
             .and_then(|s| core::str::from_utf8(s).ok())
             .and_then(|s| s.parse::<u16>().ok())
@@ -42,14 +47,23 @@ impl Capture {
             None => true,
         };
         if let Some(len) = value("content-length").and_then(|v| core::str::from_utf8(v).ok()) {
-            replayable &= len.trim().parse::<usize>().is_ok_and(|n| n <= policy.max_body);
+            replayable &= len
+                .trim()
+                .parse::<usize>()
+                .is_ok_and(|n| n <= policy.max_body);
         }
         let kept = headers
             .iter()
             .filter(|(n, _)| policy.headers.iter().any(|h| h == n))
             .filter_map(|(n, v)| Some((n.clone(), String::from(core::str::from_utf8(v).ok()?))))
             .collect();
-        Capture { status, headers: kept, body: Vec::new(), stored, replayable }
+        Capture {
+            status,
+            headers: kept,
+            body: Vec::new(),
+            stored,
+            replayable,
+        }
     }
 
     /// Whether response body chunks should be handed to [`Capture::chunk`].
@@ -73,12 +87,20 @@ impl Capture {
         if !self.stored {
             return Outcome::Abort;
         }
-        let response = StoredResponse { status: self.status, headers: self.headers };
-        let fits = Limits::default().stored_response(&response, &self.body).is_ok();
+        let response = StoredResponse {
+            status: self.status,
+            headers: self.headers,
+        };
+        let fits = Limits::default()
+            .stored_response(&response, &self.body)
+            .is_ok();
         match (self.replayable && fits, policy.unreplayable) {
             (true, _) => Outcome::Store(response, self.body),
             (false, Unreplayable::StoreStatus) => {
-                let bare = StoredResponse { status: response.status, headers: Vec::new() };
+                let bare = StoredResponse {
+                    status: response.status,
+                    headers: Vec::new(),
+                };
                 Outcome::Store(if fits { response } else { bare }, Vec::new())
             }
             (false, Unreplayable::Abort) => Outcome::Abort,
@@ -91,13 +113,22 @@ fn content_type_allowed(policy: &ResponsePolicy, raw: &[u8]) -> bool {
     let Ok(raw) = core::str::from_utf8(raw) else {
         return false;
     };
-    let media = raw.split(';').next().unwrap_or_default().trim().to_ascii_lowercase();
-    media != "text/event-stream" && policy.content_types.iter().any(|allowed| media.starts_with(allowed.as_str()))
+    let media = raw
+        .split(';')
+        .next()
+        .unwrap_or_default()
+        .trim()
+        .to_ascii_lowercase();
+    media != "text/event-stream"
+        && policy
+            .content_types
+            .iter()
+            .any(|allowed| media.starts_with(allowed.as_str()))
 }
 
 #[cfg(test)]
 mod tests {
-    #![allow(clippy::unwrap_used, clippy::indexing_slicing)]
+    #![allow(clippy::unwrap_used, clippy::indexing_slicing, clippy::panic)]
     use super::*;
     use alloc::vec;
 
@@ -128,11 +159,19 @@ mod tests {
         let mut c = Capture::begin(&p, &headers("201", "application/json; charset=utf-8"));
         c.chunk(&p, b"{\"a\"");
         c.chunk(&p, b":1}");
-        let Outcome::Store(r, body) = c.finish(&p) else { panic!() };
+        let Outcome::Store(r, body) = c.finish(&p) else {
+            panic!()
+        };
         assert_eq!(r.status, 201);
         assert_eq!(
             r.headers,
-            vec![("content-type".into(), "application/json; charset=utf-8".into()), ("etag".into(), "\"v1\"".into())]
+            vec![
+                (
+                    "content-type".into(),
+                    "application/json; charset=utf-8".into()
+                ),
+                ("etag".into(), "\"v1\"".into())
+            ]
         );
         assert_eq!(body, b"{\"a\":1}");
     }
@@ -141,9 +180,16 @@ mod tests {
     fn statuses_that_abort() {
         let p = policy("");
         for s in ["500", "503", "408", "429", "garbage"] {
-            assert_eq!(Capture::begin(&p, &headers(s, "application/json")).finish(&p), Outcome::Abort, "{s}");
+            assert_eq!(
+                Capture::begin(&p, &headers(s, "application/json")).finish(&p),
+                Outcome::Abort,
+                "{s}"
+            );
         }
-        assert!(matches!(Capture::begin(&p, &headers("404", "application/json")).finish(&p), Outcome::Store(..)));
+        assert!(matches!(
+            Capture::begin(&p, &headers("404", "application/json")).finish(&p),
+            Outcome::Store(..)
+        ));
     }
 
     #[test]
@@ -152,12 +198,20 @@ mod tests {
         let mut big = Capture::begin(&p, &headers("200", "application/json"));
         big.chunk(&p, b"123456789");
         assert_eq!(big.finish(&p), Outcome::Abort);
-        assert_eq!(Capture::begin(&p, &headers("200", "text/event-stream")).finish(&p), Outcome::Abort);
-        assert_eq!(Capture::begin(&p, &headers("200", "image/png")).finish(&p), Outcome::Abort);
+        assert_eq!(
+            Capture::begin(&p, &headers("200", "text/event-stream")).finish(&p),
+            Outcome::Abort
+        );
+        assert_eq!(
+            Capture::begin(&p, &headers("200", "image/png")).finish(&p),
+            Outcome::Abort
+        );
         let p = policy(r#","unreplayable":"store_status""#);
         let mut big = Capture::begin(&p, &headers("200", "application/json"));
         big.chunk(&p, b"123456789");
-        let Outcome::Store(r, body) = big.finish(&p) else { panic!() };
+        let Outcome::Store(r, body) = big.finish(&p) else {
+            panic!()
+        };
         assert_eq!((r.status, body.len()), (200, 0));
         let mut declared = headers("200", "application/json");
         declared.push(("content-length".into(), b"100".to_vec()));

@@ -385,7 +385,8 @@ const DEFAULT_MAX_WAIT_MS: u64 = 30_000;
 const DEFAULT_MAX_QUEUE: u32 = 16;
 const DEFAULT_FINGERPRINT_BODY: usize = 64 * 1024;
 const DEFAULT_RESPONSE_BODY: usize = 256 * 1024;
-const DEFAULT_CONTENT_TYPES: [&str; 3] = ["application/json", "application/problem+json", "text/plain"];
+const DEFAULT_CONTENT_TYPES: [&str; 3] =
+    ["application/json", "application/problem+json", "text/plain"];
 const DEFAULT_REPLAYED_HEADERS: [&str; 6] = [
     "content-type",
     "content-language",
@@ -400,7 +401,8 @@ const MAX_KEY_LENGTH: usize = 255;
 
 /// Parses and validates the plugin configuration bytes.
 pub fn parse(bytes: &[u8]) -> Result<Config, ConfigError> {
-    let root: Value = serde_json::from_slice(bytes).map_err(|e| err("configuration", e.to_string()))?;
+    let root: Value =
+        serde_json::from_slice(bytes).map_err(|e| err("configuration", e.to_string()))?;
     let top: RawTop = section(&root, "configuration")?;
     let sidecar = compile_sidecar(section(&top.sidecar, "sidecar")?)?;
     let failure_mode = match &top.failure_mode {
@@ -422,13 +424,21 @@ pub fn parse(bytes: &[u8]) -> Result<Config, ConfigError> {
     if local.max_response_bytes > Limits::default().max_body {
         return Err(err("local.max_response_bytes", "must not exceed 1048576"));
     }
+    if failure_mode == FailureMode::Local && !local.enabled {
+        return Err(err(
+            "failure_mode",
+            "\"local\" needs the local tier (local.enabled)",
+        ));
+    }
     let allow_stop = top.allow_on_headers_stop_iteration.unwrap_or(false);
     let fencing_header = header_name(
         top.fencing_header.as_deref().unwrap_or("x-fencing-token"),
         "fencing_header",
     )?;
     let degraded_header = header_name(
-        top.degraded_header.as_deref().unwrap_or("x-idemgate-degraded"),
+        top.degraded_header
+            .as_deref()
+            .unwrap_or("x-idemgate-degraded"),
         "degraded_header",
     )?;
     let tick_ms = duration_or(top.tick.as_deref(), "tick", 1_000)?;
@@ -444,7 +454,11 @@ pub fn parse(bytes: &[u8]) -> Result<Config, ConfigError> {
         }
         rules.push(rule);
     }
-    let shortest_lease = rules.iter().map(|r| r.lease_ms).min().unwrap_or(DEFAULT_LEASE_MS);
+    let shortest_lease = rules
+        .iter()
+        .map(|r| r.lease_ms)
+        .min()
+        .unwrap_or(DEFAULT_LEASE_MS);
     if tick_ms >= shortest_lease / 2 {
         return Err(err(
             "tick",
@@ -470,7 +484,10 @@ fn section<T: DeserializeOwned>(value: &Value, path: &str) -> Result<T, ConfigEr
     T::deserialize(value).map_err(|e| err(path, e.to_string()))
 }
 
-fn optional<T: DeserializeOwned + Default>(value: Option<&Value>, path: &str) -> Result<T, ConfigError> {
+fn optional<T: DeserializeOwned + Default>(
+    value: Option<&Value>,
+    path: &str,
+) -> Result<T, ConfigError> {
     value.map_or_else(|| Ok(T::default()), |v| section(v, path))
 }
 
@@ -500,9 +517,9 @@ fn duration_or(raw: Option<&str>, path: &str, default_ms: u64) -> Result<u64, Co
 pub fn parse_duration(s: &str) -> Result<u64, String> {
     let digits = s.bytes().take_while(u8::is_ascii_digit).count();
     let (number, unit) = s.split_at(digits);
-    let n: u64 = number
-        .parse()
-        .map_err(|_| format!("`{s}` is not a duration like \"250ms\", \"30s\", \"5m\" or \"24h\""))?;
+    let n: u64 = number.parse().map_err(|_| {
+        format!("`{s}` is not a duration like \"250ms\", \"30s\", \"5m\" or \"24h\"")
+    })?;
     let factor = match unit {
         "ms" => 1,
         "s" => 1_000,
@@ -510,7 +527,8 @@ pub fn parse_duration(s: &str) -> Result<u64, String> {
         "h" => 3_600_000,
         _ => return Err(format!("`{s}` has no unit (ms, s, m or h)")),
     };
-    n.checked_mul(factor).ok_or_else(|| format!("`{s}` is too large"))
+    n.checked_mul(factor)
+        .ok_or_else(|| format!("`{s}` is too large"))
 }
 
 fn header_name(name: &str, path: &str) -> Result<String, ConfigError> {
@@ -545,7 +563,11 @@ fn compile_sidecar(raw: RawSidecar) -> Result<SidecarConfig, ConfigError> {
     Ok(SidecarConfig {
         authority: raw.authority.unwrap_or_else(|| raw.cluster.clone()),
         cluster: raw.cluster,
-        timeout_ms: duration_or(raw.timeout.as_deref(), "sidecar.timeout", DEFAULT_TIMEOUT_MS)?,
+        timeout_ms: duration_or(
+            raw.timeout.as_deref(),
+            "sidecar.timeout",
+            DEFAULT_TIMEOUT_MS,
+        )?,
         token: raw.token,
     })
 }
@@ -559,11 +581,19 @@ fn compile_rule(raw: &Value, i: usize, allow_stop: bool) -> Result<Rule, ConfigE
         None => Mode::Idempotency,
     };
     let matcher = compile_match(optional(raw.matcher.as_ref(), &at("match"))?, &at("match"))?;
-    let key = compile_key(optional(raw.key.as_ref(), &at("key"))?, mode, &matcher, &at("key"))?;
+    let key = compile_key(
+        optional(raw.key.as_ref(), &at("key"))?,
+        mode,
+        &matcher,
+        &at("key"),
+    )?;
     let scope: RawScope = optional(raw.scope.as_ref(), &at("scope"))?;
     for (j, p) in scope.properties.iter().enumerate() {
         if p.is_empty() {
-            return Err(err(&format!("{}[{j}]", at("scope.properties")), "empty property path"));
+            return Err(err(
+                &format!("{}[{j}]", at("scope.properties")),
+                "empty property path",
+            ));
         }
     }
     let scope = Scope {
@@ -571,14 +601,22 @@ fn compile_rule(raw: &Value, i: usize, allow_stop: bool) -> Result<Rule, ConfigE
         properties: scope.properties,
         method: scope.method.unwrap_or(true),
     };
-    let fingerprint = compile_fingerprint(raw.fingerprint.as_ref(), mode, allow_stop, &at("fingerprint"))?;
+    let fingerprint = compile_fingerprint(
+        raw.fingerprint.as_ref(),
+        mode,
+        allow_stop,
+        &at("fingerprint"),
+    )?;
     let conflict: RawConflict = match &raw.on_conflict {
         Some(v) => section(v, &at("on_conflict"))?,
         None => RawConflict::Reject,
     };
     let conflict = match conflict {
         RawConflict::Reject if raw.queue.is_some() => {
-            return Err(err(&at("queue"), "only valid with \"on_conflict\": \"queue\""));
+            return Err(err(
+                &at("queue"),
+                "only valid with \"on_conflict\": \"queue\"",
+            ));
         }
         RawConflict::Reject => Conflict::Reject,
         RawConflict::Queue => Conflict::Queue(compile_queue(
@@ -586,7 +624,10 @@ fn compile_rule(raw: &Value, i: usize, allow_stop: bool) -> Result<Rule, ConfigE
             &at("queue"),
         )?),
     };
-    let response = compile_response(optional(raw.response.as_ref(), &at("response"))?, &at("response"))?;
+    let response = compile_response(
+        optional(raw.response.as_ref(), &at("response"))?,
+        &at("response"),
+    )?;
     Ok(Rule {
         name,
         matcher,
@@ -596,31 +637,45 @@ fn compile_rule(raw: &Value, i: usize, allow_stop: bool) -> Result<Rule, ConfigE
         fingerprint,
         conflict,
         lease_ms: duration_or(raw.lease.as_deref(), &at("lease"), DEFAULT_LEASE_MS)?,
-        retention_ms: duration_or(raw.retention.as_deref(), &at("retention"), DEFAULT_RETENTION_MS)?,
+        retention_ms: duration_or(
+            raw.retention.as_deref(),
+            &at("retention"),
+            DEFAULT_RETENTION_MS,
+        )?,
         response,
     })
 }
 
 fn compile_match(raw: RawMatch, path: &str) -> Result<Matcher, ConfigError> {
     let methods: Vec<String> = match raw.methods {
-        Some(m) if m.is_empty() => return Err(err(&format!("{path}.methods"), "must not be empty")),
+        Some(m) if m.is_empty() => {
+            return Err(err(&format!("{path}.methods"), "must not be empty"));
+        }
         Some(m) => m,
         None => DEFAULT_METHODS.iter().map(|m| (*m).to_string()).collect(),
     };
     for (j, m) in methods.iter().enumerate() {
         if m.is_empty() || !m.bytes().all(|b| b.is_ascii_uppercase()) {
-            return Err(err(&format!("{path}.methods[{j}]"), format!("`{m}` is not an upper-case method")));
+            return Err(err(
+                &format!("{path}.methods[{j}]"),
+                format!("`{m}` is not an upper-case method"),
+            ));
         }
     }
     let path_match = match (raw.path_prefix, raw.path_template) {
         (Some(_), Some(_)) => {
-            return Err(err(&format!("{path}.path_template"), "set either path_prefix or path_template, not both"));
+            return Err(err(
+                &format!("{path}.path_template"),
+                "set either path_prefix or path_template, not both",
+            ));
         }
         (Some(p), None) if !p.starts_with('/') => {
             return Err(err(&format!("{path}.path_prefix"), "must start with `/`"));
         }
         (Some(p), None) => PathMatch::Prefix(p),
-        (None, Some(t)) => PathMatch::template(&t).map_err(|m| err(&format!("{path}.path_template"), m))?,
+        (None, Some(t)) => {
+            PathMatch::template(&t).map_err(|m| err(&format!("{path}.path_template"), m))?
+        }
         (None, None) => PathMatch::Any,
     };
     Ok(Matcher {
@@ -631,10 +686,22 @@ fn compile_match(raw: RawMatch, path: &str) -> Result<Matcher, ConfigError> {
     })
 }
 
-fn compile_key(raw: RawKey, mode: Mode, matcher: &Matcher, path: &str) -> Result<KeyRules, ConfigError> {
-    let sources = [raw.header.is_some(), raw.path_param.is_some(), raw.query_param.is_some()];
+fn compile_key(
+    raw: RawKey,
+    mode: Mode,
+    matcher: &Matcher,
+    path: &str,
+) -> Result<KeyRules, ConfigError> {
+    let sources = [
+        raw.header.is_some(),
+        raw.path_param.is_some(),
+        raw.query_param.is_some(),
+    ];
     if sources.iter().filter(|s| **s).count() > 1 {
-        return Err(err(path, "set only one of header, path_param and query_param"));
+        return Err(err(
+            path,
+            "set only one of header, path_param and query_param",
+        ));
     }
     let source = if let Some(h) = raw.header {
         KeySource::Header(header_name(&h, &format!("{path}.header"))?)
@@ -654,7 +721,10 @@ fn compile_key(raw: RawKey, mode: Mode, matcher: &Matcher, path: &str) -> Result
     } else if mode == Mode::Idempotency {
         KeySource::Header("idempotency-key".to_string())
     } else {
-        return Err(err(path, "lock mode needs a resource id: header, path_param or query_param"));
+        return Err(err(
+            path,
+            "lock mode needs a resource id: header, path_param or query_param",
+        ));
     };
     let max_length = raw.max_length.unwrap_or(MAX_KEY_LENGTH);
     if max_length == 0 || max_length > MAX_KEY_LENGTH {
@@ -676,7 +746,10 @@ fn compile_fingerprint(
 ) -> Result<Option<FingerprintSpec>, ConfigError> {
     if mode == Mode::Lock {
         if raw.is_some() {
-            return Err(err(path, "only valid in idempotency mode (lock mode stores nothing to compare)"));
+            return Err(err(
+                path,
+                "only valid in idempotency mode (lock mode stores nothing to compare)",
+            ));
         }
         return Ok(None);
     }
@@ -693,12 +766,18 @@ fn compile_fingerprint(
     let max_body = if body {
         let cap = raw.max_body_bytes.unwrap_or(DEFAULT_FINGERPRINT_BODY);
         if cap == 0 {
-            return Err(err(&format!("{path}.max_body_bytes"), "must be greater than zero"));
+            return Err(err(
+                &format!("{path}.max_body_bytes"),
+                "must be greater than zero",
+            ));
         }
         cap
     } else {
         if raw.max_body_bytes.is_some() {
-            return Err(err(&format!("{path}.max_body_bytes"), "only valid when body is fingerprinted"));
+            return Err(err(
+                &format!("{path}.max_body_bytes"),
+                "only valid when body is fingerprinted",
+            ));
         }
         0
     };
@@ -709,7 +788,11 @@ fn compile_fingerprint(
 }
 
 fn compile_queue(raw: RawQueue, path: &str) -> Result<WaitPolicy, ConfigError> {
-    let budget_ms = duration_or(raw.max_wait.as_deref(), &format!("{path}.max_wait"), DEFAULT_MAX_WAIT_MS)?;
+    let budget_ms = duration_or(
+        raw.max_wait.as_deref(),
+        &format!("{path}.max_wait"),
+        DEFAULT_MAX_WAIT_MS,
+    )?;
     let per_waiter_ms = match raw.per_waiter.as_deref() {
         Some(s) => parse_duration(s).map_err(|m| err(&format!("{path}.per_waiter"), m))?,
         None => 0,
@@ -718,7 +801,10 @@ fn compile_queue(raw: RawQueue, path: &str) -> Result<WaitPolicy, ConfigError> {
         Some(s) => {
             let cap = parse_duration(s).map_err(|m| err(&format!("{path}.max_wait_cap"), m))?;
             if cap < budget_ms {
-                return Err(err(&format!("{path}.max_wait_cap"), "must not be below max_wait"));
+                return Err(err(
+                    &format!("{path}.max_wait_cap"),
+                    "must not be below max_wait",
+                ));
             }
             cap
         }
@@ -728,7 +814,10 @@ fn compile_queue(raw: RawQueue, path: &str) -> Result<WaitPolicy, ConfigError> {
         budget_ms,
         per_waiter_ms,
         max_budget_ms,
-        max_queue: positive_u32(raw.max_queue.unwrap_or(DEFAULT_MAX_QUEUE), &format!("{path}.max_queue"))?,
+        max_queue: positive_u32(
+            raw.max_queue.unwrap_or(DEFAULT_MAX_QUEUE),
+            &format!("{path}.max_queue"),
+        )?,
     })
 }
 
@@ -745,7 +834,10 @@ fn compile_response(raw: RawResponse, path: &str) -> Result<ResponsePolicy, Conf
             "4xx" => 4,
             "5xx" => 5,
             other => {
-                return Err(err(&format!("{path}.store[{j}]"), format!("`{other}` is not one of 1xx..5xx")));
+                return Err(err(
+                    &format!("{path}.store[{j}]"),
+                    format!("`{other}` is not one of 1xx..5xx"),
+                ));
             }
         };
         store_classes |= 1 << bit;
@@ -753,20 +845,32 @@ fn compile_response(raw: RawResponse, path: &str) -> Result<ResponsePolicy, Conf
     let except = raw.except.unwrap_or_else(|| [408, 429].into());
     let max_body = raw.max_body_bytes.unwrap_or(DEFAULT_RESPONSE_BODY);
     if max_body > Limits::default().max_body {
-        return Err(err(&format!("{path}.max_body_bytes"), "must not exceed 1048576 (the sidecar's limit)"));
+        return Err(err(
+            &format!("{path}.max_body_bytes"),
+            "must not exceed 1048576 (the sidecar's limit)",
+        ));
     }
     let content_types = raw
         .content_types
-        .unwrap_or_else(|| DEFAULT_CONTENT_TYPES.iter().map(|c| (*c).to_string()).collect())
+        .unwrap_or_else(|| {
+            DEFAULT_CONTENT_TYPES
+                .iter()
+                .map(|c| (*c).to_string())
+                .collect()
+        })
         .into_iter()
         .map(|c| c.to_ascii_lowercase())
         .collect();
     let headers = match raw.headers {
         Some(h) => header_names(&h, &format!("{path}.headers"))?,
-        None => DEFAULT_REPLAYED_HEADERS.iter().map(|h| (*h).to_string()).collect(),
+        None => DEFAULT_REPLAYED_HEADERS
+            .iter()
+            .map(|h| (*h).to_string())
+            .collect(),
     };
     for (j, h) in headers.iter().enumerate() {
-        if FORBIDDEN_REPLAYED.contains(&h.as_str()) || h.contains("ratelimit") || h.starts_with(':') {
+        if FORBIDDEN_REPLAYED.contains(&h.as_str()) || h.contains("ratelimit") || h.starts_with(':')
+        {
             return Err(err(
                 &format!("{path}.headers[{j}]"),
                 format!("`{h}` is never replayed (it describes the original exchange)"),
@@ -830,20 +934,45 @@ mod tests {
     #[test]
     fn errors_name_the_field() {
         assert!(error_of(r#"{"sidecar":{"cluster":"x"},"rules":[]}"#).starts_with("rules:"));
-        assert!(error_of(r#"{"sidecar":{"cluster":"x"},"rules":[{}],"bogus":1}"#).starts_with("configuration: unknown field `bogus`"));
-        assert!(error_of(r#"{"sidecar":{"cluster":"x"},"rules":[{},{},{"key":{"header":"bad header"}}]}"#)
-            .starts_with("rules[2].key.header: "));
-        assert!(error_of(r#"{"sidecar":{"cluster":"x"},"rules":[{"key":{"nope":1}}]}"#)
-            .starts_with("rules[0].key: unknown field `nope`"));
-        assert!(error_of(r#"{"sidecar":{"cluster":"x"},"rules":[{"lease":"10"}]}"#).starts_with("rules[0].lease: "));
-        assert!(error_of(r#"{"sidecar":{"cluster":""},"rules":[{}]}"#).starts_with("sidecar.cluster: "));
-        assert!(error_of(r#"{"sidecar":{"cluster":"x"},"rules":[{"match":{"methods":["post"]}}]}"#)
-            .starts_with("rules[0].match.methods[0]: "));
-        assert!(error_of(r#"{"sidecar":{"cluster":"x"},"rules":[{"response":{"headers":["Set-Cookie"]}}]}"#)
-            .starts_with("rules[0].response.headers[0]: "));
-        assert!(error_of(r#"{"sidecar":{"cluster":"x"},"rules":[{"queue":{}}]}"#).starts_with("rules[0].queue: "));
-        assert!(error_of(r#"{"sidecar":{"cluster":"x"},"rules":[{"name":"a"},{"name":"a"}]}"#)
-            .starts_with("rules[1].name: "));
+        assert!(
+            error_of(r#"{"sidecar":{"cluster":"x"},"rules":[{}],"bogus":1}"#)
+                .starts_with("configuration: unknown field `bogus`")
+        );
+        assert!(
+            error_of(
+                r#"{"sidecar":{"cluster":"x"},"rules":[{},{},{"key":{"header":"bad header"}}]}"#
+            )
+            .starts_with("rules[2].key.header: ")
+        );
+        assert!(
+            error_of(r#"{"sidecar":{"cluster":"x"},"rules":[{"key":{"nope":1}}]}"#)
+                .starts_with("rules[0].key: unknown field `nope`")
+        );
+        assert!(
+            error_of(r#"{"sidecar":{"cluster":"x"},"rules":[{"lease":"10"}]}"#)
+                .starts_with("rules[0].lease: ")
+        );
+        assert!(
+            error_of(r#"{"sidecar":{"cluster":""},"rules":[{}]}"#).starts_with("sidecar.cluster: ")
+        );
+        assert!(
+            error_of(r#"{"sidecar":{"cluster":"x"},"rules":[{"match":{"methods":["post"]}}]}"#)
+                .starts_with("rules[0].match.methods[0]: ")
+        );
+        assert!(
+            error_of(
+                r#"{"sidecar":{"cluster":"x"},"rules":[{"response":{"headers":["Set-Cookie"]}}]}"#
+            )
+            .starts_with("rules[0].response.headers[0]: ")
+        );
+        assert!(
+            error_of(r#"{"sidecar":{"cluster":"x"},"rules":[{"queue":{}}]}"#)
+                .starts_with("rules[0].queue: ")
+        );
+        assert!(
+            error_of(r#"{"sidecar":{"cluster":"x"},"rules":[{"name":"a"},{"name":"a"}]}"#)
+                .starts_with("rules[1].name: ")
+        );
         assert!(error_of("not json").starts_with("configuration: "));
     }
 
@@ -852,7 +981,10 @@ mod tests {
         let e = error_of(r#"{"sidecar":{"cluster":"x"},"rules":[{"fingerprint":{"body":true}}]}"#);
         assert!(e.starts_with("rules[0].fingerprint.body: "), "{e}");
         assert!(e.contains("method, path and the chosen headers only"));
-        let c = parse(br#"{"sidecar":{"cluster":"x"},"allow_on_headers_stop_iteration":true,"rules":[{}]}"#).unwrap();
+        let c = parse(
+            br#"{"sidecar":{"cluster":"x"},"allow_on_headers_stop_iteration":true,"rules":[{}]}"#,
+        )
+        .unwrap();
         assert_eq!(c.rules[0].fingerprint.as_ref().unwrap().max_body, 64 * 1024);
     }
 
@@ -872,7 +1004,12 @@ mod tests {
         assert!(r.fingerprint.is_none());
         assert_eq!(
             r.conflict,
-            Conflict::Queue(WaitPolicy { budget_ms: 10_000, per_waiter_ms: 0, max_budget_ms: 10_000, max_queue: 4 })
+            Conflict::Queue(WaitPolicy {
+                budget_ms: 10_000,
+                per_waiter_ms: 0,
+                max_budget_ms: 10_000,
+                max_queue: 4
+            })
         );
     }
 

@@ -51,8 +51,14 @@ mod tests {
     use alloc::vec;
 
     fn fp(req: &Req, body: Option<&[u8]>) -> String {
-        let spec = FingerprintSpec { headers: vec!["content-type".into()], max_body: 10 };
-        let head = RequestHead { method: req.header(":method").unwrap(), path: req.header(":path").unwrap() };
+        let spec = FingerprintSpec {
+            headers: vec!["content-type".into()],
+            max_body: 10,
+        };
+        let head = RequestHead {
+            method: req.header(":method").unwrap(),
+            path: req.header(":path").unwrap(),
+        };
         let f = Fingerprint::start(&spec, &head, req);
         match body {
             Some(b) => f.body(b).finish(),
@@ -65,9 +71,27 @@ mod tests {
         let base = Req::new("POST", "/a").with("content-type", "application/json");
         let a = fp(&base, None);
         assert_eq!(a, fp(&base, None));
-        assert_ne!(a, fp(&Req::new("PUT", "/a").with("content-type", "application/json"), None));
-        assert_ne!(a, fp(&Req::new("POST", "/a?x").with("content-type", "application/json"), None));
-        assert_ne!(a, fp(&Req::new("POST", "/a").with("content-type", "text/plain"), None));
+        assert_ne!(
+            a,
+            fp(
+                &Req::new("PUT", "/a").with("content-type", "application/json"),
+                None
+            )
+        );
+        assert_ne!(
+            a,
+            fp(
+                &Req::new("POST", "/a?x").with("content-type", "application/json"),
+                None
+            )
+        );
+        assert_ne!(
+            a,
+            fp(
+                &Req::new("POST", "/a").with("content-type", "text/plain"),
+                None
+            )
+        );
         assert_ne!(a, fp(&Req::new("POST", "/a"), None));
         assert_ne!(a, fp(&base, Some(b"")));
         assert_ne!(fp(&base, Some(b"1")), fp(&base, Some(b"2")));

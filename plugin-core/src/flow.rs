@@ -10,8 +10,8 @@ use alloc::string::{String, ToString};
 use alloc::vec;
 use alloc::vec::Vec;
 use idemgate_wire::{
-    AbortRequest, ClaimOutcome, ClaimRequest, CompleteRequest, Limits, Mode, OwnerOutcome, RenewRequest,
-    StoredResponse, paths,
+    AbortRequest, ClaimOutcome, ClaimRequest, CompleteRequest, Limits, Mode, OwnerOutcome,
+    RenewRequest, StoredResponse, paths,
 };
 
 use crate::breaker::Breaker;
@@ -22,7 +22,7 @@ use crate::key::{self, KeyError};
 use crate::local::{Hold, LocalClaim, LocalResponse, SharedStore, Table};
 use crate::metrics::{Counter, Histogram, Telemetry};
 use crate::problem::{self, Reply, types};
-use crate::rule::{RequestView, match_rule};
+use crate::rule::{RequestHead, RequestView, match_rule};
 
 /// What the host offers a step: the clock, shared data, the VM's breaker and metrics.
 pub struct Env<'a> {
@@ -97,8 +97,17 @@ enum Local {
     Off,
     Held(Hold),
     /// Another request on this gateway holds the key (queue policy: the sidecar decides).
-    Busy { retry_after_ms: u64 },
+    Busy {
+        retry_after_ms: u64,
+    },
     Unavailable,
+}
+
+/// A request that matched a rule, with the head the matcher read.
+#[derive(Debug)]
+pub struct Route {
+    rule: usize,
+    head: RequestHead,
 }
 
 /// One matched request's state, from request headers to release.
@@ -118,17 +127,26 @@ pub struct Flow {
 }
 
 impl Flow {
-    /// Request headers. `None` = no rule matched or nothing to track (the action says what to
-    /// do); the no-match path reads `:method` (and `:path` when a rule takes the method) only.
+    /// The rule a request falls under; `None` = pass untouched. Kept apart from
+    /// [`Flow::on_request_headers`] so the no-match path costs the `:method` read (and `:path`
+    /// when a rule takes the method) and nothing else: no clock, no shared data, no metric.
+    pub fn route(config: &Config, req: &dyn RequestView) -> Option<Route> {
+        match_rule(config, req).map(|(rule, head)| Route { rule, head })
+    }
+
+    /// Request headers of a routed request. `None` = nothing to track (the action says what
+    /// to do: pass an optional key's absence, or answer 400).
     pub fn on_request_headers(
         config: &Config,
+        route: Route,
         req: &dyn RequestView,
         end_of_stream: bool,
         env: &mut Env<'_>,
     ) -> (Option<Flow>, Action) {
-        let Some((rule_index, head)) = match_rule(config, req) else {
-            return (None, Action::pass());
-        };
+        let Route {
+            rule: rule_index,
+            head,
+        } = route;
         let Some(rule) = config.rules.get(rule_index) else {
             return (None, Action::pass());
         };
@@ -140,11 +158,20 @@ impl Flow {
             }
             Err(e) => {
                 let (counter, type_uri, title) = match e {
-                    KeyError::Missing => (Counter::MissingKey, types::MISSING_KEY, "Idempotency key required"),
-                    _ => (Counter::InvalidKey, types::INVALID_KEY, "Invalid idempotency key"),
+                    KeyError::Missing => (
+                        Counter::MissingKey,
+                        types::MISSING_KEY,
+                        "Idempotency key required",
+                    ),
+                    _ => (
+                        Counter::InvalidKey,
+                        types::INVALID_KEY,
+                        "Invalid idempotency key",
+                    ),
                 };
                 env.telemetry.count(counter);
-                let reply = problem::problem(400, type_uri, title, e.detail(), None, "idemgate_bad_key");
+                let reply =
+                    problem::problem(400, type_uri, title, e.detail(), None, "idemgate_bad_key");
                 return (None, shadowed(config, env, reply));
             }
         };
@@ -187,8 +214,12 @@ impl Flow {
         read: &mut dyn FnMut(usize) -> Option<Vec<u8>>,
         env: &mut Env<'_>,
     ) -> Action {
-        if self.phase != Phase::Body {
-            return Action::pass();
+        match self.phase {
+            Phase::Body => {}
+            // Body callbacks while the claim is out happen only with
+            // allow_on_headers_stop_iteration; Continue here would release the held headers.
+            Phase::Claiming | Phase::Abandoned => return Action::Pause,
+            Phase::Upstream | Phase::Finished => return Action::pass(),
         }
         let Some(rule) = config.rules.get(self.rule) else {
             return Action::pass();
@@ -211,7 +242,11 @@ impl Flow {
         if !end_of_stream {
             return Action::Pause;
         }
-        let body = if self.body_seen == 0 { Some(Vec::new()) } else { read(self.body_seen) };
+        let body = if self.body_seen == 0 {
+            Some(Vec::new())
+        } else {
+            read(self.body_seen)
+        };
         let (Some(fp), Some(body)) = (self.pending_body.take(), body) else {
             // Envoy did not hand the buffered body over: fingerprinting it is impossible, and
             // guessing would let a different body replay this one. Fail like a sidecar outage.
@@ -223,14 +258,18 @@ impl Flow {
         self.claim(config, rule, env)
     }
 
-    /// Whether the glue should call [`Flow::on_request_body`] (it reads no body otherwise).
-    pub fn wants_request_body(&self) -> bool {
-        self.phase == Phase::Body
+    /// Whether the request is still held (body being hashed or claim out): the glue then
+    /// passes request body and trailer callbacks to [`Flow::on_request_body`].
+    pub fn holds_request(&self) -> bool {
+        matches!(self.phase, Phase::Body | Phase::Claiming | Phase::Abandoned)
     }
 
     fn claim(&mut self, config: &Config, rule: &Rule, env: &mut Env<'_>) -> Action {
         if config.local.enabled {
-            let table = Table { config: &config.local, store: env.shared };
+            let table = Table {
+                config: &config.local,
+                store: env.shared,
+            };
             match table.claim(&self.key, env.owner, env.now_ms, rule.lease_ms) {
                 LocalClaim::Claimed(hold) => self.local = Local::Held(hold),
                 LocalClaim::InFlight { retry_after_ms } => {
@@ -285,12 +324,19 @@ impl Flow {
 
     /// The claim's answer (delivered to the root, which applies the action to the stream if
     /// it is still there).
-    pub fn on_claim_answer(&mut self, config: &Config, answer: Answer<'_>, env: &mut Env<'_>) -> Action {
+    pub fn on_claim_answer(
+        &mut self,
+        config: &Config,
+        answer: Answer<'_>,
+        env: &mut Env<'_>,
+    ) -> Action {
         if !matches!(self.phase, Phase::Claiming | Phase::Abandoned) {
             return Action::pass();
         }
-        env.telemetry
-            .record(Histogram::SidecarLatencyMs, env.now_ms.saturating_sub(self.claim_sent_ms));
+        env.telemetry.record(
+            Histogram::SidecarLatencyMs,
+            env.now_ms.saturating_sub(self.claim_sent_ms),
+        );
         let Some((outcome, payload)) = parse_claim(answer, &self.key) else {
             env.telemetry.count(Counter::SidecarErrors);
             env.breaker.failure(&config.breaker, env.now_ms);
@@ -302,7 +348,9 @@ impl Flow {
         };
         env.breaker.success();
         let waited_ms = match &outcome {
-            ClaimOutcome::Granted { waited_ms, .. } | ClaimOutcome::Completed { waited_ms, .. } => *waited_ms,
+            ClaimOutcome::Granted { waited_ms, .. } | ClaimOutcome::Completed { waited_ms, .. } => {
+                *waited_ms
+            }
             _ => 0,
         };
         if waited_ms > 0 {
@@ -317,7 +365,12 @@ impl Flow {
             return Action::pass();
         }
         match outcome {
-            ClaimOutcome::Granted { owner, fence, lease_ms, .. } => {
+            ClaimOutcome::Granted {
+                owner,
+                fence,
+                lease_ms,
+                ..
+            } => {
                 env.telemetry.count(Counter::Granted);
                 self.phase = Phase::Upstream;
                 self.grant = Some(Grant {
@@ -340,7 +393,11 @@ impl Flow {
                 env.telemetry.count(Counter::Mismatch);
                 self.block(config, env, mismatch())
             }
-            ClaimOutcome::Busy { retry_after_ms, waited: true, .. } => {
+            ClaimOutcome::Busy {
+                retry_after_ms,
+                waited: true,
+                ..
+            } => {
                 env.telemetry.count(Counter::Rejected);
                 let reply = problem::problem(
                     503,
@@ -373,7 +430,8 @@ impl Flow {
 
     /// The sidecar could not decide (unreachable, slow, garbage, breaker open).
     fn sidecar_failed(&mut self, config: &Config, env: &mut Env<'_>) -> Action {
-        let degraded = |name: &str, value: &str| Action::Continue(vec![(name.to_string(), value.to_string())]);
+        let degraded =
+            |name: &str, value: &str| Action::Continue(vec![(name.to_string(), value.to_string())]);
         match config.failure_mode {
             FailureMode::Closed => {
                 env.telemetry.count(Counter::FailedClosed);
@@ -409,21 +467,44 @@ impl Flow {
         Action::Respond(reply)
     }
 
-    fn release_local(&mut self, config: &Config, env: &mut Env<'_>, completed: Option<(LocalResponse, u64)>) {
+    fn release_local(
+        &mut self,
+        config: &Config,
+        env: &mut Env<'_>,
+        completed: Option<(LocalResponse, u64)>,
+    ) {
         if let Local::Held(hold) = self.local {
             self.local = Local::Off;
-            Table { config: &config.local, store: env.shared }.release(hold, &self.key, completed);
+            Table {
+                config: &config.local,
+                store: env.shared,
+            }
+            .release(hold, &self.key, completed);
         }
     }
 
     /// A replay from the sidecar also fills this gateway's slot, so the next duplicate here
     /// is answered without a callout.
-    fn keep_locally(&mut self, config: &Config, response: StoredResponse, body: &[u8], env: &mut Env<'_>) {
+    fn keep_locally(
+        &mut self,
+        config: &Config,
+        response: StoredResponse,
+        body: &[u8],
+        env: &mut Env<'_>,
+    ) {
         let Some(rule) = config.rules.get(self.rule) else {
             return;
         };
-        let done = LocalResponse { fingerprint: self.fingerprint.clone(), response, body: body.to_vec() };
-        self.release_local(config, env, Some((done, env.now_ms.saturating_add(rule.retention_ms))));
+        let done = LocalResponse {
+            fingerprint: self.fingerprint.clone(),
+            response,
+            body: body.to_vec(),
+        };
+        self.release_local(
+            config,
+            env,
+            Some((done, env.now_ms.saturating_add(rule.retention_ms))),
+        );
     }
 
     /// Whether the glue should read the response headers for [`Flow::on_response_headers`].
@@ -456,7 +537,13 @@ impl Flow {
     }
 
     /// A response body chunk as it passes (`chunk` is empty when not wanted).
-    pub fn on_response_body(&mut self, config: &Config, chunk: &[u8], end_of_stream: bool, env: &mut Env<'_>) {
+    pub fn on_response_body(
+        &mut self,
+        config: &Config,
+        chunk: &[u8],
+        end_of_stream: bool,
+        env: &mut Env<'_>,
+    ) {
         if self.phase != Phase::Upstream {
             return;
         }
@@ -492,7 +579,11 @@ impl Flow {
             _ => None,
         };
         let local_copy = stored.clone().map(|(response, body)| {
-            let done = LocalResponse { fingerprint: self.fingerprint.clone(), response, body };
+            let done = LocalResponse {
+                fingerprint: self.fingerprint.clone(),
+                response,
+                body,
+            };
             (done, env.now_ms.saturating_add(rule.retention_ms))
         });
         self.release_local(config, env, local_copy);
@@ -504,7 +595,12 @@ impl Flow {
             return;
         }
         let (response, body) = stored.map_or((None, Vec::new()), |(r, b)| (Some(r), b));
-        let request = CompleteRequest { key: self.key.clone(), owner: grant.owner, retention_ms: rule.retention_ms, response };
+        let request = CompleteRequest {
+            key: self.key.clone(),
+            owner: grant.owner,
+            retention_ms: rule.retention_ms,
+            response,
+        };
         self.release = Some(Callout {
             path: paths::COMPLETE,
             body: idemgate_wire::encode(&request, &body),
@@ -537,6 +633,11 @@ impl Flow {
         }
     }
 
+    /// The client went away while the claim was out: the claim's answer only releases.
+    pub fn is_abandoned(&self) -> bool {
+        self.phase == Phase::Abandoned
+    }
+
     /// A release (complete/abort) this flow produced, for the root to dispatch.
     pub fn take_release(&mut self) -> Option<Callout> {
         self.release.take()
@@ -548,9 +649,16 @@ impl Flow {
             return None;
         }
         let lease_ms = config.rules.get(self.rule)?.lease_ms;
-        let grant = self.grant.as_mut().filter(|g| !g.renewing && now_ms >= g.renew_at_ms)?;
+        let grant = self
+            .grant
+            .as_mut()
+            .filter(|g| !g.renewing && now_ms >= g.renew_at_ms)?;
         grant.renewing = true;
-        let request = RenewRequest { key: self.key.clone(), owner: grant.owner.clone(), lease_ms };
+        let request = RenewRequest {
+            key: self.key.clone(),
+            owner: grant.owner.clone(),
+            lease_ms,
+        };
         Some(Callout {
             path: paths::RENEW,
             body: idemgate_wire::encode(&request, &[]),
@@ -617,8 +725,15 @@ fn shadowed(config: &Config, env: &mut Env<'_>, reply: Reply) -> Action {
 }
 
 fn abort_callout(config: &Config, key: &str, owner: String) -> Callout {
-    let request = AbortRequest { key: key.to_string(), owner };
-    Callout { path: paths::ABORT, body: idemgate_wire::encode(&request, &[]), timeout_ms: config.sidecar.timeout_ms }
+    let request = AbortRequest {
+        key: key.to_string(),
+        owner,
+    };
+    Callout {
+        path: paths::ABORT,
+        body: idemgate_wire::encode(&request, &[]),
+        timeout_ms: config.sidecar.timeout_ms,
+    }
 }
 
 fn in_progress(retry_after_ms: u64) -> Reply {
@@ -662,10 +777,20 @@ fn parse_claim<'a>(answer: Answer<'a>, key: &str) -> Option<(ClaimOutcome, &'a [
     let (outcome, payload): (ClaimOutcome, &[u8]) = idemgate_wire::decode(body).ok()?;
     let limits = Limits::default();
     let valid = match &outcome {
-        ClaimOutcome::Granted { owner, lease_ms, .. } => {
-            *lease_ms > 0 && limits.abort(&AbortRequest { key: key.to_string(), owner: owner.clone() }).is_ok()
+        ClaimOutcome::Granted {
+            owner, lease_ms, ..
+        } => {
+            *lease_ms > 0
+                && limits
+                    .abort(&AbortRequest {
+                        key: key.to_string(),
+                        owner: owner.clone(),
+                    })
+                    .is_ok()
         }
-        ClaimOutcome::Completed { response, .. } => limits.stored_response(response, payload).is_ok(),
+        ClaimOutcome::Completed { response, .. } => {
+            limits.stored_response(response, payload).is_ok()
+        }
         _ => payload.is_empty(),
     };
     valid.then_some((outcome, payload))

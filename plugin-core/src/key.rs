@@ -32,10 +32,18 @@ impl KeyError {
 }
 
 /// The raw key bytes of a request, validated against the rule; `Ok(None)` = absent and optional.
-pub fn extract(rule: &Rule, head: &RequestHead, req: &dyn RequestView) -> Result<Option<Vec<u8>>, KeyError> {
+pub fn extract(
+    rule: &Rule,
+    head: &RequestHead,
+    req: &dyn RequestView,
+) -> Result<Option<Vec<u8>>, KeyError> {
     let raw: Option<Cow<'_, [u8]>> = match &rule.key.source {
         KeySource::Header(h) => req.header(h).map(Cow::Owned),
-        KeySource::PathParam(p) => rule.matcher.path.variable(head.path_only(), Some(p)).map(Cow::Borrowed),
+        KeySource::PathParam(p) => rule
+            .matcher
+            .path
+            .variable(head.path_only(), Some(p))
+            .map(Cow::Borrowed),
         KeySource::QueryParam(q) => head.query_param(q).map(Cow::Borrowed),
     };
     let raw = match raw {
@@ -126,7 +134,9 @@ pub(crate) fn hex(bytes: &[u8]) -> String {
     let mut s = String::with_capacity(bytes.len() * 2);
     for b in bytes {
         for nibble in [b >> 4, b & 0xf] {
-            s.push(char::from(*DIGITS.get(usize::from(nibble)).unwrap_or(&b'0')));
+            s.push(char::from(
+                *DIGITS.get(usize::from(nibble)).unwrap_or(&b'0'),
+            ));
         }
     }
     s
@@ -158,14 +168,19 @@ mod tests {
     use crate::testing::Req;
 
     fn rule(extra: &str) -> Rule {
-        crate::config::parse(alloc::format!(r#"{{"sidecar":{{"cluster":"s"}},"rules":[{{{extra}}}]}}"#).as_bytes())
-            .unwrap()
-            .rules
-            .remove(0)
+        crate::config::parse(
+            alloc::format!(r#"{{"sidecar":{{"cluster":"s"}},"rules":[{{{extra}}}]}}"#).as_bytes(),
+        )
+        .unwrap()
+        .rules
+        .remove(0)
     }
 
     fn head(req: &Req) -> RequestHead {
-        RequestHead { method: req.header(":method").unwrap(), path: req.header(":path").unwrap() }
+        RequestHead {
+            method: req.header(":method").unwrap(),
+            path: req.header(":path").unwrap(),
+        }
     }
 
     fn key_of(rule: &Rule, value: &str) -> Result<Option<Vec<u8>>, KeyError> {
@@ -197,10 +212,19 @@ mod tests {
     #[test]
     fn missing_required_and_optional() {
         let req = Req::new("POST", "/x");
-        assert_eq!(extract(&rule(""), &head(&req), &req), Err(KeyError::Missing));
-        assert_eq!(extract(&rule(r#""key":{"required":false}"#), &head(&req), &req), Ok(None));
+        assert_eq!(
+            extract(&rule(""), &head(&req), &req),
+            Err(KeyError::Missing)
+        );
+        assert_eq!(
+            extract(&rule(r#""key":{"required":false}"#), &head(&req), &req),
+            Ok(None)
+        );
         let empty = Req::new("POST", "/x").with("idempotency-key", "");
-        assert_eq!(extract(&rule(""), &head(&empty), &empty), Err(KeyError::Missing));
+        assert_eq!(
+            extract(&rule(""), &head(&empty), &empty),
+            Err(KeyError::Missing)
+        );
     }
 
     #[test]
@@ -213,7 +237,9 @@ mod tests {
 
     #[test]
     fn lock_ids_from_path_and_query() {
-        let r = rule(r#""mode":"lock","match":{"path_template":"/agents/{agent_id}/mcp"},"key":{"path_param":"agent_id"}"#);
+        let r = rule(
+            r#""mode":"lock","match":{"path_template":"/agents/{agent_id}/mcp"},"key":{"path_param":"agent_id"}"#,
+        );
         let req = Req::new("PUT", "/agents/a7/mcp");
         assert_eq!(extract(&r, &head(&req), &req).unwrap().unwrap(), b"a7");
         let r = rule(r#""mode":"lock","key":{"query_param":"doc"}"#);

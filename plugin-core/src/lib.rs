@@ -35,7 +35,7 @@ mod testing;
 
 pub use breaker::Breaker;
 pub use config::{Config, ConfigError};
-pub use flow::{Action, Answer, Callout, Env, Flow, ReleaseResult, on_release_answer};
+pub use flow::{Action, Answer, Callout, Env, Flow, ReleaseResult, Route, on_release_answer};
 pub use local::{HostError, SharedStore};
 pub use metrics::{Counter, Histogram, Telemetry};
 pub use problem::Reply;

@@ -89,14 +89,18 @@ pub fn slot_key(slot: u32) -> String {
 
 impl Table<'_> {
     fn home(&self, key: &str) -> u32 {
-        let prefix = key.get(..8).and_then(|h| u32::from_str_radix(h, 16).ok()).unwrap_or(0);
+        let prefix = key
+            .get(..8)
+            .and_then(|h| u32::from_str_radix(h, 16).ok())
+            .unwrap_or(0);
         prefix % self.config.slots
     }
 
     fn probe(&self, key: &str) -> impl Iterator<Item = u32> + '_ {
         let home = self.home(key);
         let slots = self.config.slots;
-        (0..self.config.probes.min(slots)).map(move |p| ((u64::from(home) + u64::from(p)) % u64::from(slots)) as u32)
+        (0..self.config.probes.min(slots))
+            .map(move |p| ((u64::from(home) + u64::from(p)) % u64::from(slots)) as u32)
     }
 
     /// Looks `key` up among its slots and, when it is not live there, claims a slot for it.
@@ -116,8 +120,12 @@ impl Table<'_> {
                 let evicts = match live {
                     Some(e) if e.key == key => {
                         return match e.completed {
-                            Some(done) if e.state == State::Completed => LocalClaim::Completed(done),
-                            _ => LocalClaim::InFlight { retry_after_ms: e.expires_ms - now_ms },
+                            Some(done) if e.state == State::Completed => {
+                                LocalClaim::Completed(done)
+                            }
+                            _ => LocalClaim::InFlight {
+                                retry_after_ms: e.expires_ms - now_ms,
+                            },
                         };
                     }
                     Some(e) if e.state == State::InFlight => continue,
@@ -142,7 +150,11 @@ impl Table<'_> {
                 expires_ms: now_ms.saturating_add(lease_ms),
                 completed: None,
             };
-            match self.store.set(&slot_key(slot), &encode(&entry), Some(cas.unwrap_or(INSERT_CAS))) {
+            match self.store.set(
+                &slot_key(slot),
+                &encode(&entry),
+                Some(cas.unwrap_or(INSERT_CAS)),
+            ) {
                 Ok(true) => return LocalClaim::Claimed(Hold { slot, owner }),
                 Ok(false) => continue,
                 Err(HostError) => return LocalClaim::Unavailable,
@@ -167,7 +179,13 @@ impl Table<'_> {
                 expires_ms,
                 completed: Some(done),
             },
-            None => Entry { state: State::Free, key: String::new(), owner: 0, expires_ms: 0, completed: None },
+            None => Entry {
+                state: State::Free,
+                key: String::new(),
+                owner: 0,
+                expires_ms: 0,
+                completed: None,
+            },
         };
         let bytes = encode(&entry);
         let slot = slot_key(hold.slot);
@@ -191,7 +209,13 @@ impl Table<'_> {
 
 #[cfg(test)]
 pub(crate) fn in_flight_bytes(key: &str, owner: u64, expires_ms: u64) -> Vec<u8> {
-    encode(&Entry { state: State::InFlight, key: key.into(), owner, expires_ms, completed: None })
+    encode(&Entry {
+        state: State::InFlight,
+        key: key.into(),
+        owner,
+        expires_ms,
+        completed: None,
+    })
 }
 
 // === entry codec: fixed header, then (completed only) the response ===
@@ -204,7 +228,10 @@ fn encode(e: &Entry) -> Vec<u8> {
     out.extend_from_slice(&e.owner.to_le_bytes());
     out.extend_from_slice(&e.expires_ms.to_le_bytes());
     if let Some(c) = &e.completed {
-        put_bytes(&mut out, c.fingerprint.as_deref().unwrap_or_default().as_bytes());
+        put_bytes(
+            &mut out,
+            c.fingerprint.as_deref().unwrap_or_default().as_bytes(),
+        );
         out.extend_from_slice(&c.response.status.to_le_bytes());
         out.extend_from_slice(&(c.response.headers.len() as u32).to_le_bytes());
         for (name, value) in &c.response.headers {
@@ -272,22 +299,37 @@ fn decode(bytes: &[u8]) -> Option<Entry> {
             headers.push((r.string()?, r.string()?));
         }
         let body = r.bytes()?.to_vec();
-        Some(LocalResponse { fingerprint, response: StoredResponse { status, headers }, body })
+        Some(LocalResponse {
+            fingerprint,
+            response: StoredResponse { status, headers },
+            body,
+        })
     } else {
         None
     };
-    Some(Entry { state, key, owner, expires_ms, completed })
+    Some(Entry {
+        state,
+        key,
+        owner,
+        expires_ms,
+        completed,
+    })
 }
 
 #[cfg(test)]
 pub(crate) mod tests {
-    #![allow(clippy::unwrap_used, clippy::indexing_slicing)]
+    #![allow(clippy::unwrap_used, clippy::indexing_slicing, clippy::panic)]
     use super::*;
     use crate::testing::MemStore;
     use alloc::vec;
 
     fn cfg(slots: u32, probes: u32) -> LocalConfig {
-        LocalConfig { enabled: true, slots, probes, max_response_bytes: 1024 }
+        LocalConfig {
+            enabled: true,
+            slots,
+            probes,
+            max_response_bytes: 1024,
+        }
     }
 
     fn key(n: u32) -> String {
@@ -297,7 +339,10 @@ pub(crate) mod tests {
     fn done(body: &[u8]) -> LocalResponse {
         LocalResponse {
             fingerprint: Some("f".into()),
-            response: StoredResponse { status: 201, headers: vec![("content-type".into(), "application/json".into())] },
+            response: StoredResponse {
+                status: 201,
+                headers: vec![("content-type".into(), "application/json".into())],
+            },
             body: body.to_vec(),
         }
     }
@@ -306,49 +351,99 @@ pub(crate) mod tests {
     fn claim_duplicate_release_replay() {
         let store = MemStore::default();
         let c = cfg(64, 4);
-        let t = Table { config: &c, store: &store };
-        let LocalClaim::Claimed(hold) = t.claim(&key(1), 7, 1_000, 500) else { panic!() };
-        assert_eq!(t.claim(&key(1), 8, 1_100, 500), LocalClaim::InFlight { retry_after_ms: 400 });
+        let t = Table {
+            config: &c,
+            store: &store,
+        };
+        let LocalClaim::Claimed(hold) = t.claim(&key(1), 7, 1_000, 500) else {
+            panic!()
+        };
+        assert_eq!(
+            t.claim(&key(1), 8, 1_100, 500),
+            LocalClaim::InFlight {
+                retry_after_ms: 400
+            }
+        );
         assert!(t.release(hold, &key(1), Some((done(b"{}"), 10_000))));
-        assert_eq!(t.claim(&key(1), 9, 1_200, 500), LocalClaim::Completed(done(b"{}")));
+        assert_eq!(
+            t.claim(&key(1), 9, 1_200, 500),
+            LocalClaim::Completed(done(b"{}"))
+        );
         // Expired completed entry: claimable again.
-        assert!(matches!(t.claim(&key(1), 9, 10_000, 500), LocalClaim::Claimed(_)));
+        assert!(matches!(
+            t.claim(&key(1), 9, 10_000, 500),
+            LocalClaim::Claimed(_)
+        ));
     }
 
     #[test]
     fn expired_in_flight_is_reclaimed_and_stale_release_is_refused() {
         let store = MemStore::default();
         let c = cfg(64, 4);
-        let t = Table { config: &c, store: &store };
-        let LocalClaim::Claimed(old) = t.claim(&key(1), 1, 0, 100) else { panic!() };
-        let LocalClaim::Claimed(new) = t.claim(&key(1), 2, 200, 100) else { panic!() };
+        let t = Table {
+            config: &c,
+            store: &store,
+        };
+        let LocalClaim::Claimed(old) = t.claim(&key(1), 1, 0, 100) else {
+            panic!()
+        };
+        let LocalClaim::Claimed(new) = t.claim(&key(1), 2, 200, 100) else {
+            panic!()
+        };
         assert_eq!(old.slot, new.slot);
-        assert!(!t.release(old, &key(1), None), "the old owner must not free the new owner's slot");
-        assert_eq!(t.claim(&key(1), 3, 250, 100), LocalClaim::InFlight { retry_after_ms: 50 });
+        assert!(
+            !t.release(old, &key(1), None),
+            "the old owner must not free the new owner's slot"
+        );
+        assert_eq!(
+            t.claim(&key(1), 3, 250, 100),
+            LocalClaim::InFlight { retry_after_ms: 50 }
+        );
         assert!(t.release(new, &key(1), None));
-        assert!(matches!(t.claim(&key(1), 3, 250, 100), LocalClaim::Claimed(_)));
+        assert!(matches!(
+            t.claim(&key(1), 3, 250, 100),
+            LocalClaim::Claimed(_)
+        ));
     }
 
     #[test]
     fn cas_lost_to_another_worker_sees_its_claim() {
         let store = MemStore::default();
         let c = cfg(64, 4);
-        let t = Table { config: &c, store: &store };
+        let t = Table {
+            config: &c,
+            store: &store,
+        };
         // Another worker writes the same key right after our read of the first slot.
         store.interfere_once(key(1), 100);
-        assert_eq!(t.claim(&key(1), 1, 0, 100), LocalClaim::InFlight { retry_after_ms: 100 });
+        assert_eq!(
+            t.claim(&key(1), 1, 0, 100),
+            LocalClaim::InFlight {
+                retry_after_ms: 100
+            }
+        );
     }
 
     #[test]
     fn full_of_in_flight_means_unavailable_and_completed_entries_are_evicted() {
         let store = MemStore::default();
         let c = cfg(2, 2);
-        let t = Table { config: &c, store: &store };
-        let LocalClaim::Claimed(a) = t.claim(&key(1), 1, 0, 1_000) else { panic!() };
-        let LocalClaim::Claimed(_) = t.claim(&key(2), 1, 0, 1_000) else { panic!() };
+        let t = Table {
+            config: &c,
+            store: &store,
+        };
+        let LocalClaim::Claimed(a) = t.claim(&key(1), 1, 0, 1_000) else {
+            panic!()
+        };
+        let LocalClaim::Claimed(_) = t.claim(&key(2), 1, 0, 1_000) else {
+            panic!()
+        };
         assert_eq!(t.claim(&key(3), 1, 0, 1_000), LocalClaim::Unavailable);
         assert!(t.release(a, &key(1), Some((done(b"x"), 5_000))));
-        assert!(matches!(t.claim(&key(3), 1, 0, 1_000), LocalClaim::Claimed(_)));
+        assert!(matches!(
+            t.claim(&key(3), 1, 0, 1_000),
+            LocalClaim::Claimed(_)
+        ));
         assert_eq!(store.len(), 2);
     }
 
@@ -356,7 +451,10 @@ pub(crate) mod tests {
     fn table_stays_bounded_and_garbage_is_overwritten() {
         let store = MemStore::default();
         let c = cfg(128, 4);
-        let t = Table { config: &c, store: &store };
+        let t = Table {
+            config: &c,
+            store: &store,
+        };
         store.set(&slot_key(0), b"not ours", None).unwrap();
         for n in 0..20_000u32 {
             if let LocalClaim::Claimed(h) = t.claim(&key(n), u64::from(n), u64::from(n), 10) {
@@ -370,15 +468,29 @@ pub(crate) mod tests {
     fn oversized_bodies_are_not_kept() {
         let store = MemStore::default();
         let c = cfg(8, 2);
-        let t = Table { config: &c, store: &store };
-        let LocalClaim::Claimed(h) = t.claim(&key(1), 1, 0, 100) else { panic!() };
+        let t = Table {
+            config: &c,
+            store: &store,
+        };
+        let LocalClaim::Claimed(h) = t.claim(&key(1), 1, 0, 100) else {
+            panic!()
+        };
         assert!(t.release(h, &key(1), Some((done(&[0; 2048]), 1_000))));
-        assert!(matches!(t.claim(&key(1), 1, 1, 100), LocalClaim::Claimed(_)));
+        assert!(matches!(
+            t.claim(&key(1), 1, 1, 100),
+            LocalClaim::Claimed(_)
+        ));
     }
 
     #[test]
     fn codec_round_trips_and_rejects_truncation() {
-        let e = Entry { state: State::Completed, key: key(5), owner: 3, expires_ms: 9, completed: Some(done(b"hi")) };
+        let e = Entry {
+            state: State::Completed,
+            key: key(5),
+            owner: 3,
+            expires_ms: 9,
+            completed: Some(done(b"hi")),
+        };
         let bytes = encode(&e);
         assert_eq!(decode(&bytes), Some(e));
         for n in 0..bytes.len() {

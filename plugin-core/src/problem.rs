@@ -49,13 +49,26 @@ pub(crate) fn problem(
     };
     let mut headers = alloc::vec![("content-type".to_string(), PROBLEM_CONTENT_TYPE.to_string())];
     if let Some(ms) = retry_after_ms {
-        headers.push(("retry-after".to_string(), format!("{}", ms.div_ceil(1000).max(1))));
+        headers.push((
+            "retry-after".to_string(),
+            format!("{}", ms.div_ceil(1000).max(1)),
+        ));
     }
-    Reply { status, headers, body: serde_json::to_vec(&doc).unwrap_or_default(), details }
+    Reply {
+        status,
+        headers,
+        body: serde_json::to_vec(&doc).unwrap_or_default(),
+        details,
+    }
 }
 
 pub(crate) fn replay(response: &StoredResponse, body: &[u8]) -> Reply {
     let mut headers = response.headers.clone();
     headers.push((REPLAYED_HEADER.to_string(), "true".to_string()));
-    Reply { status: response.status, headers, body: body.to_vec(), details: "idemgate_replayed" }
+    Reply {
+        status: response.status,
+        headers,
+        body: body.to_vec(),
+        details: "idemgate_replayed",
+    }
 }

@@ -37,15 +37,20 @@ impl PathMatch {
         let mut segments = Vec::new();
         for seg in rest.split('/') {
             if let Some(name) = seg.strip_prefix('{').and_then(|s| s.strip_suffix('}')) {
-                if name.is_empty() || !name.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'_') {
-                    return Err(alloc::format!("`{seg}` is not a variable like {{agent_id}}"));
+                if name.is_empty() || !name.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'_')
+                {
+                    return Err(alloc::format!(
+                        "`{seg}` is not a variable like {{agent_id}}"
+                    ));
                 }
                 if segments.contains(&Segment::Variable(name.to_string())) {
                     return Err(alloc::format!("variable `{name}` appears twice"));
                 }
                 segments.push(Segment::Variable(name.to_string()));
             } else if seg.contains(['{', '}']) {
-                return Err(alloc::format!("`{seg}`: a variable must be a whole segment"));
+                return Err(alloc::format!(
+                    "`{seg}`: a variable must be a whole segment"
+                ));
             } else {
                 segments.push(Segment::Literal(seg.to_string()));
             }
@@ -128,11 +133,12 @@ impl RequestHead {
 pub fn match_rule(config: &Config, req: &dyn RequestView) -> Option<(usize, RequestHead)> {
     let method = req.header(":method")?;
     // Cheap pre-check before reading anything else: most traffic (GET) stops here.
-    if !config
-        .rules
-        .iter()
-        .any(|r| r.matcher.methods.iter().any(|m| m.as_bytes() == method.as_slice()))
-    {
+    if !config.rules.iter().any(|r| {
+        r.matcher
+            .methods
+            .iter()
+            .any(|m| m.as_bytes() == method.as_slice())
+    }) {
         return None;
     }
     let path = req.header(":path").unwrap_or_default();
@@ -140,7 +146,12 @@ pub fn match_rule(config: &Config, req: &dyn RequestView) -> Option<(usize, Requ
     let mut authority: Option<Option<Vec<u8>>> = None;
     for (i, rule) in config.rules.iter().enumerate() {
         let m = &rule.matcher;
-        if !m.methods.iter().any(|x| x.as_bytes() == head.method.as_slice()) || !m.path.matches(head.path_only()) {
+        if !m
+            .methods
+            .iter()
+            .any(|x| x.as_bytes() == head.method.as_slice())
+            || !m.path.matches(head.path_only())
+        {
             continue;
         }
         if let Some(host) = &m.host {
@@ -177,7 +188,10 @@ mod tests {
     use crate::testing::Req;
 
     fn config(rules: &str) -> Config {
-        crate::config::parse(alloc::format!(r#"{{"sidecar":{{"cluster":"s"}},"rules":{rules}}}"#).as_bytes()).unwrap()
+        crate::config::parse(
+            alloc::format!(r#"{{"sidecar":{{"cluster":"s"}},"rules":{rules}}}"#).as_bytes(),
+        )
+        .unwrap()
     }
 
     #[test]
@@ -185,7 +199,11 @@ mod tests {
         let c = config(r#"[{"name":"a","match":{"path_prefix":"/pay"}},{"name":"b"}]"#);
         let get = Req::new("GET", "/pay");
         assert_eq!(match_rule(&c, &get), None);
-        assert_eq!(get.reads(), 1, "only :method is read for a method no rule takes");
+        assert_eq!(
+            get.reads(),
+            1,
+            "only :method is read for a method no rule takes"
+        );
         assert_eq!(match_rule(&c, &Req::new("POST", "/pay/1")).unwrap().0, 0);
         assert_eq!(match_rule(&c, &Req::new("POST", "/other")).unwrap().0, 1);
     }
@@ -195,27 +213,60 @@ mod tests {
         let c = config(
             r#"[{"mode":"lock","match":{"path_template":"/agents/{agent_id}/mcp","host":"api.example.com","headers_present":["x-tenant"]},"key":{"path_param":"agent_id"}}]"#,
         );
-        let ok = Req::new("PUT", "/agents/42/mcp?x=1").with(":authority", "API.example.com:8443").with("x-tenant", "t");
+        let ok = Req::new("PUT", "/agents/42/mcp?x=1")
+            .with(":authority", "API.example.com:8443")
+            .with("x-tenant", "t");
         let (i, head) = match_rule(&c, &ok).unwrap();
         assert_eq!(i, 0);
-        assert_eq!(c.rules[0].matcher.path.variable(head.path_only(), Some("agent_id")), Some(&b"42"[..]));
-        assert!(match_rule(&c, &Req::new("PUT", "/agents/42/mcp").with(":authority", "api.example.com")).is_none());
-        assert!(
-            match_rule(&c, &Req::new("PUT", "/agents//mcp").with(":authority", "api.example.com").with("x-tenant", "t"))
-                .is_none()
+        assert_eq!(
+            c.rules[0]
+                .matcher
+                .path
+                .variable(head.path_only(), Some("agent_id")),
+            Some(&b"42"[..])
         );
         assert!(
-            match_rule(&c, &Req::new("PUT", "/agents/1/mcp/x").with(":authority", "api.example.com").with("x-tenant", "t"))
-                .is_none()
+            match_rule(
+                &c,
+                &Req::new("PUT", "/agents/42/mcp").with(":authority", "api.example.com")
+            )
+            .is_none()
         );
         assert!(
-            match_rule(&c, &Req::new("PUT", "/agents/1/mcp").with(":authority", "evil.com").with("x-tenant", "t")).is_none()
+            match_rule(
+                &c,
+                &Req::new("PUT", "/agents//mcp")
+                    .with(":authority", "api.example.com")
+                    .with("x-tenant", "t")
+            )
+            .is_none()
+        );
+        assert!(
+            match_rule(
+                &c,
+                &Req::new("PUT", "/agents/1/mcp/x")
+                    .with(":authority", "api.example.com")
+                    .with("x-tenant", "t")
+            )
+            .is_none()
+        );
+        assert!(
+            match_rule(
+                &c,
+                &Req::new("PUT", "/agents/1/mcp")
+                    .with(":authority", "evil.com")
+                    .with("x-tenant", "t")
+            )
+            .is_none()
         );
     }
 
     #[test]
     fn query_params() {
-        let head = RequestHead { method: b"POST".to_vec(), path: b"/a?x=1&lock=abc&y".to_vec() };
+        let head = RequestHead {
+            method: b"POST".to_vec(),
+            path: b"/a?x=1&lock=abc&y".to_vec(),
+        };
         assert_eq!(head.query_param("lock"), Some(&b"abc"[..]));
         assert_eq!(head.query_param("y"), Some(&b""[..]));
         assert_eq!(head.query_param("z"), None);

@@ -29,7 +29,10 @@ impl Req {
         self
     }
     pub(crate) fn with_property(mut self, path: &[&str], value: &str) -> Req {
-        self.properties.push((path.iter().map(|s| s.to_string()).collect(), value.as_bytes().to_vec()));
+        self.properties.push((
+            path.iter().map(|s| s.to_string()).collect(),
+            value.as_bytes().to_vec(),
+        ));
         self
     }
     pub(crate) fn reads(&self) -> usize {
@@ -40,10 +43,16 @@ impl Req {
 impl RequestView for Req {
     fn header(&self, name: &str) -> Option<Vec<u8>> {
         self.reads.set(self.reads.get() + 1);
-        self.headers.iter().find(|(n, _)| n == name).map(|(_, v)| v.clone())
+        self.headers
+            .iter()
+            .find(|(n, _)| n == name)
+            .map(|(_, v)| v.clone())
     }
     fn property(&self, path: &[String]) -> Option<Vec<u8>> {
-        self.properties.iter().find(|(p, _)| p.as_slice() == path).map(|(_, v)| v.clone())
+        self.properties
+            .iter()
+            .find(|(p, _)| p.as_slice() == path)
+            .map(|(_, v)| v.clone())
     }
 }
 
@@ -84,16 +93,29 @@ impl SharedStore for MemStore {
         if self.fail.get() {
             return Err(HostError);
         }
-        Ok(self.map.borrow().iter().find(|(k, _, _)| k == key).map(|(_, v, c)| (v.clone(), *c)))
+        Ok(self
+            .map
+            .borrow()
+            .iter()
+            .find(|(k, _, _)| k == key)
+            .map(|(_, v, c)| (v.clone(), *c)))
     }
     fn set(&self, key: &str, value: &[u8], cas: Option<u32>) -> Result<bool, HostError> {
         if self.fail.get() {
             return Err(HostError);
         }
         if let Some((stored_key, expires)) = self.interference.borrow_mut().take() {
-            self.write(key, &crate::local::in_flight_bytes(&stored_key, 424_242, expires));
+            self.write(
+                key,
+                &crate::local::in_flight_bytes(&stored_key, 424_242, expires),
+            );
         }
-        let current = self.map.borrow().iter().find(|(k, _, _)| k == key).map(|(_, _, c)| *c);
+        let current = self
+            .map
+            .borrow()
+            .iter()
+            .find(|(k, _, _)| k == key)
+            .map(|(_, _, c)| *c);
         if let (Some(want), Some(have)) = (cas, current)
             && want != have
         {
