@@ -8,6 +8,8 @@ mod hostcalls;
 mod plugin;
 mod properties;
 mod shared;
+pub mod testing;
+mod upstream;
 mod vm;
 mod wasi;
 
@@ -15,6 +17,7 @@ pub use abi::{Direction, LogLevel, MetricKind, Status};
 pub use headers::HeaderMap;
 pub use plugin::{Cluster, Clusters, FailurePolicy, LoadError, PluginSettings, WasmModule};
 pub use shared::{Clock, LogRecord, Metric, SharedState};
+pub use upstream::send_callout;
 pub use vm::{
     CallbackRecord, CalloutOutcome, CalloutRequest, LocalReply, StreamEvent, StreamId, StreamInfo,
     Vm,

@@ -50,13 +50,6 @@ impl Clock {
                 .unwrap_or(0),
         }
     }
-
-    /// Moves a virtual clock forward; the real clock cannot be moved.
-    pub(crate) fn advance(&self, by: Duration) {
-        if let Self::Virtual(ns) = self {
-            ns.fetch_add(by.as_nanos() as u64, Ordering::SeqCst);
-        }
-    }
 }
 
 /// One captured `proxy_log` / WASI stdout-stderr line.

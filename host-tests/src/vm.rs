@@ -127,6 +127,14 @@ impl CalloutOutcome {
         )
     }
 
+    /// Envoy's router answer when the connection closes before response headers.
+    pub fn generated_reset_before_headers() -> Self {
+        Self::generated(
+            503,
+            "upstream connect error or disconnect/reset before headers. reset reason: connection termination",
+        )
+    }
+
     fn generated(status: u16, body: &str) -> Self {
         Self::response(
             status,
