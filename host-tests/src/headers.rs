@@ -15,7 +15,9 @@ impl HeaderMap {
     }
 
     /// Builds a map from string pairs (keys are lower-cased).
-    pub fn from_pairs<K: AsRef<[u8]>, V: AsRef<[u8]>>(pairs: impl IntoIterator<Item = (K, V)>) -> Self {
+    pub fn from_pairs<K: AsRef<[u8]>, V: AsRef<[u8]>>(
+        pairs: impl IntoIterator<Item = (K, V)>,
+    ) -> Self {
         let mut map = Self::new();
         for (k, v) in pairs {
             map.add(k.as_ref(), v.as_ref());

@@ -2,7 +2,9 @@
 //! record: anything that would run module code (continue, close, local reply, `proxy_done`)
 //! is queued as a [`Deferred`] action for after the current export returns.
 
-use crate::abi::{BufferType, Direction, LogLevel, MapType, MetricKind, Status, decode_pairs, encode_pairs};
+use crate::abi::{
+    BufferType, Direction, LogLevel, MapType, MetricKind, Status, decode_pairs, encode_pairs,
+};
 use crate::headers::HeaderMap;
 use crate::vm::{CalloutOutcome, CalloutRequest, Deferred, LocalReply, Phase, Target, VmState};
 use std::time::Duration;
@@ -28,7 +30,12 @@ fn span(ptr: i32, len: i32) -> (usize, usize) {
 }
 
 pub(crate) fn read(c: &Ctx<'_>, ptr: i32, len: i32) -> Result<Vec<u8>, Status> {
-    let memory = c.data().wasm.as_ref().ok_or(Status::InvalidMemoryAccess)?.memory;
+    let memory = c
+        .data()
+        .wasm
+        .as_ref()
+        .ok_or(Status::InvalidMemoryAccess)?
+        .memory;
     let (p, l) = span(ptr, len);
     memory
         .data(c)
@@ -38,19 +45,34 @@ pub(crate) fn read(c: &Ctx<'_>, ptr: i32, len: i32) -> Result<Vec<u8>, Status> {
 }
 
 pub(crate) fn write(c: &mut Ctx<'_>, ptr: i32, bytes: &[u8]) -> Result<(), Status> {
-    let memory = c.data().wasm.as_ref().ok_or(Status::InvalidMemoryAccess)?.memory;
+    let memory = c
+        .data()
+        .wasm
+        .as_ref()
+        .ok_or(Status::InvalidMemoryAccess)?
+        .memory;
     let p = ptr as u32 as usize;
     memory
         .data_mut(c)
-        .get_mut(p..p.checked_add(bytes.len()).ok_or(Status::InvalidMemoryAccess)?)
+        .get_mut(
+            p..p.checked_add(bytes.len())
+                .ok_or(Status::InvalidMemoryAccess)?,
+        )
         .ok_or(Status::InvalidMemoryAccess)?
         .copy_from_slice(bytes);
     Ok(())
 }
 
 fn check_writable(c: &Ctx<'_>, ptr: i32, len: usize) -> Result<(), Status> {
-    let memory = c.data().wasm.as_ref().ok_or(Status::InvalidMemoryAccess)?.memory;
-    let end = (ptr as u32 as usize).checked_add(len).ok_or(Status::InvalidMemoryAccess)?;
+    let memory = c
+        .data()
+        .wasm
+        .as_ref()
+        .ok_or(Status::InvalidMemoryAccess)?
+        .memory;
+    let end = (ptr as u32 as usize)
+        .checked_add(len)
+        .ok_or(Status::InvalidMemoryAccess)?;
     if end > memory.data_size(c) {
         return Err(Status::InvalidMemoryAccess);
     }
@@ -97,13 +119,17 @@ enum MapAccess<'a> {
     Writable(&'a mut HeaderMap),
     ReadOnly(&'a HeaderMap),
     /// Not available now; `log_phase` turns value lookups into NotFound instead of BadArgument.
-    Unavailable { log_phase: bool },
+    Unavailable {
+        log_phase: bool,
+    },
 }
 
 fn callout_map(state: &VmState, trailers: bool) -> MapAccess<'_> {
     match &state.callout_response {
         Some(CalloutOutcome::Response {
-            headers, trailers: t, ..
+            headers,
+            trailers: t,
+            ..
         }) => MapAccess::ReadOnly(if trailers { t } else { headers }),
         _ => MapAccess::Unavailable { log_phase: false },
     }
@@ -134,7 +160,10 @@ fn map_access(state: &mut VmState, ty: MapType) -> MapAccess<'_> {
             (d, false) => stream.half(d).headers.as_ref(),
             (d, true) => stream.half(d).trailers.as_ref(),
         };
-        return map.map_or(MapAccess::Unavailable { log_phase: true }, MapAccess::ReadOnly);
+        return map.map_or(
+            MapAccess::Unavailable { log_phase: true },
+            MapAccess::ReadOnly,
+        );
     }
     let half = stream.half_mut(dir);
     let held = if trailers {
@@ -150,7 +179,10 @@ fn map_access(state: &mut VmState, ty: MapType) -> MapAccess<'_> {
     } else {
         half.headers.as_mut()
     };
-    map.map_or(MapAccess::Unavailable { log_phase: false }, MapAccess::Writable)
+    map.map_or(
+        MapAccess::Unavailable { log_phase: false },
+        MapAccess::Writable,
+    )
 }
 
 fn map_type(raw: i32) -> Result<MapType, Status> {
@@ -179,7 +211,14 @@ fn set_header_map_pairs(c: &mut Ctx<'_>, ty: i32, ptr: i32, len: i32) -> HostRes
     }
 }
 
-fn get_header_map_value(c: &mut Ctx<'_>, ty: i32, kp: i32, kl: i32, ptr_out: i32, len_out: i32) -> HostResult {
+fn get_header_map_value(
+    c: &mut Ctx<'_>,
+    ty: i32,
+    kp: i32,
+    kl: i32,
+    ptr_out: i32,
+    len_out: i32,
+) -> HostResult {
     let ty = tri!(map_type(ty));
     let key = tri!(read_str(c, kp, kl));
     let value = match map_access(c.data_mut(), ty) {
@@ -194,7 +233,14 @@ fn get_header_map_value(c: &mut Ctx<'_>, ty: i32, kp: i32, kl: i32, ptr_out: i32
     }
 }
 
-fn mutate_header(c: &mut Ctx<'_>, ty: i32, kp: i32, kl: i32, value: Option<(i32, i32)>, op: fn(&mut HeaderMap, &[u8], &[u8])) -> HostResult {
+fn mutate_header(
+    c: &mut Ctx<'_>,
+    ty: i32,
+    kp: i32,
+    kl: i32,
+    value: Option<(i32, i32)>,
+    op: fn(&mut HeaderMap, &[u8], &[u8]),
+) -> HostResult {
     let ty = tri!(map_type(ty));
     let key = tri!(read(c, kp, kl));
     let value = match value {
@@ -236,7 +282,14 @@ fn body_access(state: &mut VmState, dir: Direction) -> Result<Option<&mut Vec<u8
     Ok((in_body || held).then_some(&mut half.body))
 }
 
-fn get_buffer_bytes(c: &mut Ctx<'_>, ty: i32, start: i32, max: i32, ptr_out: i32, len_out: i32) -> HostResult {
+fn get_buffer_bytes(
+    c: &mut Ctx<'_>,
+    ty: i32,
+    start: i32,
+    max: i32,
+    ptr_out: i32,
+    len_out: i32,
+) -> HostResult {
     let ty = tri!(BufferType::from_raw(ty).ok_or(Status::BadArgument));
     let state = c.data_mut();
     let whole: Vec<u8> = match ty {
@@ -248,7 +301,9 @@ fn get_buffer_bytes(c: &mut Ctx<'_>, ty: i32, start: i32, max: i32, ptr_out: i32
             } else {
                 Direction::Response
             };
-            tri!(body_access(state, dir)).map(|b| b.clone()).unwrap_or_default()
+            tri!(body_access(state, dir))
+                .map(|b| b.clone())
+                .unwrap_or_default()
         }
         BufferType::HttpCallResponseBody => match &state.callout_response {
             Some(CalloutOutcome::Response { body, .. }) => body.clone(),
@@ -264,7 +319,14 @@ fn get_buffer_bytes(c: &mut Ctx<'_>, ty: i32, start: i32, max: i32, ptr_out: i32
     return_bytes(c, slice, ptr_out, len_out)
 }
 
-fn set_buffer_bytes(c: &mut Ctx<'_>, ty: i32, start: i32, size: i32, ptr: i32, len: i32) -> HostResult {
+fn set_buffer_bytes(
+    c: &mut Ctx<'_>,
+    ty: i32,
+    start: i32,
+    size: i32,
+    ptr: i32,
+    len: i32,
+) -> HostResult {
     let ty = tri!(BufferType::from_raw(ty).ok_or(Status::BadArgument));
     let data = tri!(read(c, ptr, len));
     let dir = match ty {
@@ -328,7 +390,17 @@ fn close_stream(c: &mut Ctx<'_>, ty: i32) -> HostResult {
 }
 
 #[allow(clippy::too_many_arguments)]
-fn send_local_response(c: &mut Ctx<'_>, status: i32, dp: i32, dl: i32, bp: i32, bl: i32, hp: i32, hl: i32, grpc: i32) -> HostResult {
+fn send_local_response(
+    c: &mut Ctx<'_>,
+    status: i32,
+    dp: i32,
+    dl: i32,
+    bp: i32,
+    bl: i32,
+    hp: i32,
+    hl: i32,
+    grpc: i32,
+) -> HostResult {
     let details = tri!(read_str(c, dp, dl));
     let body = tri!(read(c, bp, bl));
     let headers = HeaderMap::from_raw(decode_pairs(&tri!(read(c, hp, hl))));
@@ -379,7 +451,19 @@ fn done(c: &mut Ctx<'_>) -> HostResult {
 // ---- callouts ----
 
 #[allow(clippy::too_many_arguments)]
-fn http_call(c: &mut Ctx<'_>, up: i32, ul: i32, hp: i32, hl: i32, bp: i32, bl: i32, tp: i32, tl: i32, timeout: i32, token_out: i32) -> HostResult {
+fn http_call(
+    c: &mut Ctx<'_>,
+    up: i32,
+    ul: i32,
+    hp: i32,
+    hl: i32,
+    bp: i32,
+    bl: i32,
+    tp: i32,
+    tl: i32,
+    timeout: i32,
+    token_out: i32,
+) -> HostResult {
     let cluster = tri!(read_str(c, up, ul));
     let headers = tri!(read(c, hp, hl));
     let body = tri!(read(c, bp, bl));
@@ -430,7 +514,14 @@ fn get_status(c: &mut Ctx<'_>, code_out: i32, ptr_out: i32, len_out: i32) -> Hos
 
 // ---- shared data and queues ----
 
-fn get_shared_data(c: &mut Ctx<'_>, kp: i32, kl: i32, ptr_out: i32, len_out: i32, cas_out: i32) -> HostResult {
+fn get_shared_data(
+    c: &mut Ctx<'_>,
+    kp: i32,
+    kl: i32,
+    ptr_out: i32,
+    len_out: i32,
+    cas_out: i32,
+) -> HostResult {
     let key = tri!(read(c, kp, kl));
     let state = c.data();
     let Some((value, cas)) = state.shared.get_shared_data(&state.plugin.vm_id, &key) else {
@@ -464,7 +555,14 @@ fn register_shared_queue(c: &mut Ctx<'_>, np: i32, nl: i32, out: i32) -> HostRes
     Ok(Status::Ok)
 }
 
-fn resolve_shared_queue(c: &mut Ctx<'_>, vp: i32, vl: i32, np: i32, nl: i32, out: i32) -> HostResult {
+fn resolve_shared_queue(
+    c: &mut Ctx<'_>,
+    vp: i32,
+    vl: i32,
+    np: i32,
+    nl: i32,
+    out: i32,
+) -> HostResult {
     let vm_id = tri!(read_str(c, vp, vl));
     let name = tri!(read(c, np, nl));
     let state = c.data();
@@ -556,89 +654,186 @@ fn status(r: HostResult) -> wasmtime::Result<i32> {
 /// Links every `env.proxy_*` function the Rust SDK 0.2.x imports (and `proxy_get_header_map_size`).
 pub(crate) fn add_to_linker(l: &mut Linker<VmState>) -> wasmtime::Result<()> {
     const ENV: &str = "env";
-    l.func_wrap(ENV, "proxy_log", |mut c: Ctx<'_>, level: i32, p: i32, n: i32| status(log(&mut c, level, p, n)))?;
+    l.func_wrap(
+        ENV,
+        "proxy_log",
+        |mut c: Ctx<'_>, level: i32, p: i32, n: i32| status(log(&mut c, level, p, n)),
+    )?;
     l.func_wrap(ENV, "proxy_get_log_level", |mut c: Ctx<'_>, out: i32| {
         let level = c.data().plugin.log_level as u32;
         Ok(write_status(write(&mut c, out, &level.to_le_bytes())))
     })?;
-    l.func_wrap(ENV, "proxy_get_current_time_nanoseconds", |mut c: Ctx<'_>, out: i32| {
-        unrestricted(&c, "proxy_get_current_time_nanoseconds")?;
-        let now = c.data().shared.clock.realtime_ns();
-        Ok(write_status(write(&mut c, out, &now.to_le_bytes())))
-    })?;
-    l.func_wrap(ENV, "proxy_set_tick_period_milliseconds", |mut c: Ctx<'_>, ms: i32| {
-        unrestricted(&c, "proxy_set_tick_period_milliseconds")?;
-        c.data_mut().set_tick_period(Duration::from_millis(ms as u32 as u64));
-        Ok(Status::Ok as i32)
-    })?;
-    l.func_wrap(ENV, "proxy_get_buffer_bytes", |mut c: Ctx<'_>, t: i32, s: i32, m: i32, po: i32, lo: i32| {
-        unrestricted(&c, "proxy_get_buffer_bytes")?;
-        status(get_buffer_bytes(&mut c, t, s, m, po, lo))
-    })?;
-    l.func_wrap(ENV, "proxy_set_buffer_bytes", |mut c: Ctx<'_>, t: i32, s: i32, n: i32, p: i32, l: i32| {
-        unrestricted(&c, "proxy_set_buffer_bytes")?;
-        status(set_buffer_bytes(&mut c, t, s, n, p, l))
-    })?;
-    l.func_wrap(ENV, "proxy_get_header_map_pairs", |mut c: Ctx<'_>, t: i32, po: i32, lo: i32| {
-        unrestricted(&c, "proxy_get_header_map_pairs")?;
-        status(get_header_map_pairs(&mut c, t, po, lo))
-    })?;
-    l.func_wrap(ENV, "proxy_set_header_map_pairs", |mut c: Ctx<'_>, t: i32, p: i32, n: i32| {
-        unrestricted(&c, "proxy_set_header_map_pairs")?;
-        status(set_header_map_pairs(&mut c, t, p, n))
-    })?;
-    l.func_wrap(ENV, "proxy_get_header_map_value", |mut c: Ctx<'_>, t: i32, kp: i32, kl: i32, po: i32, lo: i32| {
-        unrestricted(&c, "proxy_get_header_map_value")?;
-        status(get_header_map_value(&mut c, t, kp, kl, po, lo))
-    })?;
-    l.func_wrap(ENV, "proxy_replace_header_map_value", |mut c: Ctx<'_>, t: i32, kp: i32, kl: i32, vp: i32, vl: i32| {
-        unrestricted(&c, "proxy_replace_header_map_value")?;
-        status(mutate_header(&mut c, t, kp, kl, Some((vp, vl)), |m, k, v| m.replace(k, v)))
-    })?;
-    l.func_wrap(ENV, "proxy_add_header_map_value", |mut c: Ctx<'_>, t: i32, kp: i32, kl: i32, vp: i32, vl: i32| {
-        unrestricted(&c, "proxy_add_header_map_value")?;
-        status(mutate_header(&mut c, t, kp, kl, Some((vp, vl)), |m, k, v| m.add(k, v)))
-    })?;
-    l.func_wrap(ENV, "proxy_remove_header_map_value", |mut c: Ctx<'_>, t: i32, kp: i32, kl: i32| {
-        unrestricted(&c, "proxy_remove_header_map_value")?;
-        status(mutate_header(&mut c, t, kp, kl, None, |m, k, _| m.remove(k)))
-    })?;
-    l.func_wrap(ENV, "proxy_get_header_map_size", |mut c: Ctx<'_>, t: i32, out: i32| {
-        unrestricted(&c, "proxy_get_header_map_size")?;
-        status(get_header_map_size(&mut c, t, out))
-    })?;
-    l.func_wrap(ENV, "proxy_get_property", |mut c: Ctx<'_>, p: i32, n: i32, po: i32, lo: i32| {
-        unrestricted(&c, "proxy_get_property")?;
-        status(get_property(&mut c, p, n, po, lo))
-    })?;
-    l.func_wrap(ENV, "proxy_set_property", |mut c: Ctx<'_>, p: i32, n: i32, vp: i32, vl: i32| {
-        unrestricted(&c, "proxy_set_property")?;
-        status(set_property(&mut c, p, n, vp, vl))
-    })?;
-    l.func_wrap(ENV, "proxy_get_shared_data", |mut c: Ctx<'_>, kp: i32, kl: i32, po: i32, lo: i32, co: i32| {
-        unrestricted(&c, "proxy_get_shared_data")?;
-        status(get_shared_data(&mut c, kp, kl, po, lo, co))
-    })?;
-    l.func_wrap(ENV, "proxy_set_shared_data", |mut c: Ctx<'_>, kp: i32, kl: i32, vp: i32, vl: i32, cas: i32| {
-        unrestricted(&c, "proxy_set_shared_data")?;
-        status(set_shared_data(&mut c, kp, kl, vp, vl, cas))
-    })?;
-    l.func_wrap(ENV, "proxy_register_shared_queue", |mut c: Ctx<'_>, p: i32, n: i32, out: i32| {
-        unrestricted(&c, "proxy_register_shared_queue")?;
-        status(register_shared_queue(&mut c, p, n, out))
-    })?;
-    l.func_wrap(ENV, "proxy_resolve_shared_queue", |mut c: Ctx<'_>, vp: i32, vl: i32, np: i32, nl: i32, out: i32| {
-        unrestricted(&c, "proxy_resolve_shared_queue")?;
-        status(resolve_shared_queue(&mut c, vp, vl, np, nl, out))
-    })?;
-    l.func_wrap(ENV, "proxy_dequeue_shared_queue", |mut c: Ctx<'_>, t: i32, po: i32, lo: i32| {
-        unrestricted(&c, "proxy_dequeue_shared_queue")?;
-        status(dequeue_shared_queue(&mut c, t, po, lo))
-    })?;
-    l.func_wrap(ENV, "proxy_enqueue_shared_queue", |mut c: Ctx<'_>, t: i32, p: i32, n: i32| {
-        unrestricted(&c, "proxy_enqueue_shared_queue")?;
-        status(enqueue_shared_queue(&mut c, t, p, n))
-    })?;
+    l.func_wrap(
+        ENV,
+        "proxy_get_current_time_nanoseconds",
+        |mut c: Ctx<'_>, out: i32| {
+            unrestricted(&c, "proxy_get_current_time_nanoseconds")?;
+            let now = c.data().shared.clock.realtime_ns();
+            Ok(write_status(write(&mut c, out, &now.to_le_bytes())))
+        },
+    )?;
+    l.func_wrap(
+        ENV,
+        "proxy_set_tick_period_milliseconds",
+        |mut c: Ctx<'_>, ms: i32| {
+            unrestricted(&c, "proxy_set_tick_period_milliseconds")?;
+            c.data_mut()
+                .set_tick_period(Duration::from_millis(ms as u32 as u64));
+            Ok(Status::Ok as i32)
+        },
+    )?;
+    l.func_wrap(
+        ENV,
+        "proxy_get_buffer_bytes",
+        |mut c: Ctx<'_>, t: i32, s: i32, m: i32, po: i32, lo: i32| {
+            unrestricted(&c, "proxy_get_buffer_bytes")?;
+            status(get_buffer_bytes(&mut c, t, s, m, po, lo))
+        },
+    )?;
+    l.func_wrap(
+        ENV,
+        "proxy_set_buffer_bytes",
+        |mut c: Ctx<'_>, t: i32, s: i32, n: i32, p: i32, l: i32| {
+            unrestricted(&c, "proxy_set_buffer_bytes")?;
+            status(set_buffer_bytes(&mut c, t, s, n, p, l))
+        },
+    )?;
+    l.func_wrap(
+        ENV,
+        "proxy_get_header_map_pairs",
+        |mut c: Ctx<'_>, t: i32, po: i32, lo: i32| {
+            unrestricted(&c, "proxy_get_header_map_pairs")?;
+            status(get_header_map_pairs(&mut c, t, po, lo))
+        },
+    )?;
+    l.func_wrap(
+        ENV,
+        "proxy_set_header_map_pairs",
+        |mut c: Ctx<'_>, t: i32, p: i32, n: i32| {
+            unrestricted(&c, "proxy_set_header_map_pairs")?;
+            status(set_header_map_pairs(&mut c, t, p, n))
+        },
+    )?;
+    l.func_wrap(
+        ENV,
+        "proxy_get_header_map_value",
+        |mut c: Ctx<'_>, t: i32, kp: i32, kl: i32, po: i32, lo: i32| {
+            unrestricted(&c, "proxy_get_header_map_value")?;
+            status(get_header_map_value(&mut c, t, kp, kl, po, lo))
+        },
+    )?;
+    l.func_wrap(
+        ENV,
+        "proxy_replace_header_map_value",
+        |mut c: Ctx<'_>, t: i32, kp: i32, kl: i32, vp: i32, vl: i32| {
+            unrestricted(&c, "proxy_replace_header_map_value")?;
+            status(mutate_header(
+                &mut c,
+                t,
+                kp,
+                kl,
+                Some((vp, vl)),
+                |m, k, v| m.replace(k, v),
+            ))
+        },
+    )?;
+    l.func_wrap(
+        ENV,
+        "proxy_add_header_map_value",
+        |mut c: Ctx<'_>, t: i32, kp: i32, kl: i32, vp: i32, vl: i32| {
+            unrestricted(&c, "proxy_add_header_map_value")?;
+            status(mutate_header(
+                &mut c,
+                t,
+                kp,
+                kl,
+                Some((vp, vl)),
+                |m, k, v| m.add(k, v),
+            ))
+        },
+    )?;
+    l.func_wrap(
+        ENV,
+        "proxy_remove_header_map_value",
+        |mut c: Ctx<'_>, t: i32, kp: i32, kl: i32| {
+            unrestricted(&c, "proxy_remove_header_map_value")?;
+            status(mutate_header(&mut c, t, kp, kl, None, |m, k, _| {
+                m.remove(k)
+            }))
+        },
+    )?;
+    l.func_wrap(
+        ENV,
+        "proxy_get_header_map_size",
+        |mut c: Ctx<'_>, t: i32, out: i32| {
+            unrestricted(&c, "proxy_get_header_map_size")?;
+            status(get_header_map_size(&mut c, t, out))
+        },
+    )?;
+    l.func_wrap(
+        ENV,
+        "proxy_get_property",
+        |mut c: Ctx<'_>, p: i32, n: i32, po: i32, lo: i32| {
+            unrestricted(&c, "proxy_get_property")?;
+            status(get_property(&mut c, p, n, po, lo))
+        },
+    )?;
+    l.func_wrap(
+        ENV,
+        "proxy_set_property",
+        |mut c: Ctx<'_>, p: i32, n: i32, vp: i32, vl: i32| {
+            unrestricted(&c, "proxy_set_property")?;
+            status(set_property(&mut c, p, n, vp, vl))
+        },
+    )?;
+    l.func_wrap(
+        ENV,
+        "proxy_get_shared_data",
+        |mut c: Ctx<'_>, kp: i32, kl: i32, po: i32, lo: i32, co: i32| {
+            unrestricted(&c, "proxy_get_shared_data")?;
+            status(get_shared_data(&mut c, kp, kl, po, lo, co))
+        },
+    )?;
+    l.func_wrap(
+        ENV,
+        "proxy_set_shared_data",
+        |mut c: Ctx<'_>, kp: i32, kl: i32, vp: i32, vl: i32, cas: i32| {
+            unrestricted(&c, "proxy_set_shared_data")?;
+            status(set_shared_data(&mut c, kp, kl, vp, vl, cas))
+        },
+    )?;
+    l.func_wrap(
+        ENV,
+        "proxy_register_shared_queue",
+        |mut c: Ctx<'_>, p: i32, n: i32, out: i32| {
+            unrestricted(&c, "proxy_register_shared_queue")?;
+            status(register_shared_queue(&mut c, p, n, out))
+        },
+    )?;
+    l.func_wrap(
+        ENV,
+        "proxy_resolve_shared_queue",
+        |mut c: Ctx<'_>, vp: i32, vl: i32, np: i32, nl: i32, out: i32| {
+            unrestricted(&c, "proxy_resolve_shared_queue")?;
+            status(resolve_shared_queue(&mut c, vp, vl, np, nl, out))
+        },
+    )?;
+    l.func_wrap(
+        ENV,
+        "proxy_dequeue_shared_queue",
+        |mut c: Ctx<'_>, t: i32, po: i32, lo: i32| {
+            unrestricted(&c, "proxy_dequeue_shared_queue")?;
+            status(dequeue_shared_queue(&mut c, t, po, lo))
+        },
+    )?;
+    l.func_wrap(
+        ENV,
+        "proxy_enqueue_shared_queue",
+        |mut c: Ctx<'_>, t: i32, p: i32, n: i32| {
+            unrestricted(&c, "proxy_enqueue_shared_queue")?;
+            status(enqueue_shared_queue(&mut c, t, p, n))
+        },
+    )?;
     l.func_wrap(ENV, "proxy_continue_stream", |mut c: Ctx<'_>, t: i32| {
         unrestricted(&c, "proxy_continue_stream")?;
         status(continue_stream(&mut c, t))
@@ -650,17 +845,39 @@ pub(crate) fn add_to_linker(l: &mut Linker<VmState>) -> wasmtime::Result<()> {
     l.func_wrap(
         ENV,
         "proxy_send_local_response",
-        |mut c: Ctx<'_>, code: i32, dp: i32, dl: i32, bp: i32, bl: i32, hp: i32, hl: i32, grpc: i32| {
+        |mut c: Ctx<'_>,
+         code: i32,
+         dp: i32,
+         dl: i32,
+         bp: i32,
+         bl: i32,
+         hp: i32,
+         hl: i32,
+         grpc: i32| {
             unrestricted(&c, "proxy_send_local_response")?;
-            status(send_local_response(&mut c, code, dp, dl, bp, bl, hp, hl, grpc))
+            status(send_local_response(
+                &mut c, code, dp, dl, bp, bl, hp, hl, grpc,
+            ))
         },
     )?;
     l.func_wrap(
         ENV,
         "proxy_http_call",
-        |mut c: Ctx<'_>, up: i32, ul: i32, hp: i32, hl: i32, bp: i32, bl: i32, tp: i32, tl: i32, timeout: i32, out: i32| {
+        |mut c: Ctx<'_>,
+         up: i32,
+         ul: i32,
+         hp: i32,
+         hl: i32,
+         bp: i32,
+         bl: i32,
+         tp: i32,
+         tl: i32,
+         timeout: i32,
+         out: i32| {
             unrestricted(&c, "proxy_http_call")?;
-            status(http_call(&mut c, up, ul, hp, hl, bp, bl, tp, tl, timeout, out))
+            status(http_call(
+                &mut c, up, ul, hp, hl, bp, bl, tp, tl, timeout, out,
+            ))
         },
     )?;
     // gRPC: no gRPC clusters are modelled, so every call fails as Envoy does for an unknown
@@ -668,7 +885,19 @@ pub(crate) fn add_to_linker(l: &mut Linker<VmState>) -> wasmtime::Result<()> {
     l.func_wrap(
         ENV,
         "proxy_grpc_call",
-        |c: Ctx<'_>, _: i32, _: i32, _: i32, _: i32, _: i32, _: i32, _: i32, _: i32, _: i32, _: i32, _: i32, _: i32| {
+        |c: Ctx<'_>,
+         _: i32,
+         _: i32,
+         _: i32,
+         _: i32,
+         _: i32,
+         _: i32,
+         _: i32,
+         _: i32,
+         _: i32,
+         _: i32,
+         _: i32,
+         _: i32| {
             unrestricted(&c, "proxy_grpc_call")?;
             Ok(Status::ParseFailure as i32)
         },
@@ -681,10 +910,14 @@ pub(crate) fn add_to_linker(l: &mut Linker<VmState>) -> wasmtime::Result<()> {
             Ok(Status::ParseFailure as i32)
         },
     )?;
-    l.func_wrap(ENV, "proxy_grpc_send", |c: Ctx<'_>, _: i32, _: i32, _: i32, _: i32| {
-        unrestricted(&c, "proxy_grpc_send")?;
-        Ok(Status::NotFound as i32)
-    })?;
+    l.func_wrap(
+        ENV,
+        "proxy_grpc_send",
+        |c: Ctx<'_>, _: i32, _: i32, _: i32, _: i32| {
+            unrestricted(&c, "proxy_grpc_send")?;
+            Ok(Status::NotFound as i32)
+        },
+    )?;
     l.func_wrap(ENV, "proxy_grpc_cancel", |c: Ctx<'_>, _: i32| {
         unrestricted(&c, "proxy_grpc_cancel")?;
         Ok(Status::NotFound as i32)
@@ -693,14 +926,22 @@ pub(crate) fn add_to_linker(l: &mut Linker<VmState>) -> wasmtime::Result<()> {
         unrestricted(&c, "proxy_grpc_close")?;
         Ok(Status::NotFound as i32)
     })?;
-    l.func_wrap(ENV, "proxy_get_status", |mut c: Ctx<'_>, co: i32, po: i32, lo: i32| {
-        unrestricted(&c, "proxy_get_status")?;
-        status(get_status(&mut c, co, po, lo))
-    })?;
-    l.func_wrap(ENV, "proxy_set_effective_context", |mut c: Ctx<'_>, id: i32| {
-        unrestricted(&c, "proxy_set_effective_context")?;
-        status(set_effective_context(&mut c, id))
-    })?;
+    l.func_wrap(
+        ENV,
+        "proxy_get_status",
+        |mut c: Ctx<'_>, co: i32, po: i32, lo: i32| {
+            unrestricted(&c, "proxy_get_status")?;
+            status(get_status(&mut c, co, po, lo))
+        },
+    )?;
+    l.func_wrap(
+        ENV,
+        "proxy_set_effective_context",
+        |mut c: Ctx<'_>, id: i32| {
+            unrestricted(&c, "proxy_set_effective_context")?;
+            status(set_effective_context(&mut c, id))
+        },
+    )?;
     l.func_wrap(
         ENV,
         "proxy_call_foreign_function",
@@ -713,31 +954,52 @@ pub(crate) fn add_to_linker(l: &mut Linker<VmState>) -> wasmtime::Result<()> {
         unrestricted(&c, "proxy_done")?;
         status(done(&mut c))
     })?;
-    l.func_wrap(ENV, "proxy_define_metric", |mut c: Ctx<'_>, t: i32, p: i32, n: i32, out: i32| {
-        unrestricted(&c, "proxy_define_metric")?;
-        status(define_metric(&mut c, t, p, n, out))
-    })?;
-    l.func_wrap(ENV, "proxy_increment_metric", |c: Ctx<'_>, id: i32, delta: i64| {
-        unrestricted(&c, "proxy_increment_metric")?;
-        status(Ok(match metric_name(&c, id) {
-            Ok(name) => c.data().shared.increment_metric(&name, delta),
-            Err(s) => s,
-        }))
-    })?;
-    l.func_wrap(ENV, "proxy_record_metric", |c: Ctx<'_>, id: i32, value: i64| {
-        unrestricted(&c, "proxy_record_metric")?;
-        status(Ok(match metric_name(&c, id) {
-            Ok(name) => c.data().shared.record_metric(&name, value as u64),
-            Err(s) => s,
-        }))
-    })?;
-    l.func_wrap(ENV, "proxy_get_metric", |mut c: Ctx<'_>, id: i32, out: i32| {
-        unrestricted(&c, "proxy_get_metric")?;
-        let value = match metric_name(&c, id).and_then(|name| c.data().shared.metric_value(&name)) {
-            Ok(v) => v,
-            Err(s) => return Ok(s as i32),
-        };
-        Ok(write_status(write(&mut c, out, &(value as u64).to_le_bytes())))
-    })?;
+    l.func_wrap(
+        ENV,
+        "proxy_define_metric",
+        |mut c: Ctx<'_>, t: i32, p: i32, n: i32, out: i32| {
+            unrestricted(&c, "proxy_define_metric")?;
+            status(define_metric(&mut c, t, p, n, out))
+        },
+    )?;
+    l.func_wrap(
+        ENV,
+        "proxy_increment_metric",
+        |c: Ctx<'_>, id: i32, delta: i64| {
+            unrestricted(&c, "proxy_increment_metric")?;
+            status(Ok(match metric_name(&c, id) {
+                Ok(name) => c.data().shared.increment_metric(&name, delta),
+                Err(s) => s,
+            }))
+        },
+    )?;
+    l.func_wrap(
+        ENV,
+        "proxy_record_metric",
+        |c: Ctx<'_>, id: i32, value: i64| {
+            unrestricted(&c, "proxy_record_metric")?;
+            status(Ok(match metric_name(&c, id) {
+                Ok(name) => c.data().shared.record_metric(&name, value as u64),
+                Err(s) => s,
+            }))
+        },
+    )?;
+    l.func_wrap(
+        ENV,
+        "proxy_get_metric",
+        |mut c: Ctx<'_>, id: i32, out: i32| {
+            unrestricted(&c, "proxy_get_metric")?;
+            let value =
+                match metric_name(&c, id).and_then(|name| c.data().shared.metric_value(&name)) {
+                    Ok(v) => v,
+                    Err(s) => return Ok(s as i32),
+                };
+            Ok(write_status(write(
+                &mut c,
+                out,
+                &(value as u64).to_le_bytes(),
+            )))
+        },
+    )?;
     Ok(())
 }

@@ -125,7 +125,9 @@ pub struct WasmModule {
 
 impl std::fmt::Debug for WasmModule {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("WasmModule").field("path", &self.path).finish()
+        f.debug_struct("WasmModule")
+            .field("path", &self.path)
+            .finish()
     }
 }
 
@@ -184,7 +186,8 @@ impl WasmModule {
             ));
         }
         let mut linker: Linker<VmState> = Linker::new(engine());
-        crate::hostcalls::add_to_linker(&mut linker).map_err(|e| not_proxy_wasm(format!("{e:#}")))?;
+        crate::hostcalls::add_to_linker(&mut linker)
+            .map_err(|e| not_proxy_wasm(format!("{e:#}")))?;
         crate::wasi::add_to_linker(&mut linker).map_err(|e| not_proxy_wasm(format!("{e:#}")))?;
         let pre = linker
             .instantiate_pre(&module)

@@ -34,8 +34,7 @@ fn request(stream: &Stream, field: &[u8], rest: &[&[u8]]) -> Result<Vec<u8>, Sta
         }
         b"query" => {
             let p = path()?;
-            Ok(p
-                .iter()
+            Ok(p.iter()
                 .position(|b| *b == b'?')
                 .and_then(|at| p.get(at + 1..))
                 .unwrap_or_default()
@@ -85,7 +84,9 @@ pub(crate) fn get(state: &VmState, path: &[&[u8]]) -> Result<Vec<u8>, Status> {
         (b"response", Some(b"headers")) => headers(stream.response.headers.as_ref(), rest),
         (b"source", Some(field)) => address(stream.info.source, field),
         (b"destination", Some(field)) => address(stream.info.destination, field),
-        (b"connection", Some(b"id")) | (b"connection_id", None) => Ok(int(stream.info.connection_id)),
+        (b"connection", Some(b"id")) | (b"connection_id", None) => {
+            Ok(int(stream.info.connection_id))
+        }
         (name, None) => stream
             .filter_state
             .get(name)

@@ -6,7 +6,7 @@ use crate::abi::{LogLevel, MetricKind, Status};
 use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::{SystemTime, UNIX_EPOCH};
 
 /// Locks ignoring poisoning: a panicking test thread must not cascade into unrelated ones.
 pub(crate) fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -187,7 +187,13 @@ impl SharedState {
 
     // ---- shared queues (HOST shared_queue.cc) ----
 
-    pub(crate) fn register_queue(&self, vm_id: &str, name: &[u8], mailbox: &Arc<Mailbox>, root: u32) -> u32 {
+    pub(crate) fn register_queue(
+        &self,
+        vm_id: &str,
+        name: &[u8],
+        mailbox: &Arc<Mailbox>,
+        root: u32,
+    ) -> u32 {
         let mut queues = lock(&self.queues);
         let key = (vm_id.to_owned(), name.to_vec());
         let token = match queues.tokens.get(&key) {
@@ -245,11 +251,13 @@ impl SharedState {
     // ---- metrics (ENVOY defineMetric & co; values aggregate across VMs) ----
 
     pub(crate) fn define_metric(&self, kind: MetricKind, name: &str) {
-        lock(&self.metrics).entry(name.to_owned()).or_insert(Metric {
-            kind,
-            value: 0,
-            samples: Vec::new(),
-        });
+        lock(&self.metrics)
+            .entry(name.to_owned())
+            .or_insert(Metric {
+                kind,
+                value: 0,
+                samples: Vec::new(),
+            });
     }
 
     pub(crate) fn increment_metric(&self, name: &str, delta: i64) -> Status {
@@ -329,9 +337,15 @@ mod tests {
         let s = state();
         assert_eq!(s.set_shared_data("vm", b"k", b"a", 77), Status::Ok);
         let (_, cas) = s.get_shared_data("vm", b"k").unwrap_or_default();
-        assert_eq!(s.set_shared_data("vm", b"k", b"b", cas + 1), Status::CasMismatch);
+        assert_eq!(
+            s.set_shared_data("vm", b"k", b"b", cas + 1),
+            Status::CasMismatch
+        );
         assert_eq!(s.set_shared_data("vm", b"k", b"c", 0), Status::Ok);
-        assert_eq!(s.set_shared_data("vm", b"k", b"d", cas), Status::CasMismatch);
+        assert_eq!(
+            s.set_shared_data("vm", b"k", b"d", cas),
+            Status::CasMismatch
+        );
         assert_eq!(s.get_shared_data("other", b"k"), None);
     }
 

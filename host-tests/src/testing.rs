@@ -115,7 +115,9 @@ impl TestHost {
         let Clock::Virtual(now) = clock else {
             return;
         };
-        let target = now.load(Ordering::SeqCst).saturating_add(by.as_nanos() as u64);
+        let target = now
+            .load(Ordering::SeqCst)
+            .saturating_add(by.as_nanos() as u64);
         for _ in 0..1_000_000 {
             let vms = lock(&self.inner.vms).clone();
             let next = vms
@@ -158,7 +160,9 @@ impl TestHost {
 
     /// Writes shared data as another plugin would (`cas` 0 = unconditional).
     pub fn set_shared_data(&self, vm_id: &str, key: &str, value: &[u8], cas: u32) -> crate::Status {
-        self.inner.shared.set_shared_data(vm_id, key.as_bytes(), value, cas)
+        self.inner
+            .shared
+            .set_shared_data(vm_id, key.as_bytes(), value, cas)
     }
 
     pub fn metric(&self, name: &str) -> Option<Metric> {
@@ -295,7 +299,12 @@ impl TestVm {
 
     /// A new stream ("an HTTP context") from a fresh loopback connection.
     pub fn stream(&self) -> TestStream {
-        let n = self.host.inner.next_connection.fetch_add(1, Ordering::SeqCst) + 1;
+        let n = self
+            .host
+            .inner
+            .next_connection
+            .fetch_add(1, Ordering::SeqCst)
+            + 1;
         let info = StreamInfo {
             source: SocketAddr::from(([127, 0, 0, 1], 40000 + (n % 20000) as u16)),
             connection_id: n,
@@ -336,7 +345,13 @@ impl TestVm {
     }
 
     /// Answers with a complete response.
-    pub fn respond_callout(&self, token: u32, status: u16, headers: HeaderMap, body: impl Into<Vec<u8>>) -> bool {
+    pub fn respond_callout(
+        &self,
+        token: u32,
+        status: u16,
+        headers: HeaderMap,
+        body: impl Into<Vec<u8>>,
+    ) -> bool {
         self.answer_callout(token, CalloutOutcome::response(status, headers, body))
     }
 
@@ -348,14 +363,19 @@ impl TestVm {
     /// Sends the callout over real HTTP to its cluster's loopback endpoint and delivers what
     /// comes back (503 if the cluster has no endpoint or refuses the connection).
     pub fn forward_callout(&self, token: u32) -> bool {
-        let Some(request) = self.pending_callouts().into_iter().find(|c| c.token == token) else {
+        let Some(request) = self
+            .pending_callouts()
+            .into_iter()
+            .find(|c| c.token == token)
+        else {
             return false;
         };
         let cluster = lock(&self.host.inner.clusters)
             .get(&request.cluster)
             .cloned()
             .unwrap_or_else(|| Cluster::named(&request.cluster));
-        let outcome = crate::upstream::send_callout_blocking(&cluster, &request, Duration::from_secs(30));
+        let outcome =
+            crate::upstream::send_callout_blocking(&cluster, &request, Duration::from_secs(30));
         self.answer_callout(token, outcome)
     }
 
@@ -435,7 +455,10 @@ impl Request {
     pub fn headers_for(&self, connection: u64) -> HeaderMap {
         let mut headers = self.headers.clone();
         if headers.get_bytes("x-request-id").is_none() {
-            headers.add(b"x-request-id", format!("00000000-0000-4000-8000-{connection:012}").as_bytes());
+            headers.add(
+                b"x-request-id",
+                format!("00000000-0000-4000-8000-{connection:012}").as_bytes(),
+            );
         }
         headers.add(b"x-forwarded-proto", b"http");
         headers
@@ -576,9 +599,13 @@ impl TestStream {
         self.collect().iter().any(|e| {
             matches!(
                 e,
-                StreamEvent::UpstreamHeaders { end_stream: true, .. }
-                    | StreamEvent::UpstreamData { end_stream: true, .. }
-                    | StreamEvent::UpstreamTrailers(_)
+                StreamEvent::UpstreamHeaders {
+                    end_stream: true,
+                    ..
+                } | StreamEvent::UpstreamData {
+                    end_stream: true,
+                    ..
+                } | StreamEvent::UpstreamTrailers(_)
             )
         })
     }

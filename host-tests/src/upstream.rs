@@ -11,7 +11,10 @@ use hyper_util::rt::{TokioExecutor, TokioIo};
 use std::time::Duration;
 
 /// Builds the `http` request for a callout (pseudo-headers become the URI and `host`).
-pub(crate) fn to_http_request(request: &CalloutRequest, http2: bool) -> Option<http::Request<Full<Bytes>>> {
+pub(crate) fn to_http_request(
+    request: &CalloutRequest,
+    http2: bool,
+) -> Option<http::Request<Full<Bytes>>> {
     let h = &request.headers;
     let method = h.get(":method")?;
     let path = h.get(":path")?;
@@ -30,7 +33,9 @@ pub(crate) fn to_http_request(request: &CalloutRequest, http2: bool) -> Option<h
             builder = builder.header(k.as_slice(), v.as_slice());
         }
     }
-    builder.body(Full::new(Bytes::from(request.body.clone()))).ok()
+    builder
+        .body(Full::new(Bytes::from(request.body.clone())))
+        .ok()
 }
 
 /// Converts a response head into Envoy's header list (`:status` first).
@@ -49,14 +54,20 @@ async fn exchange(cluster: &Cluster, request: &CalloutRequest) -> CalloutOutcome
     let Some(http_request) = to_http_request(request, cluster.http2) else {
         return CalloutOutcome::connect_failure();
     };
-    let connect = tokio::time::timeout(cluster.connect_timeout, tokio::net::TcpStream::connect(address)).await;
+    let connect = tokio::time::timeout(
+        cluster.connect_timeout,
+        tokio::net::TcpStream::connect(address),
+    )
+    .await;
     let Ok(Ok(stream)) = connect else {
         return CalloutOutcome::connect_failure();
     };
     let _ = stream.set_nodelay(true);
     let io = TokioIo::new(stream);
     let response = if cluster.http2 {
-        let Ok((mut sender, conn)) = hyper::client::conn::http2::handshake(TokioExecutor::new(), io).await else {
+        let Ok((mut sender, conn)) =
+            hyper::client::conn::http2::handshake(TokioExecutor::new(), io).await
+        else {
             return CalloutOutcome::connect_failure();
         };
         tokio::spawn(conn);
@@ -108,8 +119,15 @@ pub async fn send_callout(cluster: &Cluster, request: &CalloutRequest) -> Callou
 }
 
 /// Blocking form for the deterministic API: a private current-thread runtime per call.
-pub(crate) fn send_callout_blocking(cluster: &Cluster, request: &CalloutRequest, cap: Duration) -> CalloutOutcome {
-    let runtime = match tokio::runtime::Builder::new_current_thread().enable_all().build() {
+pub(crate) fn send_callout_blocking(
+    cluster: &Cluster,
+    request: &CalloutRequest,
+    cap: Duration,
+) -> CalloutOutcome {
+    let runtime = match tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+    {
         Ok(rt) => rt,
         Err(_) => return CalloutOutcome::connect_failure(),
     };

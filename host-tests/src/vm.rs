@@ -24,16 +24,30 @@ pub type StreamId = u64;
 /// upstream request), `Downstream*` to the client.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum StreamEvent {
-    UpstreamHeaders { headers: HeaderMap, end_stream: bool },
-    UpstreamData { data: Vec<u8>, end_stream: bool },
+    UpstreamHeaders {
+        headers: HeaderMap,
+        end_stream: bool,
+    },
+    UpstreamData {
+        data: Vec<u8>,
+        end_stream: bool,
+    },
     UpstreamTrailers(HeaderMap),
     /// The upstream request must be abandoned (local reply, reset or client abort).
     UpstreamReset,
-    DownstreamHeaders { headers: HeaderMap, end_stream: bool },
-    DownstreamData { data: Vec<u8>, end_stream: bool },
+    DownstreamHeaders {
+        headers: HeaderMap,
+        end_stream: bool,
+    },
+    DownstreamData {
+        data: Vec<u8>,
+        end_stream: bool,
+    },
     DownstreamTrailers(HeaderMap),
     /// The downstream stream is reset (no complete response).
-    DownstreamReset { details: String },
+    DownstreamReset {
+        details: String,
+    },
     /// A local reply started (plugin's `send_local_response`, buffer overflow, fail-closed).
     LocalReply(LocalReply),
 }
@@ -342,7 +356,8 @@ pub(crate) struct VmState {
     /// The outcome being delivered (readable only during `on_http_call_response`).
     pub(crate) callout_response: Option<CalloutOutcome>,
     pub(crate) metric_names: HashMap<u32, String>,
-    next_metric_serial: u32,
+    /// Per metric kind, so counters get 4, 8, ..., gauges 5, 9, ..., histograms 6, 10, ...
+    next_metric_serial: [u32; 3],
 }
 
 impl VmState {
@@ -409,8 +424,13 @@ impl VmState {
     }
 
     pub(crate) fn next_metric_id(&mut self, kind: crate::abi::MetricKind) -> u32 {
-        self.next_metric_serial += 1;
-        self.next_metric_serial * 4 + kind as u32
+        let serial = match kind {
+            crate::abi::MetricKind::Counter => &mut self.next_metric_serial[0],
+            crate::abi::MetricKind::Gauge => &mut self.next_metric_serial[1],
+            crate::abi::MetricKind::Histogram => &mut self.next_metric_serial[2],
+        };
+        *serial += 1;
+        *serial * 4 + kind as u32
     }
 }
 
@@ -491,7 +511,7 @@ impl Vm {
             callouts: BTreeMap::new(),
             callout_response: None,
             metric_names: HashMap::new(),
-            next_metric_serial: 0,
+            next_metric_serial: [0; 3],
         };
         let mut vm = Self {
             store: Store::new(module.pre.module().engine(), state),
@@ -550,7 +570,7 @@ impl Vm {
         state.root = None;
         state.next_context_id = 0;
         state.next_callout_serial = 0;
-        state.next_metric_serial = 0;
+        state.next_metric_serial = [0; 3];
         state.metric_names.clear();
         state.callouts.clear();
         state.context_streams.clear();
@@ -570,22 +590,42 @@ impl Vm {
         });
         let (vm_config_len, config_len) = {
             let p = &self.store.data().plugin;
-            (p.vm_configuration.len() as i32, p.configuration.len() as i32)
+            (
+                p.vm_configuration.len() as i32,
+                p.configuration.len() as i32,
+            )
         };
         let ctx = root as i32;
         self.store.data_mut().configuring = true;
-        let created = self.call(root, "proxy_on_context_create", |e| e.context_create.clone(), (ctx, 0));
+        let created = self.call(
+            root,
+            "proxy_on_context_create",
+            |e| e.context_create.clone(),
+            (ctx, 0),
+        );
         self.store.data_mut().configuring = false;
         if matches!(created, Called::Failed) {
             return Err(start_error("proxy_on_context_create trapped".into()));
         }
-        match self.call(root, "proxy_on_vm_start", |e| e.vm_start.clone(), (ctx, vm_config_len)) {
+        match self.call(
+            root,
+            "proxy_on_vm_start",
+            |e| e.vm_start.clone(),
+            (ctx, vm_config_len),
+        ) {
             Called::Failed => return Err(start_error("proxy_on_vm_start trapped".into())),
-            Called::Returned(0) => return Err(start_error("proxy_on_vm_start returned false".into())),
+            Called::Returned(0) => {
+                return Err(start_error("proxy_on_vm_start returned false".into()));
+            }
             _ => {}
         }
         self.store.data_mut().configuring = true;
-        let configured = self.call(root, "proxy_on_configure", |e| e.configure.clone(), (ctx, config_len));
+        let configured = self.call(
+            root,
+            "proxy_on_configure",
+            |e| e.configure.clone(),
+            (ctx, config_len),
+        );
         self.store.data_mut().configuring = false;
         match configured {
             Called::Failed => return Err(start_error("proxy_on_configure trapped".into())),
@@ -710,7 +750,11 @@ impl Vm {
             }
         }
         let bypass = self.is_failed() && policy == FailurePolicy::FailOpen;
-        let context_id = if self.is_failed() { 0 } else { self.alloc_context_id() };
+        let context_id = if self.is_failed() {
+            0
+        } else {
+            self.alloc_context_id()
+        };
         let state = self.store.data_mut();
         state.next_stream += 1;
         let id = state.next_stream;
@@ -747,10 +791,10 @@ impl Vm {
         self.store.data_mut().generation = generation;
         let name = self.store.data().plugin.name.clone();
         match self.start() {
-            Ok(()) => self
-                .store
-                .data()
-                .log(LogLevel::Info, format!("wasm vm reloaded for plugin {name}")),
+            Ok(()) => self.store.data().log(
+                LogLevel::Info,
+                format!("wasm vm reloaded for plugin {name}"),
+            ),
             Err(e) => {
                 let state = self.store.data_mut();
                 state.failed = true;
@@ -808,7 +852,11 @@ impl Vm {
 
     /// Whether the stream is complete (its log/done/delete ran).
     pub fn is_finished(&self, id: StreamId) -> bool {
-        self.store.data().streams.get(&id).is_none_or(|s| s.finished)
+        self.store
+            .data()
+            .streams
+            .get(&id)
+            .is_none_or(|s| s.finished)
     }
 
     /// Forgets a finished stream's host-side record.
@@ -864,13 +912,25 @@ impl Vm {
             s.created = true;
         }
         !matches!(
-            self.call(ctx, "proxy_on_context_create", |e| e.context_create.clone(), (ctx as i32, root as i32)),
+            self.call(
+                ctx,
+                "proxy_on_context_create",
+                |e| e.context_create.clone(),
+                (ctx as i32, root as i32)
+            ),
             Called::Failed
         )
     }
 
     /// Runs one HTTP callback with Envoy's CHECK_FAIL_HTTP around it.
-    fn http_callback(&mut self, id: StreamId, dir: Direction, phase: Phase, a: i32, b: i32) -> Verdict {
+    fn http_callback(
+        &mut self,
+        id: StreamId,
+        dir: Direction,
+        phase: Phase,
+        a: i32,
+        b: i32,
+    ) -> Verdict {
         let Some(stream) = self.store.data().streams.get(&id) else {
             return Verdict::Pass;
         };
@@ -891,27 +951,57 @@ impl Vm {
         let (name, called) = match (dir, phase) {
             (Direction::Request, Phase::Headers) => (
                 "proxy_on_request_headers",
-                self.call(ctx as u32, "proxy_on_request_headers", |e| e.request_headers.clone(), (ctx, a, b)),
+                self.call(
+                    ctx as u32,
+                    "proxy_on_request_headers",
+                    |e| e.request_headers.clone(),
+                    (ctx, a, b),
+                ),
             ),
             (Direction::Request, Phase::Body) => (
                 "proxy_on_request_body",
-                self.call(ctx as u32, "proxy_on_request_body", |e| e.request_body.clone(), (ctx, a, b)),
+                self.call(
+                    ctx as u32,
+                    "proxy_on_request_body",
+                    |e| e.request_body.clone(),
+                    (ctx, a, b),
+                ),
             ),
             (Direction::Request, Phase::Trailers) => (
                 "proxy_on_request_trailers",
-                self.call(ctx as u32, "proxy_on_request_trailers", |e| e.request_trailers.clone(), (ctx, a)),
+                self.call(
+                    ctx as u32,
+                    "proxy_on_request_trailers",
+                    |e| e.request_trailers.clone(),
+                    (ctx, a),
+                ),
             ),
             (Direction::Response, Phase::Headers) => (
                 "proxy_on_response_headers",
-                self.call(ctx as u32, "proxy_on_response_headers", |e| e.response_headers.clone(), (ctx, a, b)),
+                self.call(
+                    ctx as u32,
+                    "proxy_on_response_headers",
+                    |e| e.response_headers.clone(),
+                    (ctx, a, b),
+                ),
             ),
             (Direction::Response, Phase::Body) => (
                 "proxy_on_response_body",
-                self.call(ctx as u32, "proxy_on_response_body", |e| e.response_body.clone(), (ctx, a, b)),
+                self.call(
+                    ctx as u32,
+                    "proxy_on_response_body",
+                    |e| e.response_body.clone(),
+                    (ctx, a, b),
+                ),
             ),
             (Direction::Response, Phase::Trailers) => (
                 "proxy_on_response_trailers",
-                self.call(ctx as u32, "proxy_on_response_trailers", |e| e.response_trailers.clone(), (ctx, a)),
+                self.call(
+                    ctx as u32,
+                    "proxy_on_response_trailers",
+                    |e| e.response_trailers.clone(),
+                    (ctx, a),
+                ),
             ),
         };
         let local_reply = self.stream_mut(id).is_some_and(|s| {
@@ -923,7 +1013,10 @@ impl Vm {
             _ => None,
         };
         if let Some(s) = self.stream_mut(id) {
-            s.callbacks.push(CallbackRecord { callback: name, returned });
+            s.callbacks.push(CallbackRecord {
+                callback: name,
+                returned,
+            });
         }
         match called {
             Called::Failed => self.fail_stream(id),
@@ -943,21 +1036,31 @@ impl Vm {
         };
         if !stream.fail_reply_sent {
             stream.fail_reply_sent = true;
-            self.store.data_mut().deferred.push_back(Deferred::LocalReply(
-                id,
-                LocalReply {
-                    status: 503,
-                    body: Vec::new(),
-                    headers: HeaderMap::new(),
-                    details: "wasm_fail_stream".into(),
-                    grpc_status: -1,
-                },
-            ));
+            self.store
+                .data_mut()
+                .deferred
+                .push_back(Deferred::LocalReply(
+                    id,
+                    LocalReply {
+                        status: 503,
+                        body: Vec::new(),
+                        headers: HeaderMap::new(),
+                        details: "wasm_fail_stream".into(),
+                        grpc_status: -1,
+                    },
+                ));
         }
         Verdict::Stop
     }
 
-    fn on_headers(&mut self, id: StreamId, dir: Direction, headers: HeaderMap, end_stream: bool, local: bool) {
+    fn on_headers(
+        &mut self,
+        id: StreamId,
+        dir: Direction,
+        headers: HeaderMap,
+        end_stream: bool,
+        local: bool,
+    ) {
         let Some(stream) = self.stream_mut(id) else {
             return;
         };
@@ -991,7 +1094,14 @@ impl Vm {
         }
     }
 
-    fn on_data(&mut self, id: StreamId, dir: Direction, data: &[u8], end_stream: bool, local: bool) {
+    fn on_data(
+        &mut self,
+        id: StreamId,
+        dir: Direction,
+        data: &[u8],
+        end_stream: bool,
+        local: bool,
+    ) {
         let Some(stream) = self.stream_mut(id) else {
             return;
         };
@@ -1150,8 +1260,14 @@ impl Vm {
         let headers = half.headers.clone().unwrap_or_default();
         half.complete |= end_stream;
         let event = match dir {
-            Direction::Request => StreamEvent::UpstreamHeaders { headers, end_stream },
-            Direction::Response => StreamEvent::DownstreamHeaders { headers, end_stream },
+            Direction::Request => StreamEvent::UpstreamHeaders {
+                headers,
+                end_stream,
+            },
+            Direction::Response => StreamEvent::DownstreamHeaders {
+                headers,
+                end_stream,
+            },
         };
         stream.events.push(event);
         if end_stream {
@@ -1212,16 +1328,19 @@ impl Vm {
             Direction::Request => (413, "Payload Too Large", "request_payload_too_large"),
             Direction::Response => (500, "Internal Server Error", "response_payload_too_large"),
         };
-        self.store.data_mut().deferred.push_back(Deferred::LocalReply(
-            id,
-            LocalReply {
-                status,
-                body: body.as_bytes().to_vec(),
-                headers: HeaderMap::new(),
-                details: details.into(),
-                grpc_status: -1,
-            },
-        ));
+        self.store
+            .data_mut()
+            .deferred
+            .push_back(Deferred::LocalReply(
+                id,
+                LocalReply {
+                    status,
+                    body: body.as_bytes().to_vec(),
+                    headers: HeaderMap::new(),
+                    details: details.into(),
+                    grpc_status: -1,
+                },
+            ));
     }
 
     fn send_local_reply(&mut self, id: StreamId, reply: LocalReply) {
@@ -1260,7 +1379,10 @@ impl Vm {
             stream.response.headers_held = false;
             stream.response.headers_forwarded = true;
             stream.response.complete = true;
-            stream.events.push(StreamEvent::DownstreamHeaders { headers, end_stream });
+            stream.events.push(StreamEvent::DownstreamHeaders {
+                headers,
+                end_stream,
+            });
             if !end_stream {
                 stream.events.push(StreamEvent::DownstreamData {
                     data: reply.body,
@@ -1452,7 +1574,9 @@ impl Vm {
             && !matches!(called, Called::Missing | Called::Failed)
         {
             // Re-armed after the callback returns (periods drift by its run time).
-            r.next_tick_ns = r.tick_period.map(|p| now.saturating_add(p.as_nanos() as u64));
+            r.next_tick_ns = r
+                .tick_period
+                .map(|p| now.saturating_add(p.as_nanos() as u64));
         }
         self.drain();
     }
@@ -1498,7 +1622,10 @@ impl Vm {
                 }
             }
             _ => {
-                self.store.data_mut().deferred.push_back(Deferred::DeleteRoot);
+                self.store
+                    .data_mut()
+                    .deferred
+                    .push_back(Deferred::DeleteRoot);
                 self.drain();
             }
         }

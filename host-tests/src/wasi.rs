@@ -121,39 +121,85 @@ fn fd_fdstat_get(c: &mut Ctx<'_>, fd: i32, out: i32) -> i32 {
 }
 
 fn add_module(l: &mut Linker<VmState>, module: &str) -> wasmtime::Result<()> {
-    l.func_wrap(module, "fd_write", |mut c: Ctx<'_>, fd: i32, iovs: i32, n: i32, out: i32| {
-        Ok(fd_write(&mut c, fd, iovs, n, out))
-    })?;
-    l.func_wrap(module, "fd_read", |_: Ctx<'_>, _: i32, _: i32, _: i32, _: i32| Ok(NOSYS))?;
-    l.func_wrap(module, "fd_seek", |c: Ctx<'_>, _: i32, _: i64, _: i32, _: i32| {
-        c.data().log(LogLevel::Error, "wasi fd_seek is not supported".into());
-        Ok(SUCCESS)
-    })?;
+    l.func_wrap(
+        module,
+        "fd_write",
+        |mut c: Ctx<'_>, fd: i32, iovs: i32, n: i32, out: i32| {
+            Ok(fd_write(&mut c, fd, iovs, n, out))
+        },
+    )?;
+    l.func_wrap(
+        module,
+        "fd_read",
+        |_: Ctx<'_>, _: i32, _: i32, _: i32, _: i32| Ok(NOSYS),
+    )?;
+    l.func_wrap(
+        module,
+        "fd_seek",
+        |c: Ctx<'_>, _: i32, _: i64, _: i32, _: i32| {
+            c.data()
+                .log(LogLevel::Error, "wasi fd_seek is not supported".into());
+            Ok(SUCCESS)
+        },
+    )?;
     l.func_wrap(module, "fd_close", |c: Ctx<'_>, _: i32| {
-        c.data().log(LogLevel::Error, "wasi fd_close is not supported".into());
+        c.data()
+            .log(LogLevel::Error, "wasi fd_close is not supported".into());
         Ok(SUCCESS)
     })?;
-    l.func_wrap(module, "fd_fdstat_get", |mut c: Ctx<'_>, fd: i32, out: i32| Ok(fd_fdstat_get(&mut c, fd, out)))?;
-    l.func_wrap(module, "fd_prestat_get", |_: Ctx<'_>, _: i32, _: i32| Ok(BADF))?;
-    l.func_wrap(module, "fd_prestat_dir_name", |_: Ctx<'_>, _: i32, _: i32, _: i32| Ok(NOTSUP))?;
+    l.func_wrap(
+        module,
+        "fd_fdstat_get",
+        |mut c: Ctx<'_>, fd: i32, out: i32| Ok(fd_fdstat_get(&mut c, fd, out)),
+    )?;
+    l.func_wrap(module, "fd_prestat_get", |_: Ctx<'_>, _: i32, _: i32| {
+        Ok(BADF)
+    })?;
+    l.func_wrap(
+        module,
+        "fd_prestat_dir_name",
+        |_: Ctx<'_>, _: i32, _: i32, _: i32| Ok(NOTSUP),
+    )?;
     l.func_wrap(
         module,
         "path_open",
-        |_: Ctx<'_>, _: i32, _: i32, _: i32, _: i32, _: i32, _: i64, _: i64, _: i32, _: i32| Ok(NOENT),
+        |_: Ctx<'_>, _: i32, _: i32, _: i32, _: i32, _: i32, _: i64, _: i64, _: i32, _: i32| {
+            Ok(NOENT)
+        },
     )?;
-    l.func_wrap(module, "clock_time_get", |mut c: Ctx<'_>, id: i32, _precision: i64, out: i32| {
-        Ok(clock_time_get(&mut c, id, out))
+    l.func_wrap(
+        module,
+        "clock_time_get",
+        |mut c: Ctx<'_>, id: i32, _precision: i64, out: i32| Ok(clock_time_get(&mut c, id, out)),
+    )?;
+    l.func_wrap(
+        module,
+        "clock_res_get",
+        |mut c: Ctx<'_>, _: i32, out: i32| Ok(errno(write(&mut c, out, &1u64.to_le_bytes()))),
+    )?;
+    l.func_wrap(
+        module,
+        "random_get",
+        |mut c: Ctx<'_>, buf: i32, len: i32| Ok(random_get(&mut c, buf, len)),
+    )?;
+    l.func_wrap(
+        module,
+        "environ_sizes_get",
+        |mut c: Ctx<'_>, n: i32, s: i32| Ok(environ_sizes_get(&mut c, n, s)),
+    )?;
+    l.func_wrap(module, "environ_get", |mut c: Ctx<'_>, p: i32, b: i32| {
+        Ok(environ_get(&mut c, p, b))
     })?;
-    l.func_wrap(module, "clock_res_get", |mut c: Ctx<'_>, _: i32, out: i32| {
-        Ok(errno(write(&mut c, out, &1u64.to_le_bytes())))
-    })?;
-    l.func_wrap(module, "random_get", |mut c: Ctx<'_>, buf: i32, len: i32| Ok(random_get(&mut c, buf, len)))?;
-    l.func_wrap(module, "environ_sizes_get", |mut c: Ctx<'_>, n: i32, s: i32| Ok(environ_sizes_get(&mut c, n, s)))?;
-    l.func_wrap(module, "environ_get", |mut c: Ctx<'_>, p: i32, b: i32| Ok(environ_get(&mut c, p, b)))?;
-    l.func_wrap(module, "args_sizes_get", |mut c: Ctx<'_>, n: i32, s: i32| {
-        let zero = 0u32.to_le_bytes();
-        Ok(errno(write(&mut c, n, &zero).and_then(|()| write(&mut c, s, &zero))))
-    })?;
+    l.func_wrap(
+        module,
+        "args_sizes_get",
+        |mut c: Ctx<'_>, n: i32, s: i32| {
+            let zero = 0u32.to_le_bytes();
+            Ok(errno(
+                write(&mut c, n, &zero).and_then(|()| write(&mut c, s, &zero)),
+            ))
+        },
+    )?;
     l.func_wrap(module, "args_get", |_: Ctx<'_>, _: i32, _: i32| Ok(SUCCESS))?;
     l.func_wrap(module, "proc_exit", |c: Ctx<'_>, code: i32| {
         // Envoy logs and returns; the module then traps on its own `unreachable`.
@@ -161,9 +207,13 @@ fn add_module(l: &mut Linker<VmState>, module: &str) -> wasmtime::Result<()> {
             .log(LogLevel::Error, format!("wasi_unstable proc_exit({code})"));
     })?;
     l.func_wrap(module, "sched_yield", |_: Ctx<'_>| Ok(SUCCESS))?;
-    l.func_wrap(module, "poll_oneoff", |mut c: Ctx<'_>, _: i32, _: i32, _: i32, out: i32| {
-        Ok(errno(write(&mut c, out, &0u32.to_le_bytes())))
-    })?;
+    l.func_wrap(
+        module,
+        "poll_oneoff",
+        |mut c: Ctx<'_>, _: i32, _: i32, _: i32, out: i32| {
+            Ok(errno(write(&mut c, out, &0u32.to_le_bytes())))
+        },
+    )?;
     Ok(())
 }
 
