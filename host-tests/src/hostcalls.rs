@@ -278,7 +278,7 @@ fn body_access(state: &mut VmState, dir: Direction) -> Result<Option<&mut Vec<u8
     let stream = state.streams.get_mut(&id).ok_or(Status::NotFound)?;
     let in_body = stream.in_callback == Some((dir, Phase::Body));
     let half = stream.half_mut(dir);
-    let held = !half.headers_held && !half.body.is_empty() && !half.dropped;
+    let held = half.body_held() && !half.dropped;
     Ok((in_body || held).then_some(&mut half.body))
 }
 
@@ -314,7 +314,7 @@ fn get_buffer_bytes(
     let (start, max) = span(start, max);
     let slice = whole
         .get(start..)
-        .map(|rest| &rest[..rest.len().min(max)])
+        .map(|rest| rest.get(..rest.len().min(max)).unwrap_or_default())
         .unwrap_or_default();
     return_bytes(c, slice, ptr_out, len_out)
 }

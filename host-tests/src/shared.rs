@@ -108,9 +108,12 @@ struct Queues {
     next_token: u32,
 }
 
+/// key → (value, cas) for one vm_id.
+type Entries = HashMap<Vec<u8>, (Vec<u8>, u32)>;
+
 #[derive(Default)]
 struct SharedData {
-    by_vm_id: HashMap<String, HashMap<Vec<u8>, (Vec<u8>, u32)>>,
+    by_vm_id: HashMap<String, Entries>,
     next_cas: u32,
 }
 
@@ -119,19 +122,22 @@ pub struct SharedState {
     data: Mutex<SharedData>,
     queues: Mutex<Queues>,
     metrics: Mutex<BTreeMap<String, Metric>>,
-    logs: Mutex<Vec<LogRecord>>,
+    logs: Mutex<VecDeque<LogRecord>>,
+    /// Only the newest lines are kept (a long-running gateway must not grow without bound).
+    log_capacity: usize,
     /// Lines at or above this level are also printed to stderr (Envoy's default: info).
     print_level: Option<LogLevel>,
     pub(crate) clock: Clock,
 }
 
 impl SharedState {
-    pub(crate) fn new(clock: Clock, print_level: Option<LogLevel>) -> Self {
+    pub(crate) fn new(clock: Clock, print_level: Option<LogLevel>, log_capacity: usize) -> Self {
         Self {
             data: Mutex::default(),
             queues: Mutex::default(),
             metrics: Mutex::default(),
             logs: Mutex::default(),
+            log_capacity,
             print_level,
             clock,
         }
@@ -310,18 +316,18 @@ impl SharedState {
                 record.level, record.worker, record.message
             );
         }
-        lock(&self.logs).push(record);
+        let mut logs = lock(&self.logs);
+        if logs.len() >= self.log_capacity {
+            logs.pop_front();
+        }
+        logs.push_back(record);
     }
 
     /// Every line logged so far by any VM of this host.
     pub fn logs(&self) -> Vec<LogRecord> {
-        lock(&self.logs).clone()
+        lock(&self.logs).iter().cloned().collect()
     }
 
-    /// Drops captured lines (long-running gateways call this to bound memory).
-    pub(crate) fn clear_logs(&self) {
-        lock(&self.logs).clear();
-    }
 }
 
 #[cfg(test)]
@@ -329,7 +335,7 @@ mod tests {
     use super::*;
 
     fn state() -> SharedState {
-        SharedState::new(Clock::virtual_clock(), None)
+        SharedState::new(Clock::virtual_clock(), None, 16)
     }
 
     #[test]

@@ -57,7 +57,7 @@ impl TestHost {
     pub fn new() -> Self {
         Self {
             inner: Arc::new(HostInner {
-                shared: Arc::new(SharedState::new(Clock::virtual_clock(), None)),
+                shared: Arc::new(SharedState::new(Clock::virtual_clock(), None, usize::MAX)),
                 clusters: Mutex::default(),
                 vms: Mutex::default(),
                 next_connection: AtomicU64::new(0),

@@ -87,7 +87,7 @@ async fn exchange(cluster: &Cluster, request: &CalloutRequest) -> CalloutOutcome
         Ok(collected) => {
             let trailers = collected
                 .trailers()
-                .map(|t| response_headers_only(t))
+                .map(response_headers_only)
                 .unwrap_or_default();
             CalloutOutcome::Response {
                 headers: response_headers(parts.status, &parts.headers),

@@ -168,6 +168,9 @@ pub struct CallbackRecord {
     pub returned: Option<i32>,
 }
 
+/// `(root_context_id, token, num_headers, body_size, num_trailers)`.
+type CalloutResponseArgs = (i32, i32, i32, i32, i32);
+
 #[derive(Clone)]
 pub(crate) struct Exports {
     initialize: Option<TypedFunc<(), ()>>,
@@ -185,7 +188,7 @@ pub(crate) struct Exports {
     response_headers: Option<TypedFunc<(i32, i32, i32), i32>>,
     response_body: Option<TypedFunc<(i32, i32, i32), i32>>,
     response_trailers: Option<TypedFunc<(i32, i32), i32>>,
-    http_call_response: Option<TypedFunc<(i32, i32, i32, i32, i32), ()>>,
+    http_call_response: Option<TypedFunc<CalloutResponseArgs, ()>>,
     log: Option<TypedFunc<i32, ()>>,
     done: Option<TypedFunc<i32, i32>>,
     delete: Option<TypedFunc<i32, ()>>,
@@ -240,6 +243,11 @@ pub(crate) struct Half {
 }
 
 impl Half {
+    /// Body data held by a body-phase stop (StopIterationAndBuffer and friends).
+    pub(crate) fn body_held(&self) -> bool {
+        self.stop == Stop::Body
+    }
+
     fn new() -> Self {
         Self {
             headers: None,
@@ -1408,9 +1416,7 @@ impl Vm {
         if stream.finished {
             return;
         }
-        if stream.request.headers_forwarded && !stream.request.complete
-            || !stream.response.complete && stream.request.headers_forwarded
-        {
+        if stream.request.headers_forwarded && !(stream.request.complete && stream.response.complete) {
             stream.events.push(StreamEvent::UpstreamReset);
         }
         if let Some(details) = details {
