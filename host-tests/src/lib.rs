@@ -3,6 +3,7 @@
 //! test API ([`testing`]) or live, by the `idemgate-gateway` ([`gateway`]).
 
 mod abi;
+pub mod gateway;
 mod headers;
 mod hostcalls;
 mod plugin;

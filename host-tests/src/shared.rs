@@ -327,7 +327,6 @@ impl SharedState {
     pub fn logs(&self) -> Vec<LogRecord> {
         lock(&self.logs).iter().cloned().collect()
     }
-
 }
 
 #[cfg(test)]

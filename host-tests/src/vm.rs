@@ -1416,7 +1416,9 @@ impl Vm {
         if stream.finished {
             return;
         }
-        if stream.request.headers_forwarded && !(stream.request.complete && stream.response.complete) {
+        if stream.request.headers_forwarded
+            && !(stream.request.complete && stream.response.complete)
+        {
             stream.events.push(StreamEvent::UpstreamReset);
         }
         if let Some(details) = details {
