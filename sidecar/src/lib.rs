@@ -32,4 +32,4 @@ mod waiters;
 
 pub use config::{Cli, Config, ConfigError, RedisConfig, RedisTopology, StoreConfig};
 pub use server::{ServerError, Sidecar, run};
-pub use store::{CompletedInfo, HolderInfo, KeyInfo, StoreError};
+pub use store::{CompletedInfo, HolderInfo, KeyInfo, KeyState, StoreError};

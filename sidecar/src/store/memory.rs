@@ -6,7 +6,7 @@
 //! ever reissuing a fence. State does not survive a restart: that is what Redis is for.
 
 use super::{
-    ClaimArgs, ClaimReply, ClaimStep, CompletedInfo, Grant, HolderInfo, KeyInfo, LeaveStep,
+    ClaimArgs, ClaimReply, ClaimStep, CompletedInfo, Grant, HolderInfo, KeyInfo, KeyState, LeaveStep,
     Store, StoreResult, Stored, millis, now_us,
 };
 use crate::waiters::Waiters;
@@ -27,13 +27,13 @@ pub(crate) struct MemoryStore {
 
 #[derive(Default)]
 struct Inner {
-    keys: HashMap<String, KeyState>,
+    keys: HashMap<String, Entry>,
     last_fence: u64,
     ops: u64,
 }
 
 #[derive(Default)]
-struct KeyState {
+struct Entry {
     holder: Option<Holder>,
     /// A grant is outstanding: finding no holder while this is set means the lease expired.
     held: bool,
@@ -72,7 +72,7 @@ fn remaining_ms(until: Instant, now: Instant) -> u64 {
     millis(until.saturating_duration_since(now))
 }
 
-impl KeyState {
+impl Entry {
     /// Drops what has expired; returns whether a lease ran out.
     fn tidy(&mut self, now: Instant) -> bool {
         if self.holder.as_ref().is_some_and(|h| h.until <= now) {
@@ -126,7 +126,7 @@ impl MemoryStore {
     fn with_key<T>(
         &self,
         key: &str,
-        f: impl FnOnce(&mut Ctx<'_>, &mut KeyState, bool) -> T,
+        f: impl FnOnce(&mut Ctx<'_>, &mut Entry, bool) -> T,
     ) -> T {
         let now = Instant::now();
         let mut inner = self.lock();
@@ -169,7 +169,7 @@ struct Ctx<'a> {
 impl Ctx<'_> {
     fn grant(
         &mut self,
-        st: &mut KeyState,
+        st: &mut Entry,
         owner: &str,
         fingerprint: Option<String>,
         lease_ms: u64,
@@ -196,7 +196,7 @@ impl Ctx<'_> {
     }
 
     /// Hands a free key to the first live waiter and wakes it.
-    fn promote(&mut self, st: &mut KeyState) {
+    fn promote(&mut self, st: &mut Entry) {
         while let Some(next) = st.queue.pop_front() {
             if next.deadline > self.now {
                 self.grant(st, &next.owner, next.fingerprint, next.lease_ms);
@@ -206,13 +206,13 @@ impl Ctx<'_> {
         }
     }
 
-    fn release(&mut self, st: &mut KeyState) {
+    fn release(&mut self, st: &mut Entry) {
         st.holder = None;
         st.held = false;
         self.promote(st);
     }
 
-    fn busy_or_queue(&self, st: &mut KeyState, args: &ClaimArgs<'_>) -> ClaimStep {
+    fn busy_or_queue(&self, st: &mut Entry, args: &ClaimArgs<'_>) -> ClaimStep {
         let ttl = st.holder_ttl(self.now);
         let len = u32::try_from(st.queue.len()).unwrap_or(u32::MAX);
         let Some(queue) = args.queue else {
@@ -387,9 +387,9 @@ impl Store for MemoryStore {
         Ok(self.with_key(key, |ctx, st, _| KeyInfo {
             key: key.to_owned(),
             state: match (&st.holder, &st.response) {
-                (Some(_), _) => "held",
-                (None, Some(_)) => "completed",
-                (None, None) => "free",
+                (Some(_), _) => KeyState::Held,
+                (None, Some(_)) => KeyState::Completed,
+                (None, None) => KeyState::Free,
             },
             last_fence: st.last_fence,
             holder: st.holder.as_ref().map(|h| HolderInfo {

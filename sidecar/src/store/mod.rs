@@ -13,7 +13,7 @@ pub(crate) mod redis;
 use crate::waiters::Waiters;
 use bytes::Bytes;
 use idemgate_wire::{Mode, OwnerOutcome, StoredResponse};
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 use std::future::Future;
 use std::sync::Arc;
 use std::time::Duration;
@@ -103,12 +103,20 @@ pub(crate) enum LeaveStep {
     Left { retry_after_ms: u64, queue_len: u32 },
 }
 
-/// What an operator sees of one key.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+/// Whether a key is held, has a stored response, or neither.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum KeyState {
+    Free,
+    Held,
+    Completed,
+}
+
+/// What an operator sees of one key (`GET /admin/v1/keys/{key}`).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct KeyInfo {
     pub key: String,
-    /// `free`, `held` or `completed`.
-    pub state: &'static str,
+    pub state: KeyState,
     /// The last fencing token issued for this key (0: none known).
     pub last_fence: u64,
     pub holder: Option<HolderInfo>,
@@ -117,14 +125,14 @@ pub struct KeyInfo {
     pub completed: Option<CompletedInfo>,
 }
 
-#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct HolderInfo {
     pub fence: u64,
     pub age_ms: u64,
     pub lease_remaining_ms: u64,
 }
 
-#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct CompletedInfo {
     pub status: u16,
     pub retention_remaining_ms: u64,

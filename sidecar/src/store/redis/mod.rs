@@ -15,7 +15,7 @@ mod keys;
 mod scripts;
 
 use super::{
-    ClaimArgs, ClaimReply, ClaimStep, CompletedInfo, Grant, HolderInfo, KeyInfo, LeaveStep,
+    ClaimArgs, ClaimReply, ClaimStep, CompletedInfo, Grant, HolderInfo, KeyInfo, KeyState, LeaveStep,
     Store, StoreError, StoreResult, Stored, millis,
 };
 use crate::config::{RedisConfig, RedisTopology, redact_url};
@@ -540,9 +540,9 @@ impl Store for RedisStore {
         Ok(KeyInfo {
             key: key.to_owned(),
             state: match (held, status) {
-                (true, _) => "held",
-                (false, Some(_)) => "completed",
-                (false, None) => "free",
+                (true, _) => KeyState::Held,
+                (false, Some(_)) => KeyState::Completed,
+                (false, None) => KeyState::Free,
             },
             last_fence: number(items.get(5))?,
             holder,
