@@ -12,7 +12,11 @@ pub const DEFAULT_PORT: u16 = 9470;
 
 /// Command-line flags of `idemgate-sidecar`; every flag also reads an environment variable.
 #[derive(Debug, Parser)]
-#[command(name = "idemgate-sidecar", version, about = "The idemgate lock and idempotency sidecar")]
+#[command(
+    name = "idemgate-sidecar",
+    version,
+    about = "The idemgate lock and idempotency sidecar"
+)]
 pub struct Cli {
     /// Address to listen on (HTTP/1.1 and h2c on the same port).
     #[arg(long, env = "IDEMGATE_LISTEN", default_value_t = SocketAddr::from(([127, 0, 0, 1], DEFAULT_PORT)))]
@@ -23,7 +27,11 @@ pub struct Cli {
     #[arg(long, env = "REDIS_URL", value_delimiter = ',')]
     pub redis_url: Vec<String>,
     /// Treat the Redis URLs as Redis Cluster seed nodes.
-    #[arg(long, env = "IDEMGATE_REDIS_CLUSTER", conflicts_with = "redis_sentinel_master")]
+    #[arg(
+        long,
+        env = "IDEMGATE_REDIS_CLUSTER",
+        conflicts_with = "redis_sentinel_master"
+    )]
     pub redis_cluster: bool,
     /// Treat the Redis URLs as Sentinels and use the master of this name.
     #[arg(long, env = "IDEMGATE_REDIS_SENTINEL_MASTER")]
@@ -172,7 +180,10 @@ impl Config {
             .collect();
         let store = if urls.is_empty() {
             if cli.redis_cluster || cli.redis_sentinel_master.is_some() {
-                return Err(bad("redis-url", "required with --redis-cluster/--redis-sentinel-master"));
+                return Err(bad(
+                    "redis-url",
+                    "required with --redis-cluster/--redis-sentinel-master",
+                ));
             }
             StoreConfig::Memory
         } else {
@@ -182,7 +193,10 @@ impl Config {
                     || url.starts_with("redis+unix://")
                     || url.starts_with("unix://"))
                 {
-                    return Err(bad("redis-url", "must start with redis://, rediss:// or unix://"));
+                    return Err(bad(
+                        "redis-url",
+                        "must start with redis://, rediss:// or unix://",
+                    ));
                 }
             }
             let topology = match (cli.redis_cluster, cli.redis_sentinel_master) {
@@ -203,7 +217,10 @@ impl Config {
                     .bytes()
                     .all(|b| b.is_ascii_alphanumeric() || b"_.-".contains(&b))
             {
-                return Err(bad("redis-prefix", "must be letters, digits, '_', '.' or '-'"));
+                return Err(bad(
+                    "redis-prefix",
+                    "must be letters, digits, '_', '.' or '-'",
+                ));
             }
             StoreConfig::Redis(RedisConfig {
                 urls,
@@ -227,6 +244,12 @@ impl Config {
         if fence_ttl < Duration::from_secs(60) {
             return Err(bad("fence-ttl-secs", "must be at least 60"));
         }
+        let max_lease = positive("max-lease-ms", cli.max_lease_ms)?;
+        if fence_ttl <= max_lease {
+            // The fence record must outlive every lease, or a release would recreate it
+            // without an expiry.
+            return Err(bad("fence-ttl-secs", "must exceed --max-lease-ms"));
+        }
         Ok(Config {
             listen: cli.listen,
             store,
@@ -235,7 +258,7 @@ impl Config {
                 max_body: cli.max_body_bytes,
                 ..idemgate_wire::Limits::default()
             },
-            max_lease: positive("max-lease-ms", cli.max_lease_ms)?,
+            max_lease,
             max_wait: positive("max-wait-ms", cli.max_wait_ms)?,
             max_queue: cli.max_queue,
             max_retention: positive("max-retention-ms", cli.max_retention_ms)?,

@@ -53,14 +53,22 @@ pub(crate) fn router<S: Store>(app: Arc<App<S>>) -> Router {
         .route("/admin/v1/keys", get(list_keys::<S>))
         .route("/admin/v1/keys/{*key}", get(inspect_key::<S>))
         .route("/admin/v1/release", post(force_release::<S>))
-        .route_layer(middleware::from_fn_with_state(Arc::clone(&app), authenticate::<S>));
+        .route_layer(middleware::from_fn_with_state(
+            Arc::clone(&app),
+            authenticate::<S>,
+        ));
     Router::new()
         .merge(protected)
         .route("/healthz", get(|| async { "ok\n" }))
         .route("/readyz", get(ready::<S>))
         .route("/metrics", get(metrics::<S>))
         .fallback(|| async {
-            problem(StatusCode::NOT_FOUND, problem_types::NOT_FOUND, "no such endpoint", None)
+            problem(
+                StatusCode::NOT_FOUND,
+                problem_types::NOT_FOUND,
+                "no such endpoint",
+                None,
+            )
         })
         .method_not_allowed_fallback(|| async {
             problem(
@@ -70,11 +78,44 @@ pub(crate) fn router<S: Store>(app: Arc<App<S>>) -> Router {
                 None,
             )
         })
-        .layer(middleware::from_fn_with_state(Arc::clone(&app), observe::<S>))
+        .layer(middleware::from_fn_with_state(
+            Arc::clone(&app),
+            observe::<S>,
+        ))
         .with_state(app)
 }
 
 // === problems ===
+
+/// A problem+json answer (boxed: it travels in `Err` variants).
+pub(crate) struct Rejection(Box<Problem>);
+
+type Answer = Result<Response, Rejection>;
+
+impl IntoResponse for Rejection {
+    fn into_response(self) -> Response {
+        let status =
+            StatusCode::from_u16(self.0.status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
+        let mut response = (
+            status,
+            [(header::CONTENT_TYPE, idemgate_wire::PROBLEM_CONTENT_TYPE)],
+            serde_json::to_vec(&*self.0).unwrap_or_default(),
+        )
+            .into_response();
+        if let Some(ms) = self.0.retry_after_ms {
+            response.headers_mut().insert(
+                header::RETRY_AFTER,
+                HeaderValue::from(ms.div_ceil(1000).max(1)),
+            );
+        }
+        if status == StatusCode::UNAUTHORIZED {
+            response
+                .headers_mut()
+                .insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
+        }
+        response
+    }
+}
 
 fn problem_with_retry(
     status: StatusCode,
@@ -82,38 +123,21 @@ fn problem_with_retry(
     title: &str,
     detail: Option<String>,
     retry_after_ms: Option<u64>,
-) -> Response {
-    let body = Problem {
+) -> Rejection {
+    Rejection(Box::new(Problem {
         type_uri: type_uri.to_owned(),
         title: title.to_owned(),
         status: status.as_u16(),
         detail,
         retry_after_ms,
-    };
-    let mut response = (
-        status,
-        [(header::CONTENT_TYPE, idemgate_wire::PROBLEM_CONTENT_TYPE)],
-        serde_json::to_vec(&body).unwrap_or_default(),
-    )
-        .into_response();
-    if let Some(ms) = retry_after_ms {
-        response
-            .headers_mut()
-            .insert(header::RETRY_AFTER, HeaderValue::from(ms.div_ceil(1000).max(1)));
-    }
-    if status == StatusCode::UNAUTHORIZED {
-        response
-            .headers_mut()
-            .insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
-    }
-    response
+    }))
 }
 
-fn problem(status: StatusCode, type_uri: &str, title: &str, detail: Option<String>) -> Response {
+fn problem(status: StatusCode, type_uri: &str, title: &str, detail: Option<String>) -> Rejection {
     problem_with_retry(status, type_uri, title, detail, None)
 }
 
-fn bad_request(detail: String) -> Response {
+fn bad_request(detail: String) -> Rejection {
     problem(
         StatusCode::BAD_REQUEST,
         problem_types::BAD_REQUEST,
@@ -122,7 +146,7 @@ fn bad_request(detail: String) -> Response {
     )
 }
 
-fn field_problem(err: FieldError) -> Response {
+fn field_problem(err: FieldError) -> Rejection {
     if err.too_large {
         problem(
             StatusCode::PAYLOAD_TOO_LARGE,
@@ -136,7 +160,7 @@ fn field_problem(err: FieldError) -> Response {
 }
 
 impl<S: Store> App<S> {
-    fn store_error(&self, err: &StoreError) -> Response {
+    fn store_error(&self, err: &StoreError) -> Rejection {
         let kind = if err.is_transient() {
             "transient"
         } else {
@@ -159,15 +183,15 @@ impl<S: Store> App<S> {
         )
     }
 
-    fn lock_error(&self, err: &LockError) -> Response {
+    fn lock_error(&self, err: LockError) -> Rejection {
         match err {
-            LockError::Store(err) => self.store_error(err),
+            LockError::Store(err) => self.store_error(&err),
             LockError::ShuttingDown => shutting_down(),
         }
     }
 }
 
-fn shutting_down() -> Response {
+fn shutting_down() -> Rejection {
     problem_with_retry(
         StatusCode::SERVICE_UNAVAILABLE,
         problem_types::SHUTTING_DOWN,
@@ -194,7 +218,8 @@ async fn authenticate<S: Store>(State(app): AppState<S>, req: Request, next: Nex
                 problem_types::UNAUTHORIZED,
                 "missing or wrong bearer token",
                 None,
-            );
+            )
+            .into_response();
         }
     }
     next.run(req).await
@@ -218,7 +243,7 @@ async fn observe<S: Store>(State(app): AppState<S>, req: Request, next: Next) ->
 // === protocol ===
 
 /// Reads the whole body, refusing more than the configured limit allows.
-async fn read_body<S>(app: &App<S>, req: Request) -> Result<Bytes, Response> {
+async fn read_body<S>(app: &App<S>, req: Request) -> Result<Bytes, Rejection> {
     let limit = app.config.limits.max_body.saturating_add(HEAD_ALLOWANCE);
     let too_large = || {
         problem(
@@ -263,7 +288,7 @@ fn framed<T: serde::Serialize>(head: &T, payload: &[u8]) -> Response {
 fn decode<'a, T: Deserialize<'a>>(
     frame: &'a [u8],
     with_payload: bool,
-) -> Result<(T, &'a [u8]), Response> {
+) -> Result<(T, &'a [u8]), Rejection> {
     let (head, payload) =
         idemgate_wire::decode::<T>(frame).map_err(|e| bad_request(e.to_string()))?;
     if !with_payload && !payload.is_empty() {
@@ -272,80 +297,49 @@ fn decode<'a, T: Deserialize<'a>>(
     Ok((head, payload))
 }
 
-async fn claim<S: Store>(State(app): AppState<S>, req: Request) -> Response {
-    let frame = match read_body(&app, req).await {
-        Ok(frame) => frame,
-        Err(response) => return response,
-    };
-    let req: ClaimRequest = match decode(&frame, false) {
-        Ok((req, _)) => req,
-        Err(response) => return response,
-    };
-    if let Err(err) = app.config.limits.claim(&req) {
-        return field_problem(err);
-    }
-    match app.locks.claim(&req).await {
-        Ok((outcome, payload)) => framed(&outcome, &payload),
-        Err(err) => app.lock_error(&err),
-    }
+async fn claim<S: Store>(State(app): AppState<S>, req: Request) -> Answer {
+    let frame = read_body(&app, req).await?;
+    let (req, _): (ClaimRequest, _) = decode(&frame, false)?;
+    app.config.limits.claim(&req).map_err(field_problem)?;
+    let (outcome, payload) = app.locks.claim(&req).await.map_err(|e| app.lock_error(e))?;
+    Ok(framed(&outcome, &payload))
 }
 
-async fn complete<S: Store>(State(app): AppState<S>, req: Request) -> Response {
-    let frame = match read_body(&app, req).await {
-        Ok(frame) => frame,
-        Err(response) => return response,
-    };
-    let (req, payload): (CompleteRequest, &[u8]) = match decode(&frame, true) {
-        Ok(decoded) => decoded,
-        Err(response) => return response,
-    };
-    if let Err(err) = app.config.limits.complete(&req, payload) {
-        return field_problem(err);
-    }
+async fn complete<S: Store>(State(app): AppState<S>, req: Request) -> Answer {
+    let frame = read_body(&app, req).await?;
+    let (req, payload): (CompleteRequest, _) = decode(&frame, true)?;
+    app.config
+        .limits
+        .complete(&req, payload)
+        .map_err(field_problem)?;
     if req.response.is_some() && req.retention_ms == 0 {
-        return bad_request("retention_ms: must be greater than zero with a response".into());
+        return Err(bad_request(
+            "retention_ms: must be greater than zero with a response".into(),
+        ));
     }
     let body = frame.slice_ref(payload);
-    match app.locks.complete(req, body).await {
-        Ok(outcome) => framed(&outcome, &[]),
-        Err(err) => app.lock_error(&err),
-    }
+    let outcome = app
+        .locks
+        .complete(req, body)
+        .await
+        .map_err(|e| app.lock_error(e))?;
+    Ok(framed(&outcome, &[]))
 }
 
-async fn abort<S: Store>(State(app): AppState<S>, req: Request) -> Response {
-    let frame = match read_body(&app, req).await {
-        Ok(frame) => frame,
-        Err(response) => return response,
-    };
-    let req: AbortRequest = match decode(&frame, false) {
-        Ok((req, _)) => req,
-        Err(response) => return response,
-    };
-    if let Err(err) = app.config.limits.abort(&req) {
-        return field_problem(err);
-    }
-    match app.locks.abort(&req).await {
-        Ok(outcome) => framed(&outcome, &[]),
-        Err(err) => app.lock_error(&err),
-    }
+async fn abort<S: Store>(State(app): AppState<S>, req: Request) -> Answer {
+    let frame = read_body(&app, req).await?;
+    let (req, _): (AbortRequest, _) = decode(&frame, false)?;
+    app.config.limits.abort(&req).map_err(field_problem)?;
+    let outcome = app.locks.abort(&req).await.map_err(|e| app.lock_error(e))?;
+    Ok(framed(&outcome, &[]))
 }
 
-async fn renew<S: Store>(State(app): AppState<S>, req: Request) -> Response {
-    let frame = match read_body(&app, req).await {
-        Ok(frame) => frame,
-        Err(response) => return response,
-    };
-    let req: RenewRequest = match decode(&frame, false) {
-        Ok((req, _)) => req,
-        Err(response) => return response,
-    };
-    if let Err(err) = app.config.limits.renew(&req) {
-        return field_problem(err);
-    }
-    match app.locks.renew(&req).await {
-        Ok(outcome) => framed(&outcome, &[]),
-        Err(err) => app.lock_error(&err),
-    }
+async fn renew<S: Store>(State(app): AppState<S>, req: Request) -> Answer {
+    let frame = read_body(&app, req).await?;
+    let (req, _): (RenewRequest, _) = decode(&frame, false)?;
+    app.config.limits.renew(&req).map_err(field_problem)?;
+    let outcome = app.locks.renew(&req).await.map_err(|e| app.lock_error(e))?;
+    Ok(framed(&outcome, &[]))
 }
 
 // === admin, health, metrics ===
@@ -359,7 +353,7 @@ fn json<T: serde::Serialize>(value: &T) -> Response {
         .into_response()
 }
 
-async fn list_keys<S: Store>(State(app): AppState<S>, req: Request) -> Response {
+async fn list_keys<S: Store>(State(app): AppState<S>, req: Request) -> Answer {
     let limit = match req
         .uri()
         .query()
@@ -370,23 +364,29 @@ async fn list_keys<S: Store>(State(app): AppState<S>, req: Request) -> Response 
         None => LIST_DEFAULT,
         Some(v) => match v.parse::<usize>() {
             Ok(n) if (1..=LIST_MAX).contains(&n) => n,
-            _ => return bad_request(format!("limit: must be 1..={LIST_MAX}")),
+            _ => return Err(bad_request(format!("limit: must be 1..={LIST_MAX}"))),
         },
     };
-    match app.locks.store().list_held(limit).await {
-        Ok((keys, truncated)) => json(&serde_json::json!({ "keys": keys, "truncated": truncated })),
-        Err(err) => app.store_error(&err),
-    }
+    let (keys, truncated) = app
+        .locks
+        .store()
+        .list_held(limit)
+        .await
+        .map_err(|e| app.store_error(&e))?;
+    Ok(json(
+        &serde_json::json!({ "keys": keys, "truncated": truncated }),
+    ))
 }
 
-async fn inspect_key<S: Store>(State(app): AppState<S>, Path(key): Path<String>) -> Response {
-    if let Err(err) = app.config.limits.key(&key) {
-        return field_problem(err);
-    }
-    match app.locks.store().inspect(&key).await {
-        Ok(info) => json(&info),
-        Err(err) => app.store_error(&err),
-    }
+async fn inspect_key<S: Store>(State(app): AppState<S>, Path(key): Path<String>) -> Answer {
+    app.config.limits.key(&key).map_err(field_problem)?;
+    let info = app
+        .locks
+        .store()
+        .inspect(&key)
+        .await
+        .map_err(|e| app.store_error(&e))?;
+    Ok(json(&info))
 }
 
 #[derive(Deserialize)]
@@ -395,47 +395,45 @@ struct ReleaseRequest {
     key: String,
 }
 
-async fn force_release<S: Store>(State(app): AppState<S>, req: Request) -> Response {
+async fn force_release<S: Store>(State(app): AppState<S>, req: Request) -> Answer {
     let peer = req
         .extensions()
         .get::<ConnectInfo<SocketAddr>>()
         .map(|c| c.0.to_string())
         .unwrap_or_default();
-    let body = match read_body(&app, req).await {
-        Ok(body) => body,
-        Err(response) => return response,
-    };
-    let release: ReleaseRequest = match serde_json::from_slice(&body) {
-        Ok(r) => r,
-        Err(err) => return bad_request(err.to_string()),
-    };
-    if let Err(err) = app.config.limits.key(&release.key) {
-        return field_problem(err);
-    }
-    match app.locks.store().force_release(&release.key).await {
-        Ok(fence) => {
-            app.metrics.force_releases.inc();
-            tracing::warn!(
-                audit = "force_release",
-                key = %release.key,
-                released_fence = ?fence,
-                %peer,
-                "operator force-released a key"
-            );
-            json(&serde_json::json!({ "released": fence.is_some(), "fence": fence }))
-        }
-        Err(err) => app.store_error(&err),
-    }
+    let body = read_body(&app, req).await?;
+    let release: ReleaseRequest =
+        serde_json::from_slice(&body).map_err(|e| bad_request(e.to_string()))?;
+    app.config.limits.key(&release.key).map_err(field_problem)?;
+    let fence = app
+        .locks
+        .store()
+        .force_release(&release.key)
+        .await
+        .map_err(|e| app.store_error(&e))?;
+    app.metrics.force_releases.inc();
+    tracing::warn!(
+        audit = "force_release",
+        key = %release.key,
+        released_fence = ?fence,
+        %peer,
+        "operator force-released a key"
+    );
+    Ok(json(
+        &serde_json::json!({ "released": fence.is_some(), "fence": fence }),
+    ))
 }
 
-async fn ready<S: Store>(State(app): AppState<S>) -> Response {
+async fn ready<S: Store>(State(app): AppState<S>) -> Answer {
     if *app.shutting_down.borrow() {
-        return shutting_down();
+        return Err(shutting_down());
     }
-    match app.locks.store().ping().await {
-        Ok(()) => (StatusCode::OK, "ready\n").into_response(),
-        Err(err) => app.store_error(&err),
-    }
+    app.locks
+        .store()
+        .ping()
+        .await
+        .map_err(|e| app.store_error(&e))?;
+    Ok((StatusCode::OK, "ready\n").into_response())
 }
 
 async fn metrics<S: Store>(State(app): AppState<S>) -> Response {

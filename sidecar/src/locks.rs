@@ -78,7 +78,10 @@ impl<S: Store> Drop for QueueGuard<S> {
             return; // runtime gone: the queue entry expires with its deadline
         };
         let store = Arc::clone(&self.store);
-        let (key, owner) = (std::mem::take(&mut self.key), std::mem::take(&mut self.owner));
+        let (key, owner) = (
+            std::mem::take(&mut self.key),
+            std::mem::take(&mut self.owner),
+        );
         runtime.spawn(async move {
             if let Err(err) = store.leave(&key, &owner, true).await {
                 tracing::warn!(%err, "could not remove an abandoned waiter; it expires by itself");
@@ -116,7 +119,10 @@ impl<S: Store> Locks<S> {
 
     /// Claims `req.key`; waits in FIFO order when `req.wait` is set. Returns the answer and
     /// its payload (the stored body of a `completed` answer).
-    pub(crate) async fn claim(&self, req: &ClaimRequest) -> Result<(ClaimOutcome, Bytes), LockError> {
+    pub(crate) async fn claim(
+        &self,
+        req: &ClaimRequest,
+    ) -> Result<(ClaimOutcome, Bytes), LockError> {
         let owner = random_token();
         let mut args = ClaimArgs {
             key: &req.key,
@@ -201,7 +207,9 @@ impl<S: Store> Locks<S> {
 
     fn give_up(&self, owner: &str, step: LeaveStep, started: Instant) -> (ClaimOutcome, Bytes) {
         match step {
-            LeaveStep::Granted(grant) => self.answer(owner, ClaimStep::Granted(grant), Some(started)),
+            LeaveStep::Granted(grant) => {
+                self.answer(owner, ClaimStep::Granted(grant), Some(started))
+            }
             LeaveStep::Left {
                 retry_after_ms,
                 queue_len,

@@ -64,7 +64,10 @@ impl Metrics {
         Ok(Metrics {
             claims: register(
                 r,
-                IntCounterVec::new(opts("claims_total", "Claim answers by outcome."), &["outcome"])?,
+                IntCounterVec::new(
+                    opts("claims_total", "Claim answers by outcome."),
+                    &["outcome"],
+                )?,
             ),
             wait_seconds: register(
                 r,
@@ -83,7 +86,9 @@ impl Metrics {
                 Histogram::with_opts(hist(
                     "queue_position",
                     "Queue position when a claim joined (0 = next).",
-                    vec![0.0, 1.0, 2.0, 5.0, 10.0, 20.0, 50.0, 100.0, 200.0, 500.0, 1000.0],
+                    vec![
+                        0.0, 1.0, 2.0, 5.0, 10.0, 20.0, 50.0, 100.0, 200.0, 500.0, 1000.0,
+                    ],
                 ))?,
             ),
             handoff_seconds: register(
@@ -104,13 +109,19 @@ impl Metrics {
             stale_owners: register(
                 r,
                 IntCounterVec::new(
-                    opts("stale_owners_total", "Refused complete/abort/renew from non-owners."),
+                    opts(
+                        "stale_owners_total",
+                        "Refused complete/abort/renew from non-owners.",
+                    ),
                     &["op"],
                 )?,
             ),
             store_errors: register(
                 r,
-                IntCounterVec::new(opts("store_errors_total", "Store errors by kind."), &["kind"])?,
+                IntCounterVec::new(
+                    opts("store_errors_total", "Store errors by kind."),
+                    &["kind"],
+                )?,
             ),
             force_releases: register(
                 r,

@@ -70,8 +70,18 @@ impl RedisServer {
         let port = self.port.to_string();
         let dir = self.dir.to_string_lossy().into_owned();
         let mut args = vec![
-            "--port", &port, "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-            "--dir", &dir, "--protected-mode", "no",
+            "--port",
+            &port,
+            "--bind",
+            "127.0.0.1",
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+            "--dir",
+            &dir,
+            "--protected-mode",
+            "no",
         ];
         args.extend(self.extra.iter().map(String::as_str));
         let child = Command::new("redis-server")
@@ -268,10 +278,7 @@ fn free_port(with_bus: bool) -> io::Result<u16> {
 }
 
 fn scratch_dir(port: u16) -> io::Result<PathBuf> {
-    let dir = std::env::temp_dir().join(format!(
-        "idemgate-redis-{}-{port}",
-        std::process::id()
-    ));
+    let dir = std::env::temp_dir().join(format!("idemgate-redis-{}-{port}", std::process::id()));
     std::fs::create_dir_all(&dir)?;
     Ok(dir)
 }
@@ -319,7 +326,9 @@ fn redis_cli(port: u16, password: Option<&str>, args: &[&str]) -> io::Result<Str
     }
     let out = cmd.args(args).output()?;
     if !out.status.success() {
-        return Err(io::Error::other(String::from_utf8_lossy(&out.stderr).into_owned()));
+        return Err(io::Error::other(
+            String::from_utf8_lossy(&out.stderr).into_owned(),
+        ));
     }
     Ok(String::from_utf8_lossy(&out.stdout).into_owned())
 }

@@ -15,10 +15,14 @@ async fn claims_queues_and_replays_work_on_a_cluster() {
         let req = claim_req(&key, Mode::Idempotency, 60_000);
         let (owner, _) = granted(&c.claim(&req).await.0);
         assert!(matches!(c.claim(&req).await.0, ClaimOutcome::Busy { .. }));
-        let response = StoredResponse { status: 200, headers: vec![] };
+        let response = StoredResponse {
+            status: 200,
+            headers: vec![],
+        };
         let body = format!("body-{i}");
         assert_eq!(
-            c.complete(&key, &owner, 60_000, Some((response, body.as_bytes()))).await,
+            c.complete(&key, &owner, 60_000, Some((response, body.as_bytes())))
+                .await,
             OwnerOutcome::Released
         );
         match c.claim(&req).await {
@@ -37,9 +41,13 @@ async fn claims_queues_and_replays_work_on_a_cluster() {
     for i in 0..10 {
         let client = c.clone();
         waiters.push(tokio::spawn(async move {
-            client.claim(&waiting(claim_req(key, Mode::Lock, 10_000), 30_000, 100)).await.0
+            client
+                .claim(&waiting(claim_req(key, Mode::Lock, 10_000), 30_000, 100))
+                .await
+                .0
         }));
-        c.wait_for_key(key, "waiters to queue", |info| info.queue_len == i + 1).await;
+        c.wait_for_key(key, "waiters to queue", |info| info.queue_len == i + 1)
+            .await;
     }
     c.complete(key, &holder, 1000, None).await;
     let mut last = fence;

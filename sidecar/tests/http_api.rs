@@ -11,7 +11,12 @@ async fn malformed_and_oversized_requests_get_problems() {
     let h = Harness::start_with(Backend::Memory, |c| c.limits.max_body = 1000).await;
     let c = &h.client;
     let cases: Vec<(Vec<u8>, &str, StatusCode, &str)> = vec![
-        (b"not json".to_vec(), paths::CLAIM, StatusCode::BAD_REQUEST, problem_types::BAD_REQUEST),
+        (
+            b"not json".to_vec(),
+            paths::CLAIM,
+            StatusCode::BAD_REQUEST,
+            problem_types::BAD_REQUEST,
+        ),
         (
             br#"{"key":"k","mode":"lock","lease_ms":0}"#.to_vec(),
             paths::CLAIM,
@@ -25,7 +30,11 @@ async fn malformed_and_oversized_requests_get_problems() {
             problem_types::BAD_REQUEST,
         ),
         (
-            format!(r#"{{"key":"{}","mode":"lock","lease_ms":10}}"#, "k".repeat(500)).into_bytes(),
+            format!(
+                r#"{{"key":"{}","mode":"lock","lease_ms":10}}"#,
+                "k".repeat(500)
+            )
+            .into_bytes(),
             paths::CLAIM,
             StatusCode::PAYLOAD_TOO_LARGE,
             problem_types::TOO_LARGE,
@@ -73,11 +82,21 @@ payload"#
             StatusCode::BAD_REQUEST,
             problem_types::BAD_REQUEST,
         ),
-        (b"{}".to_vec(), "/v1/nope", StatusCode::NOT_FOUND, problem_types::NOT_FOUND),
+        (
+            b"{}".to_vec(),
+            "/v1/nope",
+            StatusCode::NOT_FOUND,
+            problem_types::NOT_FOUND,
+        ),
     ];
     for (body, path, status, type_uri) in cases {
         let reply = c.send(Method::POST, path, body.clone()).await;
-        assert_eq!(reply.status, status, "{path} {}", String::from_utf8_lossy(&body[..body.len().min(80)]));
+        assert_eq!(
+            reply.status,
+            status,
+            "{path} {}",
+            String::from_utf8_lossy(&body[..body.len().min(80)])
+        );
         let problem = reply.problem();
         assert_eq!(problem.type_uri, type_uri);
         assert_eq!(problem.status, status.as_u16());
@@ -85,7 +104,11 @@ payload"#
     let reply = c.get(paths::CLAIM).await;
     assert_eq!(reply.status, StatusCode::METHOD_NOT_ALLOWED);
     // The sidecar is still fine afterwards.
-    granted(&c.claim(&claim_req("after-bad-input", Mode::Lock, 1000)).await.0);
+    granted(
+        &c.claim(&claim_req("after-bad-input", Mode::Lock, 1000))
+            .await
+            .0,
+    );
 }
 
 #[tokio::test]
@@ -100,7 +123,10 @@ async fn bearer_token_guards_protocol_and_admin_but_not_health() {
         assert_eq!(reply.status, StatusCode::UNAUTHORIZED);
         assert_eq!(reply.problem().type_uri, problem_types::UNAUTHORIZED);
         assert!(reply.headers.contains_key("www-authenticate"));
-        assert_eq!(client.get("/admin/v1/keys").await.status, StatusCode::UNAUTHORIZED);
+        assert_eq!(
+            client.get("/admin/v1/keys").await.status,
+            StatusCode::UNAUTHORIZED
+        );
     }
     granted(&right.claim(&req).await.0);
     assert_eq!(right.get("/admin/v1/keys").await.status, StatusCode::OK);
@@ -125,16 +151,26 @@ async fn admin_inspects_lists_and_force_releases() {
         serde_json::from_slice(&c.get("/admin/v1/keys?limit=1").await.body).unwrap();
     assert_eq!(list["keys"].as_array().map(Vec::len), Some(1));
     assert_eq!(list["truncated"], true);
-    assert_eq!(c.get("/admin/v1/keys?limit=0").await.status, StatusCode::BAD_REQUEST);
+    assert_eq!(
+        c.get("/admin/v1/keys?limit=0").await.status,
+        StatusCode::BAD_REQUEST
+    );
 
     let reply = c
-        .send(Method::POST, "/admin/v1/release", br#"{"key":"adm/1"}"#.to_vec())
+        .send(
+            Method::POST,
+            "/admin/v1/release",
+            br#"{"key":"adm/1"}"#.to_vec(),
+        )
         .await;
     assert_eq!(reply.status, StatusCode::OK);
     let released: serde_json::Value = serde_json::from_slice(&reply.body).unwrap();
     assert_eq!(released["fence"], fence);
     assert_eq!(c.inspect("adm/1").await.state, KeyState::Free);
-    assert_eq!(c.complete("adm/1", &owner, 1000, None).await, OwnerOutcome::Stale);
+    assert_eq!(
+        c.complete("adm/1", &owner, 1000, None).await,
+        OwnerOutcome::Stale
+    );
     let bad = c
         .send(Method::POST, "/admin/v1/release", br#"{"key":""}"#.to_vec())
         .await;
@@ -148,12 +184,19 @@ async fn completed_state_and_metrics_are_visible() {
     let c = &h.client;
     let req = claim_req("k-metrics", Mode::Idempotency, 60_000);
     let (owner, _) = granted(&c.claim(&req).await.0);
-    let response = StoredResponse { status: 200, headers: vec![] };
-    c.complete("k-metrics", &owner, 60_000, Some((response, b"ok"))).await;
+    let response = StoredResponse {
+        status: 200,
+        headers: vec![],
+    };
+    c.complete("k-metrics", &owner, 60_000, Some((response, b"ok")))
+        .await;
     let info = c.inspect("k-metrics").await;
     assert_eq!(info.state, KeyState::Completed);
     assert_eq!(info.completed.map(|c| c.status), Some(200));
-    assert!(matches!(c.claim(&req).await.0, ClaimOutcome::Completed { .. }));
+    assert!(matches!(
+        c.claim(&req).await.0,
+        ClaimOutcome::Completed { .. }
+    ));
     let text = String::from_utf8_lossy(&c.get("/metrics").await.body).into_owned();
     for name in [
         "idemgate_sidecar_claims_total{outcome=\"granted\"} 1",
@@ -184,7 +227,8 @@ async fn http1_and_h2c_share_one_port_and_h2c_multiplexes_long_polls() {
                 .0
         }));
     }
-    h1.wait_for_key(key, "all waiters queued", |i| i.queue_len == 300).await;
+    h1.wait_for_key(key, "all waiters queued", |i| i.queue_len == 300)
+        .await;
     h1.complete(key, &holder, 1000, None).await;
     for waiter in waiters {
         let (owner, _) = granted(&waiter.await.unwrap());
@@ -200,7 +244,11 @@ async fn shutdown_answers_waiting_long_polls_with_a_problem() {
     let client = h.client.clone();
     let waiter = tokio::spawn(async move {
         client
-            .post(paths::CLAIM, &waiting(claim_req(key, Mode::Lock, 1000), 60_000, 10), &[])
+            .post(
+                paths::CLAIM,
+                &waiting(claim_req(key, Mode::Lock, 1000), 60_000, 10),
+                &[],
+            )
             .await
     });
     h.client

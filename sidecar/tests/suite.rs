@@ -48,7 +48,10 @@ async fn one_of_a_thousand_concurrent_claims_is_granted(backend: Backend) {
     for _ in 0..1000 {
         let client = h.client.clone();
         tasks.push(tokio::spawn(async move {
-            client.claim(&claim_req("k-1000", Mode::Lock, 30_000)).await.0
+            client
+                .claim(&claim_req("k-1000", Mode::Lock, 30_000))
+                .await
+                .0
         }));
     }
     let (mut grants, mut busy) = (0, 0);
@@ -66,7 +69,8 @@ async fn two_hundred_waiters_are_granted_once_in_fifo_order(backend: Backend) {
     const N: usize = 200;
     let h = Harness::start(backend).await;
     let key = "k-fifo";
-    let (first, first_fence) = granted(&h.client.claim(&claim_req(key, Mode::Lock, 60_000)).await.0);
+    let (first, first_fence) =
+        granted(&h.client.claim(&claim_req(key, Mode::Lock, 60_000)).await.0);
     let order = Arc::new(Mutex::new(Vec::new()));
     let mut tasks = Vec::new();
     for i in 0..N {
@@ -84,7 +88,9 @@ async fn two_hundred_waiters_are_granted_once_in_fifo_order(backend: Backend) {
         }));
         // Enqueue one at a time so the expected FIFO order is known.
         h.client
-            .wait_for_key(key, "the waiter to queue", |info| info.queue_len as usize == i + 1)
+            .wait_for_key(key, "the waiter to queue", |info| {
+                info.queue_len as usize == i + 1
+            })
             .await;
     }
     assert_eq!(
@@ -96,7 +102,11 @@ async fn two_hundred_waiters_are_granted_once_in_fifo_order(backend: Backend) {
     }
     let order = order.lock().unwrap().clone();
     let indices: Vec<usize> = order.iter().map(|(i, _)| *i).collect();
-    assert_eq!(indices, (0..N).collect::<Vec<_>>(), "granted in FIFO order, once each");
+    assert_eq!(
+        indices,
+        (0..N).collect::<Vec<_>>(),
+        "granted in FIFO order, once each"
+    );
     let mut last = first_fence;
     for (_, fence) in &order {
         assert!(*fence > last, "fences strictly increase: {order:?}");
@@ -122,7 +132,10 @@ async fn wrong_owner_is_refused(backend: Backend) {
     ));
     assert_eq!(h.client.abort(key, &owner).await, OwnerOutcome::Released);
     assert_eq!(h.client.abort(key, &owner).await, OwnerOutcome::Stale);
-    let stale = h.client.metric("idemgate_sidecar_stale_owners_total{op=\"abort\"}").await;
+    let stale = h
+        .client
+        .metric("idemgate_sidecar_stale_owners_total{op=\"abort\"}")
+        .await;
     assert_eq!(stale, 2.0);
 }
 
@@ -141,7 +154,12 @@ async fn lease_expiry_hands_over_with_a_higher_fence(backend: Backend) {
     ] {
         assert_eq!(outcome, OwnerOutcome::Stale);
     }
-    assert!(h.client.metric("idemgate_sidecar_lease_expiries_total").await >= 1.0);
+    assert!(
+        h.client
+            .metric("idemgate_sidecar_lease_expiries_total")
+            .await
+            >= 1.0
+    );
     // Without waiters, a plain claim after expiry is granted with a higher fence again.
     assert_eq!(h.client.abort(key, &new).await, OwnerOutcome::Released);
     let (short, short_fence) = granted(&h.client.claim(&claim_req(key, Mode::Lock, 100)).await.0);
@@ -229,7 +247,13 @@ async fn waiters_get_the_stored_response(backend: Backend) {
         .await;
     for waiter in waiters {
         match waiter.await.unwrap() {
-            (ClaimOutcome::Completed { response: r, waited_ms }, payload) => {
+            (
+                ClaimOutcome::Completed {
+                    response: r,
+                    waited_ms,
+                },
+                payload,
+            ) => {
                 assert_eq!(r, response);
                 assert!(payload[..] == body[..]);
                 let _ = waited_ms;
@@ -244,7 +268,12 @@ async fn abort_hands_over_and_renew_is_capped(backend: Backend) {
     let h = Harness::start_with(backend, |c| c.max_lease = Duration::from_secs(5)).await;
     let key = "k-abort";
     let (first, fence) = granted(&h.client.claim(&claim_req(key, Mode::Lock, 60_000)).await.0);
-    match h.client.claim(&claim_req("k-cap", Mode::Lock, 60_000)).await.0 {
+    match h
+        .client
+        .claim(&claim_req("k-cap", Mode::Lock, 60_000))
+        .await
+        .0
+    {
         ClaimOutcome::Granted { lease_ms, .. } => assert_eq!(lease_ms, 5000),
         other => panic!("unexpected {other:?}"),
     }

@@ -6,8 +6,8 @@
 //! ever reissuing a fence. State does not survive a restart: that is what Redis is for.
 
 use super::{
-    ClaimArgs, ClaimReply, ClaimStep, CompletedInfo, Grant, HolderInfo, KeyInfo, KeyState, LeaveStep,
-    Store, StoreResult, Stored, millis, now_us,
+    ClaimArgs, ClaimReply, ClaimStep, CompletedInfo, Grant, HolderInfo, KeyInfo, KeyState,
+    LeaveStep, Store, StoreResult, Stored, millis, now_us,
 };
 use crate::waiters::Waiters;
 use idemgate_wire::{Mode, OwnerOutcome};
@@ -96,7 +96,9 @@ impl Entry {
     }
 
     fn holder_ttl(&self, now: Instant) -> u64 {
-        self.holder.as_ref().map_or(0, |h| remaining_ms(h.until, now))
+        self.holder
+            .as_ref()
+            .map_or(0, |h| remaining_ms(h.until, now))
     }
 
     fn position(&self, owner: &str) -> Option<usize> {
@@ -123,11 +125,7 @@ impl MemoryStore {
     }
 
     /// Runs `f` on the key's (tidied) state, then forgets the key if nothing is left of it.
-    fn with_key<T>(
-        &self,
-        key: &str,
-        f: impl FnOnce(&mut Ctx<'_>, &mut Entry, bool) -> T,
-    ) -> T {
+    fn with_key<T>(&self, key: &str, f: impl FnOnce(&mut Ctx<'_>, &mut Entry, bool) -> T) -> T {
         let now = Instant::now();
         let mut inner = self.lock();
         let Inner {

@@ -80,10 +80,20 @@ pub(crate) enum ClaimStep {
     Granted(Grant),
     Completed(Stored),
     Mismatch,
-    Busy { retry_after_ms: u64, queue_len: u32 },
-    QueueFull { retry_after_ms: u64, queue_len: u32 },
+    Busy {
+        retry_after_ms: u64,
+        queue_len: u32,
+    },
+    QueueFull {
+        retry_after_ms: u64,
+        queue_len: u32,
+    },
     /// In the queue at `position` (0 = next); the holder's lease ends in `holder_ttl_ms`.
-    Queued { position: u32, queue_len: u32, holder_ttl_ms: u64 },
+    Queued {
+        position: u32,
+        queue_len: u32,
+        holder_ttl_ms: u64,
+    },
 }
 
 /// A claim step plus what the store noticed on the way (for metrics).
@@ -166,8 +176,11 @@ pub(crate) trait Store: Send + Sync + 'static {
     ) -> impl Future<Output = StoreResult<OwnerOutcome>> + Send;
 
     /// Owner-checked release without storing; hands the key to the next waiter.
-    fn abort(&self, key: &str, owner: &str)
-    -> impl Future<Output = StoreResult<OwnerOutcome>> + Send;
+    fn abort(
+        &self,
+        key: &str,
+        owner: &str,
+    ) -> impl Future<Output = StoreResult<OwnerOutcome>> + Send;
 
     /// Owner-checked lease extension to `lease` from now.
     fn renew(
@@ -180,8 +193,10 @@ pub(crate) trait Store: Send + Sync + 'static {
     fn inspect(&self, key: &str) -> impl Future<Output = StoreResult<KeyInfo>> + Send;
 
     /// Keys currently held, at most `limit` (and whether there were more).
-    fn list_held(&self, limit: usize)
-    -> impl Future<Output = StoreResult<(Vec<String>, bool)>> + Send;
+    fn list_held(
+        &self,
+        limit: usize,
+    ) -> impl Future<Output = StoreResult<(Vec<String>, bool)>> + Send;
 
     /// Releases whoever holds `key` (an operator action); returns the released fence.
     fn force_release(&self, key: &str) -> impl Future<Output = StoreResult<Option<u64>>> + Send;

@@ -225,8 +225,7 @@ impl Client {
     pub async fn inspect(&self, key: &str) -> KeyInfo {
         let reply = self.get(&format!("/admin/v1/keys/{key}")).await;
         assert_eq!(reply.status, StatusCode::OK);
-        serde_json::from_slice(&reply.body)
-            .expect("key info")
+        serde_json::from_slice(&reply.body).expect("key info")
     }
 
     /// Polls until `check` holds on the key's info (bounded: fails after 20 s).

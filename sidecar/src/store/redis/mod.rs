@@ -15,8 +15,8 @@ mod keys;
 mod scripts;
 
 use super::{
-    ClaimArgs, ClaimReply, ClaimStep, CompletedInfo, Grant, HolderInfo, KeyInfo, KeyState, LeaveStep,
-    Store, StoreError, StoreResult, Stored, millis,
+    ClaimArgs, ClaimReply, ClaimStep, CompletedInfo, Grant, HolderInfo, KeyInfo, KeyState,
+    LeaveStep, Store, StoreError, StoreResult, Stored, millis,
 };
 use crate::config::{RedisConfig, RedisTopology, redact_url};
 use crate::waiters::Waiters;
@@ -28,8 +28,7 @@ use redis::aio::{ConnectionManager, ConnectionManagerConfig};
 use redis::cluster_async::ClusterConnection;
 use redis::sentinel::{SentinelClient, SentinelNodeConnectionInfo, SentinelServerType};
 use redis::{
-    ErrorKind, FromRedisValue, IntoConnectionInfo, RedisError, RetryMethod, ScriptInvocation,
-    Value,
+    ErrorKind, FromRedisValue, IntoConnectionInfo, RedisError, RetryMethod, ScriptInvocation, Value,
 };
 use std::sync::Arc;
 use std::time::Duration;
@@ -55,7 +54,7 @@ fn unexpected(what: &str) -> StoreError {
 enum Conn {
     Single(ConnectionManager),
     Cluster(ClusterConnection),
-    Sentinel(SentinelConn),
+    Sentinel(Box<SentinelConn>),
 }
 
 /// The master behind Sentinels: resolved lazily and again after any transient error, so a
@@ -140,11 +139,11 @@ impl RedisStore {
                     .map_err(classify)?;
                 Conn::Cluster(client.get_async_connection().await.map_err(classify)?)
             }
-            RedisTopology::Sentinel { master } => Conn::Sentinel(SentinelConn {
+            RedisTopology::Sentinel { master } => Conn::Sentinel(Box::new(SentinelConn {
                 sentinel: Mutex::new(sentinel_client(cfg, master)?),
                 current: RwLock::new(None),
                 config: manager_config,
-            }),
+            })),
         };
         let inbox = crate::locks::random_token();
         let inbox_prefix = keys::inbox_prefix(&cfg.prefix);
@@ -248,7 +247,7 @@ fn sentinel_client(cfg: &RedisConfig, master: &str) -> StoreResult<SentinelClien
     }
     SentinelClient::build(
         cfg.urls.iter().map(String::as_str).collect(),
-        master.to_owned(),
+        master,
         Some(node),
         SentinelServerType::Master,
     )
@@ -356,8 +355,8 @@ fn decode_claim(items: &[Value]) -> StoreResult<ClaimReply> {
     let step = match tag.as_str() {
         "granted" => ClaimStep::Granted(grant_at(items, 2)?),
         "completed" => {
-            let status = u16::try_from(number(items.get(2))?)
-                .map_err(|_| unexpected("stored status"))?;
+            let status =
+                u16::try_from(number(items.get(2))?).map_err(|_| unexpected("stored status"))?;
             let headers: Vec<(String, String)> = text(items.get(3))
                 .and_then(|h| serde_json::from_str(&h).ok())
                 .ok_or_else(|| unexpected("stored headers"))?;
@@ -520,7 +519,10 @@ impl Store for RedisStore {
     async fn inspect(&self, key: &str) -> StoreResult<KeyInfo> {
         let k = self.keys(key);
         let mut inv = scripts::INSPECT.prepare_invoke();
-        inv.key(&k.lock).key(&k.queue).key(&k.fence).key(&k.response);
+        inv.key(&k.lock)
+            .key(&k.queue)
+            .key(&k.fence)
+            .key(&k.response);
         let items: Vec<Value> = self.eval(&inv).await?;
         let held = number(items.first())? == 1;
         let now_us = number(items.get(8))?;
