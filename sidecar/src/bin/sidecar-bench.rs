@@ -146,11 +146,7 @@ where
     })
 }
 
-async fn sidecar_round_trips(
-    store: StoreConfig,
-    concurrency: usize,
-    seconds: f64,
-) -> Result<Run> {
+async fn sidecar_round_trips(store: StoreConfig, concurrency: usize, seconds: f64) -> Result<Run> {
     let sidecar = Sidecar::spawn(Config::loopback(store)).await?;
     let client = H2::connect(sidecar.addr()).await?;
     let run = measure(concurrency, seconds, move |w, i| {
@@ -191,7 +187,11 @@ async fn raw_redis_round_trips(url: &str, concurrency: usize, seconds: f64) -> R
             if set.is_none() {
                 bail!("SET NX refused a fresh key");
             }
-            let deleted: i64 = release.key(&key).arg(&owner).invoke_async(&mut conn).await?;
+            let deleted: i64 = release
+                .key(&key)
+                .arg(&owner)
+                .invoke_async(&mut conn)
+                .await?;
             if deleted != 1 {
                 bail!("compare-and-delete did not delete");
             }
