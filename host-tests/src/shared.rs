@@ -131,7 +131,9 @@ pub struct SharedState {
 }
 
 impl SharedState {
-    pub(crate) fn new(clock: Clock, print_level: Option<LogLevel>, log_capacity: usize) -> Self {
+    /// `print_level`: also print lines at or above it to stderr; `log_capacity`: how many of
+    /// the newest lines to keep for [`logs`](Self::logs) (0 keeps none).
+    pub fn new(clock: Clock, print_level: Option<LogLevel>, log_capacity: usize) -> Self {
         Self {
             data: Mutex::default(),
             queues: Mutex::default(),
@@ -160,23 +162,25 @@ impl SharedState {
     /// `cas == 0` writes unconditionally; a missing key is inserted whatever `cas` says.
     pub fn set_shared_data(&self, vm_id: &str, key: &[u8], value: &[u8], cas: u32) -> Status {
         let mut data = lock(&self.data);
+        let current = data
+            .by_vm_id
+            .get(vm_id)
+            .and_then(|m| m.get(key))
+            .map(|e| e.1);
+        if current.is_some_and(|current| cas != 0 && current != cas) {
+            return Status::CasMismatch;
+        }
+        // The counter moves only on successful writes, skipping 0 on wrap.
         data.next_cas = match data.next_cas.wrapping_add(1) {
             0 => 1,
             next => next,
         };
         let fresh = data.next_cas;
-        let map = data.by_vm_id.entry(vm_id.to_owned()).or_default();
-        match map.get_mut(key) {
-            Some(entry) if cas != 0 && entry.1 != cas => Status::CasMismatch,
-            Some(entry) => {
-                *entry = (value.to_vec(), fresh);
-                Status::Ok
-            }
-            None => {
-                map.insert(key.to_vec(), (value.to_vec(), fresh));
-                Status::Ok
-            }
-        }
+        data.by_vm_id
+            .entry(vm_id.to_owned())
+            .or_default()
+            .insert(key.to_vec(), (value.to_vec(), fresh));
+        Status::Ok
     }
 
     /// Every key of one vm_id (for test assertions and the demo).
@@ -315,6 +319,9 @@ impl SharedState {
                 "[wasm {:?} worker {}] {}",
                 record.level, record.worker, record.message
             );
+        }
+        if self.log_capacity == 0 {
+            return;
         }
         let mut logs = lock(&self.logs);
         if logs.len() >= self.log_capacity {

@@ -37,7 +37,10 @@ fn cas_increments_from_4_threaded_workers_lose_nothing() {
     }
     let (value, cas) = host.shared_data("shared_vm", "counter").unwrap();
     assert_eq!(String::from_utf8(value).unwrap(), "400");
-    assert!(cas > 400, "every successful write takes a fresh cas");
+    assert_eq!(
+        cas, 401,
+        "the seed and each of the 400 successful writes took a fresh cas"
+    );
 }
 
 #[test]

@@ -8,6 +8,7 @@
 
 mod artifact;
 mod callouts;
+mod gateway;
 mod http;
 mod lifecycle;
 mod shared_state;

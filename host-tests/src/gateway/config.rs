@@ -677,11 +677,11 @@ impl EnvoyConfig {
     /// Applies a `--set-port name=PORT` override to the listener or cluster called `name`
     /// (or `admin`).
     pub fn set_port(&mut self, name: &str, port: u16) -> Result<(), ConfigError> {
-        if name == "admin" {
-            if let Some(admin) = self.admin.as_mut() {
-                admin.set_port(port);
-                return Ok(());
-            }
+        if name == "admin"
+            && let Some(admin) = self.admin.as_mut()
+        {
+            admin.set_port(port);
+            return Ok(());
         }
         if let Some(l) = self.listeners.iter_mut().find(|l| l.name == name) {
             l.address.set_port(port);

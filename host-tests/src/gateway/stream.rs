@@ -359,6 +359,7 @@ struct Outcome {
     bytes_received: usize,
     bytes_sent: usize,
     upstream: Option<SocketAddr>,
+    cluster: Option<String>,
 }
 
 async fn drive(
@@ -428,6 +429,7 @@ async fn drive(
                         .stats
                         .add(format!("cluster.{}.upstream_rq_total", cluster.name), 1);
                     outcome.upstream = cluster.address;
+                    outcome.cluster = Some(cluster.name.clone());
                     let (tx, body) = ChannelBody::channel();
                     upstream_body = (!end_stream).then_some(tx);
                     let uri = if cluster.http2 {
@@ -582,7 +584,8 @@ async fn drive(
                         driver.response_headers(headers, end);
                     }
                     Ok(Err(UpstreamFailure::Connect)) | Err(_) => {
-                        listener.stats.add("cluster.upstream_cx_connect_fail".into(), 1);
+                        let cluster = outcome.cluster.as_deref().unwrap_or_default();
+                        listener.stats.add(format!("cluster.{cluster}.upstream_cx_connect_fail"), 1);
                         outcome.details = Some("upstream_reset_before_response_started{connection_failure}".into());
                         driver.router_reply(503, "upstream connect error or disconnect/reset before headers. reset reason: connection failure");
                     }
