@@ -3,8 +3,8 @@
 //! the minimal equivalent (`SET NX PX`, then a compare-and-delete script) in the same run;
 //! plus the hand-off latency from a release to the next waiter's grant.
 //!
-//! Everything runs on this machine: the sidecar in-process on 127.0.0.1:0 over one h2c
-//! connection (as Envoy multiplexes callouts), a throw-away `redis-server` on a free port.
+//! Everything runs on this machine: the sidecar in-process on 127.0.0.1:0 over up to four
+//! h2c connections (as Envoy multiplexes callouts per worker thread), a throw-away `redis-server` on a free port.
 //! Numbers are comparative, not absolute: client, sidecar and Redis share the CPUs.
 //!
 //! Usage: `cargo run --release -p idemgate-sidecar --features testing --bin sidecar-bench
@@ -26,6 +26,8 @@ use std::time::{Duration, Instant};
 
 const CONCURRENCY: [usize; 2] = [1, 64];
 const HANDOFFS: usize = 300;
+/// h2c connections the sidecar runs use (at most one per worker).
+const CONNECTIONS: usize = 4;
 
 #[derive(Clone)]
 struct H2 {
@@ -148,10 +150,15 @@ where
 
 async fn sidecar_round_trips(store: StoreConfig, concurrency: usize, seconds: f64) -> Result<Run> {
     let sidecar = Sidecar::spawn(Config::loopback(store)).await?;
-    let client = H2::connect(sidecar.addr()).await?;
+    // Like Envoy (one upstream connection per worker thread): a few multiplexed connections.
+    let mut clients = Vec::new();
+    for _ in 0..concurrency.min(CONNECTIONS) {
+        clients.push(H2::connect(sidecar.addr()).await?);
+    }
     let run = measure(concurrency, seconds, move |w, i| {
-        let client = client.clone();
+        let client = clients.get(w % clients.len().max(1)).cloned();
         async move {
+            let client = client.context("no connection")?;
             let key = format!("bench-{w}-{i}");
             match client.claim(&lock_claim(key.clone(), false)).await? {
                 ClaimOutcome::Granted { owner, .. } => client.complete(&key, &owner).await,
