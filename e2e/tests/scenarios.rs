@@ -459,3 +459,68 @@ fn shadow_mode_never_blocks() {
     missing.send_request(Request::post("/payments").body("{}"));
     assert!(missing.upstream_headers().is_some());
 }
+
+#[test]
+fn queued_duplicate_gets_the_stored_response() {
+    let stack = Stack::start();
+    let rules = r#"[{"match":{"path_prefix":"/payments"},"on_conflict":"queue","queue":{"max_wait":"20s"}}]"#;
+    let gw = Gateway::boot(stack.addr, &config("", rules), 2);
+    let first = gw.worker(0).stream();
+    first.send_request(post("/payments", "k-q", r#"{"amount":3}"#));
+    gw.pump();
+    assert!(fence(&first).is_some());
+    let dup = gw.worker(1).stream();
+    dup.send_request(post("/payments", "k-q", r#"{"amount":3}"#));
+    gw.host.advance(std::time::Duration::from_millis(2));
+    let (w, token, path) = gw.pending().pop().expect("the duplicate's claim");
+    assert_eq!(path, idemgate_wire::paths::CLAIM);
+    let vm = gw.worker(w).clone();
+    let waiting = std::thread::spawn(move || vm.forward_callout(token));
+    std::thread::sleep(std::time::Duration::from_millis(300));
+    assert!(
+        dup.upstream_headers().is_none() && dup.response_status().is_none(),
+        "held, not polled"
+    );
+    let body = br#"{"id":"pay_9","amount":3}"#;
+    first.respond(
+        201,
+        HeaderMap::from([("content-type", "application/json")]),
+        body,
+    );
+    gw.pump_except(&[(w, token)]);
+    assert!(waiting.join().unwrap());
+    assert_eq!(dup.response_status(), Some(201));
+    assert_eq!(dup.response_body(), body);
+    assert_eq!(
+        dup.response_headers()
+            .unwrap()
+            .get("idempotent-replayed")
+            .as_deref(),
+        Some("true")
+    );
+    assert!(dup.upstream_headers().is_none(), "one upstream call");
+}
+
+#[test]
+fn long_calls_renew_their_lease_from_the_tick() {
+    let stack = Stack::start();
+    let rules = r#"[{"match":{"path_prefix":"/payments"},"lease":"2s"}]"#;
+    let gw = Gateway::boot(stack.addr, &config("", rules), 1);
+    let s = gw.worker(0).stream();
+    s.send_request(post("/payments", "k-long", "{}"));
+    gw.pump();
+    assert!(fence(&s).is_some());
+    gw.host.advance(std::time::Duration::from_millis(1_100));
+    let pending = gw.pending();
+    assert_eq!(pending.len(), 1);
+    assert_eq!(pending[0].2, idemgate_wire::paths::RENEW);
+    gw.pump();
+    assert_eq!(gw.counter("idemgate.lease.renewals"), 1);
+    s.respond(
+        201,
+        HeaderMap::from([("content-type", "application/json")]),
+        "{}",
+    );
+    gw.pump();
+    assert_eq!(gw.counter("idemgate.lease.lost"), 0);
+}

@@ -1,7 +1,6 @@
 //! Scenario fixtures: a Redis + sidecar stack, gateways (a `TestHost` each, i.e. one Envoy
 //! process, with N worker VMs running `target/idemgate.wasm`) and callout pumping.
 
-
 use idemgate_host::testing::{Request, TestHost, TestStream, TestVm};
 use idemgate_sidecar::testing::RedisServer;
 use idemgate_sidecar::{Config as SidecarConfig, Sidecar};
