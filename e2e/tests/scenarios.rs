@@ -524,3 +524,47 @@ fn long_calls_renew_their_lease_from_the_tick() {
     gw.pump();
     assert_eq!(gw.counter("idemgate.lease.lost"), 0);
 }
+
+#[test]
+fn live_gateway_concurrent_duplicates_make_one_backend_call_and_all_get_its_response() {
+    let stack = Stack::start();
+    let body = r#"{"id":"pay_42","status":"captured"}"#;
+    let (backend, hits) = backend(std::time::Duration::from_millis(500), body);
+    let plugin = config(
+        "",
+        r#"[{"name":"payments","match":{"path_prefix":"/payments"},"on_conflict":"queue","queue":{"max_wait":"20s","max_queue":32}}]"#,
+    );
+    let gateway = live_gateway(&envoy_yaml(backend, stack.addr, &plugin), 4);
+    let addr = gateway.listener_address("main").unwrap();
+    let clients: Vec<_> = (0..16)
+        .map(|_| {
+            std::thread::spawn(move || {
+                http(
+                    addr,
+                    "POST",
+                    "/payments",
+                    &[
+                        ("idempotency-key", "\"live-1\""),
+                        ("content-type", "application/json"),
+                    ],
+                    "{\"amount\":42}",
+                )
+            })
+        })
+        .collect();
+    let replies: Vec<Reply> = clients.into_iter().map(|c| c.join().unwrap()).collect();
+    assert_eq!(
+        hits.load(std::sync::atomic::Ordering::SeqCst),
+        1,
+        "one backend call: {replies:?}"
+    );
+    for r in &replies {
+        assert_eq!((r.status, r.body.as_str()), (201, body), "{r:?}");
+    }
+    let replayed = replies
+        .iter()
+        .filter(|r| r.header("idempotent-replayed") == Some("true"))
+        .count();
+    assert_eq!(replayed, 15);
+    gateway.shutdown();
+}

@@ -3,7 +3,7 @@
 //! callouts waiting for the root to dispatch them.
 
 use std::cell::RefCell;
-use std::collections::HashMap;
+use std::collections::BTreeMap;
 use std::rc::Rc;
 
 use idemgate_core::{Breaker, Callout, Config, Env, Flow};
@@ -31,11 +31,12 @@ pub(crate) struct Vm {
     pub(crate) breaker: Breaker,
     pub(crate) metrics: Metrics,
     /// Live requests (and abandoned ones whose claim answer is still due), by stream id.
-    pub(crate) flows: HashMap<u32, Flow>,
+    /// Ordered maps: no hashing cost, and few entries per worker.
+    pub(crate) flows: BTreeMap<u32, Flow>,
     /// Claims the next tick dispatches, by stream id.
     pub(crate) claims: Vec<(u32, Callout)>,
     pub(crate) releases: Vec<PendingRelease>,
-    pub(crate) calls: HashMap<u32, Call>,
+    pub(crate) calls: BTreeMap<u32, Call>,
     /// A 1 ms tick is armed to dispatch queued callouts.
     pub(crate) kicked: bool,
     /// Requests that matched no rule since the last tick (counted without a host call).
@@ -52,17 +53,27 @@ impl Vm {
         context_id: u32,
         f: impl FnOnce(&Config, &mut Flow, &mut Env<'_>) -> R,
     ) -> Option<R> {
-        let config = self.config.clone()?;
-        let owner = self.next_owner();
-        let flow = self.flows.get_mut(&context_id)?;
+        // Field by field: the common case (a stream without a flow) costs one map lookup.
+        let Vm {
+            config,
+            flows,
+            breaker,
+            metrics,
+            nonce,
+            sequence,
+            ..
+        } = self;
+        let config = config.as_deref()?;
+        let flow = flows.get_mut(&context_id)?;
+        *sequence = sequence.wrapping_add(1);
         let mut env = Env {
             now_ms: host::now_ms(),
             shared: &SharedData,
-            breaker: &mut self.breaker,
-            telemetry: &mut self.metrics,
-            owner,
+            breaker,
+            telemetry: metrics,
+            owner: *nonce | u64::from(*sequence),
         };
-        Some(f(&config, flow, &mut env))
+        Some(f(config, flow, &mut env))
     }
 
     pub(crate) fn next_owner(&mut self) -> u64 {

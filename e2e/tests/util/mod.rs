@@ -4,7 +4,10 @@
 use idemgate_host::testing::{Request, TestHost, TestStream, TestVm};
 use idemgate_sidecar::testing::RedisServer;
 use idemgate_sidecar::{Config as SidecarConfig, Sidecar};
-use std::net::{SocketAddr, TcpListener};
+use std::io::{Read, Write};
+use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
 /// Cluster name the filter's callouts use in every scenario.
@@ -13,7 +16,8 @@ pub const VM_ID: &str = "idemgate";
 
 /// A real `redis-server` and an in-process sidecar in front of it.
 pub struct Stack {
-    pub redis: RedisServer,
+    /// Runs as long as the stack (stopped on drop).
+    _redis: RedisServer,
     runtime: tokio::runtime::Runtime,
     sidecar: Option<Sidecar>,
     pub addr: SocketAddr,
@@ -34,7 +38,7 @@ impl Stack {
             .expect("sidecar starts");
         let addr = sidecar.addr();
         Stack {
-            redis,
+            _redis: redis,
             runtime,
             sidecar: Some(sidecar),
             addr,
@@ -171,4 +175,204 @@ pub fn problem_type(stream: &TestStream) -> String {
     let body: serde_json::Value =
         serde_json::from_slice(&stream.response_body()).expect("a JSON problem");
     body["type"].as_str().unwrap_or_default().to_string()
+}
+
+/// A backend that answers every request `201` with `body` after `delay`, counting requests.
+pub fn backend(delay: Duration, body: &'static str) -> (SocketAddr, Arc<AtomicUsize>) {
+    let listener = TcpListener::bind("127.0.0.1:0").expect("bind backend");
+    let addr = listener.local_addr().expect("addr");
+    let hits = Arc::new(AtomicUsize::new(0));
+    let counted = Arc::clone(&hits);
+    std::thread::spawn(move || {
+        for conn in listener.incoming() {
+            let Ok(mut conn) = conn else { return };
+            let counted = Arc::clone(&counted);
+            std::thread::spawn(move || {
+                if read_request(&mut conn).is_some() {
+                    counted.fetch_add(1, Ordering::SeqCst);
+                    std::thread::sleep(delay);
+                    let reply = format!(
+                        "HTTP/1.1 201 Created\r\ncontent-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
+                        body.len()
+                    );
+                    let _ = conn.write_all(reply.as_bytes());
+                }
+            });
+        }
+    });
+    (addr, hits)
+}
+
+/// Reads one HTTP/1.1 request (headers + content-length body).
+fn read_request(conn: &mut TcpStream) -> Option<Vec<u8>> {
+    conn.set_read_timeout(Some(Duration::from_secs(30))).ok()?;
+    let mut buf = Vec::new();
+    let mut chunk = [0u8; 4096];
+    loop {
+        let n = conn.read(&mut chunk).ok()?;
+        if n == 0 {
+            return None;
+        }
+        buf.extend_from_slice(&chunk[..n]);
+        if let Some(end) = buf.windows(4).position(|w| w == b"\r\n\r\n") {
+            let head = String::from_utf8_lossy(&buf[..end]).to_ascii_lowercase();
+            let len: usize = head
+                .lines()
+                .find_map(|l| l.strip_prefix("content-length:"))
+                .and_then(|v| v.trim().parse().ok())
+                .unwrap_or(0);
+            while buf.len() < end + 4 + len {
+                let n = conn.read(&mut chunk).ok()?;
+                if n == 0 {
+                    return None;
+                }
+                buf.extend_from_slice(&chunk[..n]);
+            }
+            return Some(buf);
+        }
+    }
+}
+
+/// A response as a client saw it.
+#[derive(Debug)]
+pub struct Reply {
+    pub status: u16,
+    pub headers: Vec<(String, String)>,
+    pub body: String,
+}
+
+impl Reply {
+    pub fn header(&self, name: &str) -> Option<&str> {
+        self.headers
+            .iter()
+            .find(|(n, _)| n.eq_ignore_ascii_case(name))
+            .map(|(_, v)| v.as_str())
+    }
+}
+
+/// One HTTP/1.1 request on its own connection (`connection: close`), read to the end.
+pub fn http(
+    addr: SocketAddr,
+    method: &str,
+    path: &str,
+    headers: &[(&str, &str)],
+    body: &str,
+) -> Reply {
+    let mut conn = TcpStream::connect(addr).expect("connect");
+    conn.set_read_timeout(Some(Duration::from_secs(60)))
+        .expect("timeout");
+    let mut req = format!(
+        "{method} {path} HTTP/1.1\r\nhost: api.test\r\nconnection: close\r\ncontent-length: {}\r\n",
+        body.len()
+    );
+    for (n, v) in headers {
+        req.push_str(&format!("{n}: {v}\r\n"));
+    }
+    req.push_str("\r\n");
+    req.push_str(body);
+    conn.write_all(req.as_bytes()).expect("send");
+    let mut raw = Vec::new();
+    conn.read_to_end(&mut raw).expect("read");
+    let text = String::from_utf8_lossy(&raw).into_owned();
+    let (head, body) = text.split_once("\r\n\r\n").unwrap_or((&text, ""));
+    let mut lines = head.lines();
+    let status = lines
+        .next()
+        .and_then(|l| l.split(' ').nth(1))
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(0);
+    let headers = lines
+        .filter_map(|l| l.split_once(':'))
+        .map(|(n, v)| (n.trim().to_ascii_lowercase(), v.trim().to_string()))
+        .collect();
+    Reply {
+        status,
+        headers,
+        body: body.to_string(),
+    }
+}
+
+/// An Envoy config: listener `main` → cluster `backend`, the idemgate filter with `plugin`
+/// configuration, and cluster `idemgate_sidecar`.
+pub fn envoy_yaml(backend: SocketAddr, sidecar: SocketAddr, plugin: &str) -> String {
+    format!(
+        r#"
+static_resources:
+  listeners:
+  - name: main
+    address: {{ socket_address: {{ address: 127.0.0.1, port_value: 0 }} }}
+    filter_chains:
+    - filters:
+      - name: envoy.filters.network.http_connection_manager
+        typed_config:
+          "@type": type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager
+          stat_prefix: ingress
+          route_config:
+            virtual_hosts:
+            - name: all
+              domains: ["*"]
+              routes:
+              - match: {{ prefix: "/" }}
+                route: {{ cluster: backend, timeout: 30s }}
+          http_filters:
+          - name: envoy.filters.http.wasm
+            typed_config:
+              "@type": type.googleapis.com/envoy.extensions.filters.http.wasm.v3.Wasm
+              config:
+                name: idemgate
+                root_id: idemgate
+                vm_config:
+                  vm_id: {VM_ID}
+                  runtime: envoy.wasm.runtime.v8
+                  code: {{ local: {{ filename: target/idemgate.wasm }} }}
+                configuration:
+                  "@type": type.googleapis.com/google.protobuf.StringValue
+                  value: '{plugin}'
+                failure_policy: FAIL_CLOSED
+          - name: envoy.filters.http.router
+            typed_config:
+              "@type": type.googleapis.com/envoy.extensions.filters.http.router.v3.Router
+  clusters:
+  - name: backend
+    type: STATIC
+    connect_timeout: 1s
+    load_assignment:
+      cluster_name: backend
+      endpoints:
+      - lb_endpoints:
+        - endpoint: {{ address: {{ socket_address: {{ address: 127.0.0.1, port_value: {} }} }} }}
+  - name: {SIDECAR}
+    type: STATIC
+    connect_timeout: 1s
+    load_assignment:
+      cluster_name: {SIDECAR}
+      endpoints:
+      - lb_endpoints:
+        - endpoint: {{ address: {{ socket_address: {{ address: 127.0.0.1, port_value: {} }} }} }}
+"#,
+        backend.port(),
+        sidecar.port()
+    )
+}
+
+/// The live gateway (`idemgate_host::gateway`) with `workers` worker threads.
+pub fn live_gateway(yaml: &str, workers: usize) -> idemgate_host::gateway::Gateway {
+    use idemgate_host::gateway::config::EnvoyConfig;
+    use idemgate_host::gateway::{Gateway as Live, GatewayOptions};
+    let root = idemgate_host::target_dir().join("..");
+    let config = EnvoyConfig::from_yaml(yaml, &root).expect("envoy config");
+    let mut listeners = std::collections::HashMap::new();
+    listeners.insert(
+        "main".to_owned(),
+        TcpListener::bind("127.0.0.1:0").expect("bind"),
+    );
+    Live::start(
+        config,
+        GatewayOptions {
+            concurrency: workers,
+            listeners,
+            ..GatewayOptions::default()
+        },
+    )
+    .expect("gateway starts (build target/idemgate.wasm with `cargo xtask wasm`)")
 }
