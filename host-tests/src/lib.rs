@@ -1,5 +1,28 @@
-//! A proxy-wasm ABI 0.2.1 host on wasmtime that behaves as Envoy does (work in progress:
-//! see the host-tests issue). For now it locates the built artifacts.
+//! A proxy-wasm ABI 0.2.1 host on wasmtime that runs filters as Envoy does (see
+//! `host-tests/README.md` and `/work/shared/ENVOY-HOST.md`), driven either by a deterministic
+//! test API ([`testing`]) or live, by the `idemgate-gateway` ([`gateway`]).
+
+mod abi;
+pub mod gateway;
+mod headers;
+mod hostcalls;
+mod plugin;
+mod properties;
+mod shared;
+pub mod testing;
+mod upstream;
+mod vm;
+mod wasi;
+
+pub use abi::{Direction, LogLevel, MetricKind, Status};
+pub use headers::HeaderMap;
+pub use plugin::{Cluster, Clusters, FailurePolicy, LoadError, PluginSettings, WasmModule};
+pub use shared::{Clock, LogRecord, Metric, SharedState};
+pub use upstream::send_callout;
+pub use vm::{
+    CallbackRecord, CalloutOutcome, CalloutRequest, LocalReply, StreamEvent, StreamId, StreamInfo,
+    Vm,
+};
 
 use std::path::PathBuf;
 

@@ -1,35 +1,19 @@
 //! The proxy-wasm glue of the idemgate filter: it moves bytes between Envoy and
 //! `idemgate-core`, where every decision is made.
+//!
+//! | module | owns |
+//! |---|---|
+//! | [`root`] | the root context: configuration, the tick, every sidecar callout and its answer |
+//! | [`stream`] | the HTTP context: feeds stream events to the request's `Flow` |
+//! | [`host`] | the ports of `idemgate-core` over `proxy_wasm::hostcalls` (never the panicking helpers) |
+//! | [`vm`] | the per-VM state shared by the root and its streams |
 
-use proxy_wasm::traits::{Context, HttpContext, RootContext};
-use proxy_wasm::types::{ContextType, LogLevel};
+mod host;
+mod root;
+mod stream;
+mod vm;
 
 proxy_wasm::main! {{
-    proxy_wasm::set_log_level(LogLevel::Info);
-    proxy_wasm::set_root_context(|_| Box::new(IdemgateRoot));
+    proxy_wasm::set_log_level(proxy_wasm::types::LogLevel::Info);
+    proxy_wasm::set_root_context(|_| Box::new(root::Root::new()));
 }}
-
-struct IdemgateRoot;
-
-impl Context for IdemgateRoot {}
-
-impl RootContext for IdemgateRoot {
-    fn on_vm_start(&mut self, _vm_configuration_size: usize) -> bool {
-        log::info!("idemgate {} starting", env!("CARGO_PKG_VERSION"));
-        true
-    }
-
-    fn get_type(&self) -> Option<ContextType> {
-        Some(ContextType::HttpContext)
-    }
-
-    fn create_http_context(&self, _context_id: u32) -> Option<Box<dyn HttpContext>> {
-        Some(Box::new(IdemgateStream))
-    }
-}
-
-struct IdemgateStream;
-
-impl Context for IdemgateStream {}
-
-impl HttpContext for IdemgateStream {}

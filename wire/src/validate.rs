@@ -87,6 +87,11 @@ fn positive(field: &'static str, value: u64) -> Result<(), FieldError> {
 }
 
 impl Limits {
+    /// A key on its own (the sidecar's admin endpoints take bare keys).
+    pub fn key(&self, key: &str) -> Result<(), FieldError> {
+        token("key", key, self.max_key_len)
+    }
+
     pub fn claim(&self, req: &ClaimRequest) -> Result<(), FieldError> {
         token("key", &req.key, self.max_key_len)?;
         positive("lease_ms", req.lease_ms)?;

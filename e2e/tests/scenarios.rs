@@ -1,0 +1,570 @@
+//! The scenarios, one function each.
+
+use crate::util::*;
+use idemgate_host::HeaderMap;
+use idemgate_host::testing::Request;
+
+const PAYMENTS: &str = r#"[{"name":"payments","match":{"path_prefix":"/payments"}}]"#;
+
+#[test]
+fn first_call_goes_upstream_fenced_and_duplicates_replay_byte_for_byte() {
+    let stack = Stack::start();
+    let gw = Gateway::boot(stack.addr, &config("", PAYMENTS), 1);
+    let first = gw.worker(0).stream();
+    first.send_request(post("/payments", "order-1", r#"{"amount":10}"#));
+    assert!(
+        first.upstream_headers().is_none(),
+        "held while the claim is out"
+    );
+    gw.pump();
+    let fence1 = fence(&first).expect("granted and fenced");
+    assert_eq!(first.upstream_body(), br#"{"amount":10}"#);
+    let body = b"{\"id\":\"pay_1\",\"amount\":10}";
+    first.respond(
+        201,
+        HeaderMap::from([
+            ("content-type", "application/json"),
+            ("set-cookie", "s=1"),
+            ("etag", "\"v1\""),
+        ]),
+        body,
+    );
+    gw.pump();
+    assert_eq!(first.response_status(), Some(201));
+
+    // Same gateway: replayed from the local tier, no callout.
+    let again = gw.worker(0).stream();
+    again.send_request(post("/payments", "order-1", r#"{"amount":10}"#));
+    assert!(gw.pending().is_empty());
+    assert_eq!(again.response_status(), Some(201));
+    assert_eq!(again.response_body(), body);
+    let headers = again.response_headers().unwrap();
+    assert_eq!(headers.get("idempotent-replayed").as_deref(), Some("true"));
+    assert_eq!(headers.get("etag").as_deref(), Some("\"v1\""));
+    assert_eq!(headers.get("set-cookie"), None);
+
+    // Another gateway: replayed from the sidecar.
+    let other = Gateway::boot(stack.addr, &config("", PAYMENTS), 1);
+    let remote = other.worker(0).stream();
+    remote.send_request(post("/payments", "order-1", r#"{"amount":10}"#));
+    other.pump();
+    assert!(remote.upstream_headers().is_none());
+    assert_eq!(remote.response_status(), Some(201));
+    assert_eq!(remote.response_body(), body);
+    assert_eq!(
+        remote
+            .response_headers()
+            .unwrap()
+            .get("idempotent-replayed")
+            .as_deref(),
+        Some("true")
+    );
+    assert!(fence1 > 0);
+    assert_eq!(gw.counter("idemgate.requests.granted"), 1);
+    assert_eq!(gw.counter("idemgate.local.hits"), 1);
+    assert_eq!(other.counter("idemgate.requests.replayed"), 1);
+}
+
+#[test]
+fn requests_matching_no_rule_pass_untouched() {
+    let stack = Stack::start();
+    let gw = Gateway::boot(stack.addr, &config("", PAYMENTS), 1);
+    let get = gw.worker(0).stream();
+    get.send_request(Request::get("/payments"));
+    assert!(get.upstream_complete());
+    assert!(gw.pending().is_empty());
+    assert_eq!(get.upstream_headers().unwrap().get("x-fencing-token"), None);
+}
+
+#[test]
+fn concurrent_duplicates_on_many_workers_and_gateways_make_one_upstream_call() {
+    let stack = Stack::start();
+    let gateways = [
+        Gateway::boot(stack.addr, &config("", PAYMENTS), 2),
+        Gateway::boot(stack.addr, &config("", PAYMENTS), 2),
+    ];
+    let mut streams = Vec::new();
+    for round in 0..3 {
+        for gw in &gateways {
+            for worker in 0..2 {
+                let s = gw.worker(worker + round).stream();
+                s.send_request(post("/payments", "same-key", r#"{"amount":5}"#));
+                streams.push(s);
+            }
+        }
+    }
+    for gw in &gateways {
+        gw.pump();
+    }
+    let upstream: Vec<_> = streams
+        .iter()
+        .filter(|s| s.upstream_headers().is_some())
+        .collect();
+    assert_eq!(upstream.len(), 1, "exactly one call reaches the backend");
+    for s in streams.iter().filter(|s| s.upstream_headers().is_none()) {
+        assert_eq!(s.response_status(), Some(409));
+        assert_eq!(problem_type(s), "urn:idemgate:problem:in-progress");
+        assert!(s.response_headers().unwrap().get("retry-after").is_some());
+    }
+    let local_hits: i64 = gateways
+        .iter()
+        .map(|g| g.counter("idemgate.local.hits"))
+        .sum();
+    assert_eq!(
+        local_hits, 10,
+        "all but one duplicate per gateway are caught without a callout"
+    );
+    upstream[0].respond(
+        201,
+        HeaderMap::from([("content-type", "application/json")]),
+        "{}",
+    );
+    for gw in &gateways {
+        gw.pump();
+    }
+}
+
+#[test]
+fn queued_lock_holders_run_in_arrival_order() {
+    let stack = Stack::start();
+    let rules = r#"[{"mode":"lock","match":{"path_template":"/agents/{agent_id}/mcp"},"key":{"path_param":"agent_id"},"on_conflict":"queue","queue":{"max_wait":"20s","max_queue":8}}]"#;
+    let gw = Gateway::boot(stack.addr, &config("", rules), 2);
+    let put = |tool: &str| {
+        Request::put("/agents/agent-7/mcp")
+            .header("content-type", "application/json")
+            .body(format!("{{\"tool\":\"{tool}\"}}"))
+    };
+    let first = gw.worker(0).stream();
+    first.send_request(put("web_search"));
+    gw.pump();
+    let mut fences = vec![fence(&first).expect("first holder")];
+
+    // Three more arrive while it runs; each waits at the sidecar (a long-poll per claim).
+    let mut seen: Vec<(usize, u32)> = Vec::new();
+    let mut waiters = Vec::new();
+    for (i, tool) in ["davinci", "file_read", "naver_news"]
+        .into_iter()
+        .enumerate()
+    {
+        let worker = (i + 1) % 2;
+        let s = gw.worker(worker).stream();
+        s.send_request(put(tool));
+        gw.host.advance(std::time::Duration::from_millis(2));
+        let (w, token, _) = gw
+            .pending()
+            .into_iter()
+            .find(|(w, t, _)| !seen.contains(&(*w, *t)))
+            .unwrap_or_else(|| {
+                panic!(
+                    "its claim was dispatched: {:?} {:?}",
+                    s.local_reply(),
+                    gw.host
+                        .logs()
+                        .iter()
+                        .map(|l| l.message.clone())
+                        .collect::<Vec<_>>()
+                )
+            });
+        seen.push((w, token));
+        let vm = gw.worker(w).clone();
+        let forward = std::thread::spawn(move || vm.forward_callout(token));
+        // Let the sidecar queue it before the next one arrives.
+        std::thread::sleep(std::time::Duration::from_millis(300));
+        waiters.push((s, forward));
+    }
+    let mut holder = first;
+    for (next, forward) in waiters {
+        assert!(next.upstream_headers().is_none(), "waits its turn");
+        holder.respond(
+            200,
+            HeaderMap::from([("content-type", "application/json")]),
+            "{}",
+        );
+        // The release goes out on the root's next tick and wakes the next waiter.
+        gw.pump_except(&seen);
+        assert!(forward.join().unwrap(), "the long-poll answered");
+        fences.push(fence(&next).unwrap_or_else(|| {
+            panic!(
+                "granted in turn: {:?} {} {:?}",
+                next.response_status(),
+                next.response_body_text(),
+                gw.host
+                    .logs()
+                    .iter()
+                    .map(|l| l.message.clone())
+                    .collect::<Vec<_>>()
+            )
+        }));
+        holder = next;
+    }
+    holder.respond(200, HeaderMap::new(), "");
+    gw.pump();
+    assert!(
+        fences.windows(2).all(|w| w[0] < w[1]),
+        "fences increase in arrival order: {fences:?}"
+    );
+    assert_eq!(gw.counter("idemgate.requests.queued"), 3);
+    assert_eq!(
+        gw.host
+            .metric("idemgate.queue.wait_ms")
+            .unwrap()
+            .samples
+            .len(),
+        3
+    );
+}
+
+#[test]
+fn client_abort_releases_the_key_at_every_phase() {
+    let stack = Stack::start();
+    let gw = Gateway::boot(stack.addr, &config("", PAYMENTS), 1);
+
+    // Aborted after the grant, before any response: the key is released, not stored.
+    let a = gw.worker(0).stream();
+    a.send_request(post("/payments", "k-abort", "{}"));
+    gw.pump();
+    let fence_a = fence(&a).unwrap();
+    a.abort();
+    gw.pump();
+    let b = gw.worker(0).stream();
+    b.send_request(post("/payments", "k-abort", "{}"));
+    gw.pump();
+    assert!(fence(&b).unwrap() > fence_a, "the retry runs again");
+
+    // Aborted while its claim is still out: the late grant is released by the root.
+    let c = gw.worker(0).stream();
+    c.send_request(post("/payments", "k-late", "{}"));
+    gw.host.advance(std::time::Duration::from_millis(2));
+    let (_, token, _) = gw.pending().pop().expect("claim dispatched");
+    c.abort();
+    assert!(
+        gw.worker(0).forward_callout(token),
+        "the answer still reaches the root"
+    );
+    gw.pump();
+    let d = gw.worker(0).stream();
+    d.send_request(post("/payments", "k-late", "{}"));
+    gw.pump();
+    assert!(fence(&d).is_some(), "not held past the abort");
+    assert_eq!(gw.counter("idemgate.requests.abandoned"), 1);
+
+    // Aborted mid-response: nothing stored, the key is free again.
+    let e = gw.worker(0).stream();
+    e.send_request(post("/payments", "k-mid", "{}"));
+    gw.pump();
+    e.send_response_headers(
+        HeaderMap::from([(":status", "200"), ("content-type", "application/json")]),
+        false,
+    );
+    e.send_response_body("{\"partial\"", false);
+    e.abort();
+    gw.pump();
+    let f = gw.worker(0).stream();
+    f.send_request(post("/payments", "k-mid", "{}"));
+    gw.pump();
+    assert!(fence(&f).is_some());
+}
+
+#[test]
+fn upstream_errors_are_not_stored() {
+    let stack = Stack::start();
+    let gw = Gateway::boot(stack.addr, &config("", PAYMENTS), 1);
+    let a = gw.worker(0).stream();
+    a.send_request(post("/payments", "k-500", "{}"));
+    gw.pump();
+    a.respond(
+        503,
+        HeaderMap::from([("content-type", "application/json")]),
+        "{\"error\":1}",
+    );
+    gw.pump();
+    let b = gw.worker(0).stream();
+    b.send_request(post("/payments", "k-500", "{}"));
+    gw.pump();
+    assert!(fence(&b).is_some(), "the client's retry runs again");
+}
+
+#[test]
+fn sidecar_down_fails_closed_by_default_and_the_breaker_stops_callouts() {
+    let gw = Gateway::boot(dead_address(), &config("", PAYMENTS), 1);
+    for i in 0..5 {
+        let s = gw.worker(0).stream();
+        s.send_request(post("/payments", &format!("k{i}"), "{}"));
+        gw.pump();
+        assert_eq!(s.response_status(), Some(503));
+        assert_eq!(problem_type(&s), "urn:idemgate:problem:unavailable");
+        assert_eq!(
+            s.response_headers().unwrap().get("retry-after").as_deref(),
+            Some("5")
+        );
+    }
+    let s = gw.worker(0).stream();
+    s.send_request(post("/payments", "k-breaker", "{}"));
+    assert_eq!(
+        s.response_status(),
+        Some(503),
+        "answered at once: the breaker is open"
+    );
+    assert!(gw.pending().is_empty());
+    assert_eq!(gw.counter("idemgate.sidecar.breaker_open"), 1);
+    assert_eq!(gw.counter("idemgate.requests.failed_closed"), 6);
+}
+
+#[test]
+fn sidecar_down_fail_open_forwards_marked() {
+    let gw = Gateway::boot(
+        dead_address(),
+        &config(r#""failure_mode":"open""#, PAYMENTS),
+        1,
+    );
+    let s = gw.worker(0).stream();
+    s.send_request(post("/payments", "k", "{}"));
+    gw.pump();
+    assert_eq!(
+        s.upstream_headers()
+            .unwrap()
+            .get("x-idemgate-degraded")
+            .as_deref(),
+        Some("open")
+    );
+    assert_eq!(gw.counter("idemgate.requests.failed_open"), 1);
+}
+
+#[test]
+fn sidecar_down_fail_local_decides_on_shared_data() {
+    let gw = Gateway::boot(
+        dead_address(),
+        &config(r#""failure_mode":"local""#, PAYMENTS),
+        2,
+    );
+    let a = gw.worker(0).stream();
+    a.send_request(post("/payments", "k", "{}"));
+    gw.pump();
+    assert_eq!(
+        a.upstream_headers()
+            .unwrap()
+            .get("x-idemgate-degraded")
+            .as_deref(),
+        Some("local")
+    );
+    let dup = gw.worker(1).stream();
+    dup.send_request(post("/payments", "k", "{}"));
+    assert_eq!(
+        dup.response_status(),
+        Some(409),
+        "another worker's duplicate is caught locally"
+    );
+    a.respond(
+        201,
+        HeaderMap::from([("content-type", "application/json")]),
+        "{\"ok\":true}",
+    );
+    let replay = gw.worker(1).stream();
+    replay.send_request(post("/payments", "k", "{}"));
+    assert_eq!(replay.response_body(), b"{\"ok\":true}");
+}
+
+#[test]
+fn shared_data_stays_bounded_over_100k_keys() {
+    // Fail open with the sidecar down: after the breaker opens, every request is decided on
+    // the local tier alone, so this exercises the table without 100k network round trips.
+    let extra = r#""failure_mode":"open","local":{"slots":256,"probes":4}"#;
+    let gw = Gateway::boot(dead_address(), &config(extra, PAYMENTS), 2);
+    for i in 0..100_000u32 {
+        let s = gw.worker(i as usize).stream();
+        s.send_request(post("/payments", &format!("key-{i}"), "{}"));
+        // Five failures per worker open its breaker.
+        if i < 10 {
+            gw.pump();
+        }
+        s.respond(
+            201,
+            HeaderMap::from([("content-type", "application/json")]),
+            "{}",
+        );
+    }
+    assert!(
+        gw.shared_keys() <= 256 + 1,
+        "{} shared-data keys",
+        gw.shared_keys()
+    );
+    assert_eq!(gw.counter("idemgate.requests.failed_open"), 100_000);
+}
+
+#[test]
+fn invalid_configuration_is_rejected_naming_the_field() {
+    let host = idemgate_host::testing::TestHost::new().cluster(SIDECAR);
+    let bad = config("", r#"[{},{},{"key":{"header":"bad header"}}]"#);
+    let booted = host
+        .plugin("target/idemgate.wasm")
+        .vm_id(VM_ID)
+        .config(bad)
+        .boot();
+    assert!(booted.is_err(), "on_configure returns false");
+    assert!(
+        !host.logs_containing("rules[2].key.header: ").is_empty(),
+        "logs: {:?}",
+        host.logs()
+            .into_iter()
+            .map(|l| l.message)
+            .collect::<Vec<_>>()
+    );
+}
+
+#[test]
+fn body_fingerprints_with_allow_on_headers_stop_iteration() {
+    let stack = Stack::start();
+    let extra = r#""allow_on_headers_stop_iteration":true"#;
+    let rules = r#"[{"match":{"path_prefix":"/payments"},"fingerprint":{"max_body_bytes":32}}]"#;
+    let gw = Gateway::boot_with(stack.addr, &config(extra, rules), 1, true);
+    let a = gw.worker(0).stream();
+    a.send_request(post("/payments", "k", r#"{"amount":1}"#));
+    gw.pump();
+    assert_eq!(
+        a.upstream_body(),
+        br#"{"amount":1}"#,
+        "the whole body went up after the grant"
+    );
+    a.respond(
+        201,
+        HeaderMap::from([("content-type", "application/json")]),
+        "{}",
+    );
+    gw.pump();
+    let b = gw.worker(0).stream();
+    b.send_request(post("/payments", "k", r#"{"amount":2}"#));
+    gw.pump();
+    assert_eq!(b.response_status(), Some(422));
+    assert_eq!(problem_type(&b), "urn:idemgate:problem:key-reused");
+    let big = gw.worker(0).stream();
+    big.send_request(post("/payments", "k2", &"x".repeat(64)));
+    gw.pump();
+    assert_eq!(big.response_status(), Some(413));
+    assert!(big.upstream_headers().is_none());
+}
+
+#[test]
+fn shadow_mode_never_blocks() {
+    let stack = Stack::start();
+    let gw = Gateway::boot(stack.addr, &config(r#""shadow":true"#, PAYMENTS), 1);
+    let a = gw.worker(0).stream();
+    a.send_request(post("/payments", "k", "{}"));
+    gw.pump();
+    let b = gw.worker(0).stream();
+    b.send_request(post("/payments", "k", "{}"));
+    gw.pump();
+    assert!(a.upstream_headers().is_some() && b.upstream_headers().is_some());
+    assert_eq!(gw.counter("idemgate.shadow.would_block"), 1);
+    let missing = gw.worker(0).stream();
+    missing.send_request(Request::post("/payments").body("{}"));
+    assert!(missing.upstream_headers().is_some());
+}
+
+#[test]
+fn queued_duplicate_gets_the_stored_response() {
+    let stack = Stack::start();
+    let rules = r#"[{"match":{"path_prefix":"/payments"},"on_conflict":"queue","queue":{"max_wait":"20s"}}]"#;
+    let gw = Gateway::boot(stack.addr, &config("", rules), 2);
+    let first = gw.worker(0).stream();
+    first.send_request(post("/payments", "k-q", r#"{"amount":3}"#));
+    gw.pump();
+    assert!(fence(&first).is_some());
+    let dup = gw.worker(1).stream();
+    dup.send_request(post("/payments", "k-q", r#"{"amount":3}"#));
+    gw.host.advance(std::time::Duration::from_millis(2));
+    let (w, token, path) = gw.pending().pop().expect("the duplicate's claim");
+    assert_eq!(path, idemgate_wire::paths::CLAIM);
+    let vm = gw.worker(w).clone();
+    let waiting = std::thread::spawn(move || vm.forward_callout(token));
+    std::thread::sleep(std::time::Duration::from_millis(300));
+    assert!(
+        dup.upstream_headers().is_none() && dup.response_status().is_none(),
+        "held, not polled"
+    );
+    let body = br#"{"id":"pay_9","amount":3}"#;
+    first.respond(
+        201,
+        HeaderMap::from([("content-type", "application/json")]),
+        body,
+    );
+    gw.pump_except(&[(w, token)]);
+    assert!(waiting.join().unwrap());
+    assert_eq!(dup.response_status(), Some(201));
+    assert_eq!(dup.response_body(), body);
+    assert_eq!(
+        dup.response_headers()
+            .unwrap()
+            .get("idempotent-replayed")
+            .as_deref(),
+        Some("true")
+    );
+    assert!(dup.upstream_headers().is_none(), "one upstream call");
+}
+
+#[test]
+fn long_calls_renew_their_lease_from_the_tick() {
+    let stack = Stack::start();
+    let rules = r#"[{"match":{"path_prefix":"/payments"},"lease":"2s"}]"#;
+    let gw = Gateway::boot(stack.addr, &config("", rules), 1);
+    let s = gw.worker(0).stream();
+    s.send_request(post("/payments", "k-long", "{}"));
+    gw.pump();
+    assert!(fence(&s).is_some());
+    gw.host.advance(std::time::Duration::from_millis(1_100));
+    let pending = gw.pending();
+    assert_eq!(pending.len(), 1);
+    assert_eq!(pending[0].2, idemgate_wire::paths::RENEW);
+    gw.pump();
+    assert_eq!(gw.counter("idemgate.lease.renewals"), 1);
+    s.respond(
+        201,
+        HeaderMap::from([("content-type", "application/json")]),
+        "{}",
+    );
+    gw.pump();
+    assert_eq!(gw.counter("idemgate.lease.lost"), 0);
+}
+
+#[test]
+fn live_gateway_concurrent_duplicates_make_one_backend_call_and_all_get_its_response() {
+    let stack = Stack::start();
+    let body = r#"{"id":"pay_42","status":"captured"}"#;
+    let (backend, hits) = backend(std::time::Duration::from_millis(500), body);
+    let plugin = config(
+        "",
+        r#"[{"name":"payments","match":{"path_prefix":"/payments"},"on_conflict":"queue","queue":{"max_wait":"20s","max_queue":32}}]"#,
+    );
+    let gateway = live_gateway(&envoy_yaml(backend, stack.addr, &plugin), 4);
+    let addr = gateway.listener_address("main").unwrap();
+    let clients: Vec<_> = (0..16)
+        .map(|_| {
+            std::thread::spawn(move || {
+                http(
+                    addr,
+                    "POST",
+                    "/payments",
+                    &[
+                        ("idempotency-key", "\"live-1\""),
+                        ("content-type", "application/json"),
+                    ],
+                    "{\"amount\":42}",
+                )
+            })
+        })
+        .collect();
+    let replies: Vec<Reply> = clients.into_iter().map(|c| c.join().unwrap()).collect();
+    assert_eq!(
+        hits.load(std::sync::atomic::Ordering::SeqCst),
+        1,
+        "one backend call: {replies:?}"
+    );
+    for r in &replies {
+        assert_eq!((r.status, r.body.as_str()), (201, body), "{r:?}");
+    }
+    let replayed = replies
+        .iter()
+        .filter(|r| r.header("idempotent-replayed") == Some("true"))
+        .count();
+    assert_eq!(replayed, 15);
+    gateway.shutdown();
+}

@@ -1,0 +1,378 @@
+//! Scenario fixtures: a Redis + sidecar stack, gateways (a `TestHost` each, i.e. one Envoy
+//! process, with N worker VMs running `target/idemgate.wasm`) and callout pumping.
+
+use idemgate_host::testing::{Request, TestHost, TestStream, TestVm};
+use idemgate_sidecar::testing::RedisServer;
+use idemgate_sidecar::{Config as SidecarConfig, Sidecar};
+use std::io::{Read, Write};
+use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::Duration;
+
+/// Cluster name the filter's callouts use in every scenario.
+pub const SIDECAR: &str = "idemgate_sidecar";
+pub const VM_ID: &str = "idemgate";
+
+/// A real `redis-server` and an in-process sidecar in front of it.
+pub struct Stack {
+    /// Runs as long as the stack (stopped on drop).
+    _redis: RedisServer,
+    runtime: tokio::runtime::Runtime,
+    sidecar: Option<Sidecar>,
+    pub addr: SocketAddr,
+}
+
+impl Stack {
+    pub fn start() -> Stack {
+        let redis = RedisServer::start().expect("redis-server starts (apt install redis-server)");
+        let runtime = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .enable_all()
+            .build()
+            .expect("tokio runtime");
+        let sidecar = runtime
+            .block_on(Sidecar::spawn(SidecarConfig::loopback(
+                redis.store_config(),
+            )))
+            .expect("sidecar starts");
+        let addr = sidecar.addr();
+        Stack {
+            _redis: redis,
+            runtime,
+            sidecar: Some(sidecar),
+            addr,
+        }
+    }
+}
+
+impl Drop for Stack {
+    fn drop(&mut self) {
+        if let Some(sidecar) = self.sidecar.take() {
+            let _ = self.runtime.block_on(sidecar.shutdown());
+        }
+    }
+}
+
+/// A loopback address nothing listens on (connects are refused).
+pub fn dead_address() -> SocketAddr {
+    let listener = TcpListener::bind("127.0.0.1:0").expect("bind");
+    let addr = listener.local_addr().expect("addr");
+    drop(listener);
+    addr
+}
+
+/// The plugin configuration with `rules` (a JSON array) and extra top-level fields.
+pub fn config(extra: &str, rules: &str) -> String {
+    let sep = if extra.is_empty() { "" } else { "," };
+    format!(
+        r#"{{"sidecar":{{"cluster":"{SIDECAR}","timeout":"5s"}},"tick":"100ms"{sep}{extra},"rules":{rules}}}"#
+    )
+}
+
+/// One Envoy process: its host (shared data, metrics, clock) and worker VMs.
+pub struct Gateway {
+    pub host: TestHost,
+    pub workers: Vec<TestVm>,
+}
+
+impl Gateway {
+    pub fn boot(sidecar: SocketAddr, config: &str, workers: usize) -> Gateway {
+        Gateway::boot_with(sidecar, config, workers, false)
+    }
+
+    pub fn boot_with(
+        sidecar: SocketAddr,
+        config: &str,
+        workers: usize,
+        allow_stop: bool,
+    ) -> Gateway {
+        let host = TestHost::new().cluster_at(SIDECAR, sidecar);
+        let workers = host
+            .plugin("target/idemgate.wasm")
+            .name("idemgate")
+            .vm_id(VM_ID)
+            .config(config)
+            .allow_on_headers_stop_iteration(allow_stop)
+            .boot_workers(workers)
+            .expect("target/idemgate.wasm boots (build it with `cargo xtask wasm`)");
+        Gateway { host, workers }
+    }
+
+    pub fn worker(&self, i: usize) -> &TestVm {
+        &self.workers[i % self.workers.len()]
+    }
+
+    /// Fires due ticks (the root dispatches queued callouts on a 1 ms tick) and forwards
+    /// every callout to the sidecar, until none is left. Blocks on each answer.
+    pub fn pump(&self) {
+        self.pump_except(&[]);
+    }
+
+    /// [`Gateway::pump`], leaving alone the callouts `(worker, token)` a test forwards itself
+    /// (long-polls running on their own threads).
+    pub fn pump_except(&self, busy: &[(usize, u32)]) {
+        for _ in 0..50 {
+            self.host.advance(Duration::from_millis(2));
+            let mut forwarded = 0;
+            for (i, worker) in self.workers.iter().enumerate() {
+                for call in worker.pending_callouts() {
+                    if !busy.contains(&(i, call.token)) && worker.forward_callout(call.token) {
+                        forwarded += 1;
+                    }
+                }
+            }
+            if forwarded == 0 {
+                return;
+            }
+        }
+        panic!("callouts kept coming");
+    }
+
+    /// Callouts waiting on every worker: `(worker, token, path)`.
+    pub fn pending(&self) -> Vec<(usize, u32, String)> {
+        self.workers
+            .iter()
+            .enumerate()
+            .flat_map(|(i, w)| {
+                w.pending_callouts().into_iter().map(move |c| {
+                    (
+                        i,
+                        c.token,
+                        c.headers.get(":path").unwrap_or_default().to_string(),
+                    )
+                })
+            })
+            .collect()
+    }
+
+    pub fn counter(&self, name: &str) -> i64 {
+        self.host.metric(name).map_or(0, |m| m.value)
+    }
+
+    pub fn shared_keys(&self) -> usize {
+        self.host.shared().shared_data_keys(VM_ID).len()
+    }
+}
+
+pub fn post(path: &str, key: &str, body: &str) -> Request {
+    Request::post(path)
+        .header("idempotency-key", key)
+        .header("content-type", "application/json")
+        .body(body)
+}
+
+/// The upstream's `x-fencing-token`, if the request went upstream.
+pub fn fence(stream: &TestStream) -> Option<u64> {
+    stream
+        .upstream_headers()?
+        .get("x-fencing-token")?
+        .parse()
+        .ok()
+}
+
+pub fn problem_type(stream: &TestStream) -> String {
+    let body: serde_json::Value =
+        serde_json::from_slice(&stream.response_body()).expect("a JSON problem");
+    body["type"].as_str().unwrap_or_default().to_string()
+}
+
+/// A backend that answers every request `201` with `body` after `delay`, counting requests.
+pub fn backend(delay: Duration, body: &'static str) -> (SocketAddr, Arc<AtomicUsize>) {
+    let listener = TcpListener::bind("127.0.0.1:0").expect("bind backend");
+    let addr = listener.local_addr().expect("addr");
+    let hits = Arc::new(AtomicUsize::new(0));
+    let counted = Arc::clone(&hits);
+    std::thread::spawn(move || {
+        for conn in listener.incoming() {
+            let Ok(mut conn) = conn else { return };
+            let counted = Arc::clone(&counted);
+            std::thread::spawn(move || {
+                if read_request(&mut conn).is_some() {
+                    counted.fetch_add(1, Ordering::SeqCst);
+                    std::thread::sleep(delay);
+                    let reply = format!(
+                        "HTTP/1.1 201 Created\r\ncontent-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
+                        body.len()
+                    );
+                    let _ = conn.write_all(reply.as_bytes());
+                }
+            });
+        }
+    });
+    (addr, hits)
+}
+
+/// Reads one HTTP/1.1 request (headers + content-length body).
+fn read_request(conn: &mut TcpStream) -> Option<Vec<u8>> {
+    conn.set_read_timeout(Some(Duration::from_secs(30))).ok()?;
+    let mut buf = Vec::new();
+    let mut chunk = [0u8; 4096];
+    loop {
+        let n = conn.read(&mut chunk).ok()?;
+        if n == 0 {
+            return None;
+        }
+        buf.extend_from_slice(&chunk[..n]);
+        if let Some(end) = buf.windows(4).position(|w| w == b"\r\n\r\n") {
+            let head = String::from_utf8_lossy(&buf[..end]).to_ascii_lowercase();
+            let len: usize = head
+                .lines()
+                .find_map(|l| l.strip_prefix("content-length:"))
+                .and_then(|v| v.trim().parse().ok())
+                .unwrap_or(0);
+            while buf.len() < end + 4 + len {
+                let n = conn.read(&mut chunk).ok()?;
+                if n == 0 {
+                    return None;
+                }
+                buf.extend_from_slice(&chunk[..n]);
+            }
+            return Some(buf);
+        }
+    }
+}
+
+/// A response as a client saw it.
+#[derive(Debug)]
+pub struct Reply {
+    pub status: u16,
+    pub headers: Vec<(String, String)>,
+    pub body: String,
+}
+
+impl Reply {
+    pub fn header(&self, name: &str) -> Option<&str> {
+        self.headers
+            .iter()
+            .find(|(n, _)| n.eq_ignore_ascii_case(name))
+            .map(|(_, v)| v.as_str())
+    }
+}
+
+/// One HTTP/1.1 request on its own connection (`connection: close`), read to the end.
+pub fn http(
+    addr: SocketAddr,
+    method: &str,
+    path: &str,
+    headers: &[(&str, &str)],
+    body: &str,
+) -> Reply {
+    let mut conn = TcpStream::connect(addr).expect("connect");
+    conn.set_read_timeout(Some(Duration::from_secs(60)))
+        .expect("timeout");
+    let mut req = format!(
+        "{method} {path} HTTP/1.1\r\nhost: api.test\r\nconnection: close\r\ncontent-length: {}\r\n",
+        body.len()
+    );
+    for (n, v) in headers {
+        req.push_str(&format!("{n}: {v}\r\n"));
+    }
+    req.push_str("\r\n");
+    req.push_str(body);
+    conn.write_all(req.as_bytes()).expect("send");
+    let mut raw = Vec::new();
+    conn.read_to_end(&mut raw).expect("read");
+    let text = String::from_utf8_lossy(&raw).into_owned();
+    let (head, body) = text.split_once("\r\n\r\n").unwrap_or((&text, ""));
+    let mut lines = head.lines();
+    let status = lines
+        .next()
+        .and_then(|l| l.split(' ').nth(1))
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(0);
+    let headers = lines
+        .filter_map(|l| l.split_once(':'))
+        .map(|(n, v)| (n.trim().to_ascii_lowercase(), v.trim().to_string()))
+        .collect();
+    Reply {
+        status,
+        headers,
+        body: body.to_string(),
+    }
+}
+
+/// An Envoy config: listener `main` → cluster `backend`, the idemgate filter with `plugin`
+/// configuration, and cluster `idemgate_sidecar`.
+pub fn envoy_yaml(backend: SocketAddr, sidecar: SocketAddr, plugin: &str) -> String {
+    format!(
+        r#"
+static_resources:
+  listeners:
+  - name: main
+    address: {{ socket_address: {{ address: 127.0.0.1, port_value: 0 }} }}
+    filter_chains:
+    - filters:
+      - name: envoy.filters.network.http_connection_manager
+        typed_config:
+          "@type": type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager
+          stat_prefix: ingress
+          route_config:
+            virtual_hosts:
+            - name: all
+              domains: ["*"]
+              routes:
+              - match: {{ prefix: "/" }}
+                route: {{ cluster: backend, timeout: 30s }}
+          http_filters:
+          - name: envoy.filters.http.wasm
+            typed_config:
+              "@type": type.googleapis.com/envoy.extensions.filters.http.wasm.v3.Wasm
+              config:
+                name: idemgate
+                root_id: idemgate
+                vm_config:
+                  vm_id: {VM_ID}
+                  runtime: envoy.wasm.runtime.v8
+                  code: {{ local: {{ filename: target/idemgate.wasm }} }}
+                configuration:
+                  "@type": type.googleapis.com/google.protobuf.StringValue
+                  value: '{plugin}'
+                failure_policy: FAIL_CLOSED
+          - name: envoy.filters.http.router
+            typed_config:
+              "@type": type.googleapis.com/envoy.extensions.filters.http.router.v3.Router
+  clusters:
+  - name: backend
+    type: STATIC
+    connect_timeout: 1s
+    load_assignment:
+      cluster_name: backend
+      endpoints:
+      - lb_endpoints:
+        - endpoint: {{ address: {{ socket_address: {{ address: 127.0.0.1, port_value: {} }} }} }}
+  - name: {SIDECAR}
+    type: STATIC
+    connect_timeout: 1s
+    load_assignment:
+      cluster_name: {SIDECAR}
+      endpoints:
+      - lb_endpoints:
+        - endpoint: {{ address: {{ socket_address: {{ address: 127.0.0.1, port_value: {} }} }} }}
+"#,
+        backend.port(),
+        sidecar.port()
+    )
+}
+
+/// The live gateway (`idemgate_host::gateway`) with `workers` worker threads.
+pub fn live_gateway(yaml: &str, workers: usize) -> idemgate_host::gateway::Gateway {
+    use idemgate_host::gateway::config::EnvoyConfig;
+    use idemgate_host::gateway::{Gateway as Live, GatewayOptions};
+    let root = idemgate_host::target_dir().join("..");
+    let config = EnvoyConfig::from_yaml(yaml, &root).expect("envoy config");
+    let mut listeners = std::collections::HashMap::new();
+    listeners.insert(
+        "main".to_owned(),
+        TcpListener::bind("127.0.0.1:0").expect("bind"),
+    );
+    Live::start(
+        config,
+        GatewayOptions {
+            concurrency: workers,
+            listeners,
+            ..GatewayOptions::default()
+        },
+    )
+    .expect("gateway starts (build target/idemgate.wasm with `cargo xtask wasm`)")
+}

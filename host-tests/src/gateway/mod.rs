@@ -1,0 +1,608 @@
+//! The gateway: a real HTTP/1.1 + h2c server with Envoy's threading model — N worker
+//! threads, each with its own single-threaded event loop and its own VM per wasm listener —
+//! running the filter chain (optional wasm filter, then the router) from a static Envoy
+//! config, forwarding to upstream clusters with streamed bodies, and sending callouts over
+//! real sockets. Embeddable: [`Gateway::start`] on pre-bound sockets, then
+//! [`Gateway::shutdown`].
+
+pub mod config;
+mod stream;
+
+use crate::abi::LogLevel;
+use crate::plugin::{Clusters, LoadError, WasmModule};
+use crate::shared::{Clock, SharedState, lock};
+use crate::vm::Vm;
+use bytes::Bytes;
+use config::{EnvoyConfig, ListenerConfig};
+use http_body_util::Full;
+use hyper_util::rt::TokioIo;
+use std::cell::RefCell;
+use std::collections::{BTreeMap, HashMap};
+use std::fmt::Write as _;
+use std::net::{SocketAddr, TcpListener};
+use std::rc::Rc;
+use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
+use std::time::Duration;
+use tokio::sync::{Notify, watch};
+
+/// Why the gateway could not start.
+#[derive(Debug, thiserror::Error)]
+pub enum GatewayError {
+    #[error(transparent)]
+    Config(#[from] config::ConfigError),
+    #[error("listener {name}: {source}")]
+    Bind {
+        name: String,
+        source: std::io::Error,
+    },
+    #[error("listener {listener}: {source}")]
+    Wasm { listener: String, source: LoadError },
+    #[error("starting worker threads: {0}")]
+    Runtime(std::io::Error),
+}
+
+/// How to run a configuration.
+#[derive(Debug)]
+pub struct GatewayOptions {
+    /// Worker threads (Envoy `--concurrency`), at least 1.
+    pub concurrency: usize,
+    /// Already-bound sockets by listener name (tests bind port 0 first); others are bound
+    /// from the config.
+    pub listeners: HashMap<String, TcpListener>,
+    /// An already-bound admin socket.
+    pub admin: Option<TcpListener>,
+    /// One line per request on stdout.
+    pub access_log: bool,
+    /// Plugin log lines at or above this level go to stderr.
+    pub log_level: Option<LogLevel>,
+}
+
+impl Default for GatewayOptions {
+    fn default() -> Self {
+        Self {
+            concurrency: 1,
+            listeners: HashMap::new(),
+            admin: None,
+            access_log: false,
+            log_level: Some(LogLevel::Info),
+        }
+    }
+}
+
+/// Gateway-level counters (Envoy `http.<stat_prefix>.*`, `cluster.<name>.*`).
+#[derive(Debug, Default)]
+pub struct Stats {
+    counters: Mutex<BTreeMap<String, u64>>,
+}
+
+impl Stats {
+    pub(crate) fn add(&self, name: String, delta: u64) {
+        *lock(&self.counters).entry(name).or_default() += delta;
+    }
+
+    pub fn get(&self, name: &str) -> u64 {
+        lock(&self.counters).get(name).copied().unwrap_or(0)
+    }
+
+    pub fn all(&self) -> BTreeMap<String, u64> {
+        lock(&self.counters).clone()
+    }
+}
+
+/// A running gateway. Dropping it shuts it down.
+pub struct Gateway {
+    listeners: BTreeMap<String, SocketAddr>,
+    admin: Option<SocketAddr>,
+    shared: Arc<SharedState>,
+    stats: Arc<Stats>,
+    shutdown: watch::Sender<bool>,
+    threads: Vec<JoinHandle<()>>,
+}
+
+impl std::fmt::Debug for Gateway {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Gateway")
+            .field("listeners", &self.listeners)
+            .field("admin", &self.admin)
+            .finish()
+    }
+}
+
+/// What every worker shares about one listener.
+struct ListenerShared {
+    config: ListenerConfig,
+    module: Option<WasmModule>,
+}
+
+fn bind(
+    name: &str,
+    address: SocketAddr,
+    given: Option<TcpListener>,
+) -> Result<TcpListener, GatewayError> {
+    let bind_error = |source| GatewayError::Bind {
+        name: name.to_owned(),
+        source,
+    };
+    let socket = match given {
+        Some(s) => s,
+        None => TcpListener::bind(address).map_err(bind_error)?,
+    };
+    socket.set_nonblocking(true).map_err(bind_error)?;
+    Ok(socket)
+}
+
+impl Gateway {
+    /// Loads the modules, boots one VM per worker per wasm listener (after a configuration
+    /// canary, as Envoy), binds, and starts serving.
+    pub fn start(config: EnvoyConfig, mut options: GatewayOptions) -> Result<Self, GatewayError> {
+        let concurrency = options.concurrency.max(1);
+        let shared = Arc::new(SharedState::new(Clock::real(), options.log_level, 10_000));
+        let clusters: Clusters = Arc::new(config.clusters.clone());
+        let stats = Arc::new(Stats::default());
+        let mut listeners = Vec::new();
+        let mut addresses = BTreeMap::new();
+        for l in &config.listeners {
+            let module = match &l.wasm {
+                Some(w) => {
+                    let wasm_error = |source| GatewayError::Wasm {
+                        listener: l.name.clone(),
+                        source,
+                    };
+                    let module = WasmModule::load(&w.code).map_err(wasm_error)?;
+                    // The canary: configured once and discarded; a rejection fails startup.
+                    Vm::boot(
+                        &module,
+                        Arc::new(w.settings.clone()),
+                        Arc::clone(&clusters),
+                        Arc::clone(&shared),
+                        usize::MAX,
+                    )
+                    .map_err(wasm_error)?;
+                    Some(module)
+                }
+                None => None,
+            };
+            let socket = bind(&l.name, l.address, options.listeners.remove(&l.name))?;
+            let local = socket.local_addr().map_err(|source| GatewayError::Bind {
+                name: l.name.clone(),
+                source,
+            })?;
+            addresses.insert(l.name.clone(), local);
+            listeners.push((
+                Arc::new(ListenerShared {
+                    config: l.clone(),
+                    module,
+                }),
+                socket,
+            ));
+        }
+        let (shutdown, _) = watch::channel(false);
+        let mut threads = Vec::new();
+        for worker in 0..concurrency {
+            let mut assigned = Vec::new();
+            for (listener, socket) in &listeners {
+                let socket = socket.try_clone().map_err(GatewayError::Runtime)?;
+                let vm = match (&listener.module, &listener.config.wasm) {
+                    (Some(module), Some(w)) => Some(
+                        Vm::boot(
+                            module,
+                            Arc::new(w.settings.clone()),
+                            Arc::clone(&clusters),
+                            Arc::clone(&shared),
+                            worker,
+                        )
+                        .map_err(|source| GatewayError::Wasm {
+                            listener: listener.config.name.clone(),
+                            source,
+                        })?,
+                    ),
+                    _ => None,
+                };
+                assigned.push((Arc::clone(listener), socket, vm));
+            }
+            let context = WorkerContext {
+                index: worker,
+                clusters: Arc::clone(&clusters),
+                stats: Arc::clone(&stats),
+                access_log: options.access_log,
+                shutdown: shutdown.subscribe(),
+            };
+            let thread = std::thread::Builder::new()
+                .name(format!("worker-{worker}"))
+                .spawn(move || run_worker(context, assigned))
+                .map_err(GatewayError::Runtime)?;
+            threads.push(thread);
+        }
+        let admin = match (config.admin, options.admin.take()) {
+            (None, None) => None,
+            (address, given) => {
+                let address = address.unwrap_or_else(|| SocketAddr::from(([127, 0, 0, 1], 0)));
+                let socket = bind("admin", address, given)?;
+                let local = socket.local_addr().map_err(|source| GatewayError::Bind {
+                    name: "admin".into(),
+                    source,
+                })?;
+                let admin = Admin {
+                    shared: Arc::clone(&shared),
+                    stats: Arc::clone(&stats),
+                };
+                let rx = shutdown.subscribe();
+                threads.push(
+                    std::thread::Builder::new()
+                        .name("admin".into())
+                        .spawn(move || admin.run(socket, rx))
+                        .map_err(GatewayError::Runtime)?,
+                );
+                Some(local)
+            }
+        };
+        Ok(Self {
+            listeners: addresses,
+            admin,
+            shared,
+            stats,
+            shutdown,
+            threads,
+        })
+    }
+
+    /// The bound address of a listener.
+    pub fn listener_address(&self, name: &str) -> Option<SocketAddr> {
+        self.listeners.get(name).copied()
+    }
+
+    pub fn admin_address(&self) -> Option<SocketAddr> {
+        self.admin
+    }
+
+    /// Shared data, metrics and logs of every VM.
+    pub fn shared(&self) -> &Arc<SharedState> {
+        &self.shared
+    }
+
+    pub fn stats(&self) -> &Arc<Stats> {
+        &self.stats
+    }
+
+    /// Stops accepting, drops in-flight streams, and joins the worker threads.
+    pub fn shutdown(mut self) {
+        self.stop();
+    }
+
+    fn stop(&mut self) {
+        let _ = self.shutdown.send(true);
+        for thread in self.threads.drain(..) {
+            let _ = thread.join();
+        }
+    }
+}
+
+impl Drop for Gateway {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}
+
+/// What a worker thread is given.
+struct WorkerContext {
+    index: usize,
+    clusters: Clusters,
+    stats: Arc<Stats>,
+    access_log: bool,
+    shutdown: watch::Receiver<bool>,
+}
+
+/// One listener on one worker: its VM (if the chain has the wasm filter) and the wakers of
+/// the streams in flight, which a callout, timer or queue event may have given work.
+pub(crate) struct ListenerWorker {
+    pub(crate) config: ListenerConfig,
+    pub(crate) vm: Option<RefCell<Vm>>,
+    pub(crate) worker: usize,
+    pub(crate) clusters: Clusters,
+    pub(crate) stats: Arc<Stats>,
+    pub(crate) access_log: bool,
+    streams: RefCell<HashMap<u64, Rc<Notify>>>,
+    next_stream: std::cell::Cell<u64>,
+    timers: Notify,
+}
+
+impl ListenerWorker {
+    /// Registers a stream's waker; the guard unregisters it.
+    pub(crate) fn register(self: &Rc<Self>) -> (Rc<Notify>, StreamSlot) {
+        let key = self.next_stream.get() + 1;
+        self.next_stream.set(key);
+        let notify = Rc::new(Notify::new());
+        self.streams.borrow_mut().insert(key, Rc::clone(&notify));
+        (
+            notify,
+            StreamSlot {
+                listener: Rc::clone(self),
+                key,
+            },
+        )
+    }
+
+    /// After any VM call: send new callouts, re-plan timers, wake streams.
+    pub(crate) fn after_vm_call(self: &Rc<Self>) {
+        let callouts = match &self.vm {
+            Some(vm) => vm.borrow_mut().take_new_callouts(),
+            None => Vec::new(),
+        };
+        for request in callouts {
+            let this = Rc::clone(self);
+            let cluster = self
+                .clusters
+                .get(&request.cluster)
+                .cloned()
+                .unwrap_or_else(|| crate::plugin::Cluster::named(&request.cluster));
+            tokio::task::spawn_local(async move {
+                let outcome = crate::upstream::send_callout(&cluster, &request).await;
+                if let Some(vm) = &this.vm {
+                    vm.borrow_mut().deliver_callout(request.token, outcome);
+                }
+                this.after_vm_call();
+            });
+        }
+        self.timers.notify_one();
+        for notify in self.streams.borrow().values() {
+            notify.notify_one();
+        }
+    }
+
+    /// Fires due ticks and callout timeouts, and runs posted queue events, forever.
+    async fn run_timers(self: Rc<Self>) {
+        let Some(vm) = &self.vm else {
+            return;
+        };
+        let mailbox = vm.borrow().mailbox();
+        loop {
+            let wait = {
+                let vm = vm.borrow();
+                let now = vm.shared().clock().monotonic_ns();
+                vm.next_deadline_ns()
+                    .map(|d| Duration::from_nanos(d.saturating_sub(now)))
+                    .unwrap_or(Duration::from_secs(3600))
+            };
+            tokio::select! {
+                _ = tokio::time::sleep(wait) => {}
+                _ = self.timers.notified() => {}
+                _ = mailbox.wake.notified() => {}
+            }
+            let worked = {
+                let mut vm = vm.borrow_mut();
+                let before = vm.next_deadline_ns();
+                vm.fire_due();
+                vm.run_posted() > 0 || before != vm.next_deadline_ns()
+            };
+            if worked {
+                self.after_vm_call();
+            }
+        }
+    }
+}
+
+/// Unregisters a stream's waker when its driver ends.
+pub(crate) struct StreamSlot {
+    listener: Rc<ListenerWorker>,
+    key: u64,
+}
+
+impl Drop for StreamSlot {
+    fn drop(&mut self) {
+        self.listener.streams.borrow_mut().remove(&self.key);
+    }
+}
+
+/// hyper's executor for a single-threaded worker: tasks stay on this thread.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct LocalExec;
+
+impl<F> hyper::rt::Executor<F> for LocalExec
+where
+    F: std::future::Future + 'static,
+    F::Output: 'static,
+{
+    fn execute(&self, future: F) {
+        tokio::task::spawn_local(future);
+    }
+}
+
+fn run_worker(
+    context: WorkerContext,
+    listeners: Vec<(Arc<ListenerShared>, TcpListener, Option<Vm>)>,
+) {
+    let runtime = match tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("worker {}: cannot start its event loop: {e}", context.index);
+            return;
+        }
+    };
+    let local = tokio::task::LocalSet::new();
+    let mut shutdown = context.shutdown.clone();
+    local.block_on(&runtime, async move {
+        let mut workers = Vec::new();
+        for (listener, socket, vm) in listeners {
+            let lw = Rc::new(ListenerWorker {
+                config: listener.config.clone(),
+                vm: vm.map(RefCell::new),
+                worker: context.index,
+                clusters: Arc::clone(&context.clusters),
+                stats: Arc::clone(&context.stats),
+                access_log: context.access_log,
+                streams: RefCell::new(HashMap::new()),
+                next_stream: std::cell::Cell::new(0),
+                timers: Notify::new(),
+            });
+            let socket = match tokio::net::TcpListener::from_std(socket) {
+                Ok(s) => s,
+                Err(e) => {
+                    eprintln!("worker {}: listener {}: {e}", context.index, lw.config.name);
+                    continue;
+                }
+            };
+            tokio::task::spawn_local(Rc::clone(&lw).run_timers());
+            tokio::task::spawn_local(accept_loop(Rc::clone(&lw), socket));
+            workers.push(lw);
+        }
+        let _ = shutdown.wait_for(|stop| *stop).await;
+        for lw in &workers {
+            if let Some(vm) = &lw.vm {
+                vm.borrow_mut().shutdown();
+            }
+        }
+    });
+}
+
+async fn accept_loop(listener: Rc<ListenerWorker>, socket: tokio::net::TcpListener) {
+    let mut connection_id = (listener.worker as u64) << 48;
+    loop {
+        let Ok((stream, peer)) = socket.accept().await else {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+            continue;
+        };
+        let _ = stream.set_nodelay(true);
+        connection_id += 1;
+        let local = stream.local_addr().unwrap_or(peer);
+        let connection = stream::Connection {
+            listener: Rc::clone(&listener),
+            peer,
+            local,
+            id: connection_id,
+        };
+        tokio::task::spawn_local(connection.serve(TokioIo::new(stream)));
+    }
+}
+
+/// The admin endpoint: `/stats` (Envoy-like `name: value`), `/stats/prometheus`, `/ready`.
+struct Admin {
+    shared: Arc<SharedState>,
+    stats: Arc<Stats>,
+}
+
+impl Admin {
+    fn stats_text(&self) -> String {
+        let mut out = String::new();
+        for (name, value) in self.stats.all() {
+            let _ = writeln!(out, "{name}: {value}");
+        }
+        for (name, metric) in self.shared.metrics() {
+            match metric.kind {
+                crate::abi::MetricKind::Histogram => {
+                    let mut samples = metric.samples.clone();
+                    samples.sort_unstable();
+                    let quantile = |q: f64| -> String {
+                        if samples.is_empty() {
+                            return "nan".into();
+                        }
+                        let at = ((samples.len() - 1) as f64 * q).round() as usize;
+                        samples.get(at).map_or("nan".into(), u64::to_string)
+                    };
+                    let _ = writeln!(
+                        out,
+                        "{name}: P50({}) P90({}) P99({}) count={}",
+                        quantile(0.5),
+                        quantile(0.9),
+                        quantile(0.99),
+                        samples.len()
+                    );
+                }
+                _ => {
+                    let _ = writeln!(out, "{name}: {}", metric.value);
+                }
+            }
+        }
+        out
+    }
+
+    fn prometheus_text(&self) -> String {
+        let sanitize = |name: &str| -> String {
+            name.chars()
+                .map(|c| {
+                    if c.is_ascii_alphanumeric() || c == '_' {
+                        c
+                    } else {
+                        '_'
+                    }
+                })
+                .collect()
+        };
+        let mut out = String::new();
+        for (name, value) in self.stats.all() {
+            let name = format!("envoy_{}", sanitize(&name));
+            let _ = writeln!(out, "# TYPE {name} counter\n{name} {value}");
+        }
+        for (name, metric) in self.shared.metrics() {
+            let name = sanitize(&name);
+            match metric.kind {
+                crate::abi::MetricKind::Counter => {
+                    let _ = writeln!(out, "# TYPE {name} counter\n{name} {}", metric.value);
+                }
+                crate::abi::MetricKind::Gauge => {
+                    let _ = writeln!(out, "# TYPE {name} gauge\n{name} {}", metric.value);
+                }
+                crate::abi::MetricKind::Histogram => {
+                    let sum: u64 = metric.samples.iter().sum();
+                    let _ = writeln!(
+                        out,
+                        "# TYPE {name} summary\n{name}_sum {sum}\n{name}_count {}",
+                        metric.samples.len()
+                    );
+                }
+            }
+        }
+        out
+    }
+
+    fn answer(&self, path: &str) -> http::Response<Full<Bytes>> {
+        let (status, body) = match path {
+            "/stats" => (200, self.stats_text()),
+            "/stats/prometheus" => (200, self.prometheus_text()),
+            "/ready" => (200, "LIVE\n".to_owned()),
+            _ => (
+                404,
+                "admin endpoints: /stats /stats/prometheus /ready\n".to_owned(),
+            ),
+        };
+        let mut response = http::Response::new(Full::new(Bytes::from(body)));
+        *response.status_mut() = http::StatusCode::from_u16(status).unwrap_or(http::StatusCode::OK);
+        response
+    }
+
+    fn run(self, socket: TcpListener, mut shutdown: watch::Receiver<bool>) {
+        let Ok(runtime) = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+        else {
+            return;
+        };
+        let admin = Arc::new(self);
+        runtime.block_on(async move {
+            let Ok(socket) = tokio::net::TcpListener::from_std(socket) else {
+                return;
+            };
+            loop {
+                tokio::select! {
+                    _ = shutdown.wait_for(|stop| *stop) => return,
+                    accepted = socket.accept() => {
+                        let Ok((stream, _)) = accepted else { continue };
+                        let admin = Arc::clone(&admin);
+                        tokio::spawn(async move {
+                            let service = hyper::service::service_fn(move |req: http::Request<hyper::body::Incoming>| {
+                                let response = admin.answer(req.uri().path());
+                                async move { Ok::<_, std::convert::Infallible>(response) }
+                            });
+                            let _ = hyper::server::conn::http1::Builder::new()
+                                .serve_connection(TokioIo::new(stream), service)
+                                .await;
+                        });
+                    }
+                }
+            }
+        });
+    }
+}

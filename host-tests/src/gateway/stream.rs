@@ -1,0 +1,687 @@
+//! One downstream connection and the driver of each of its streams: request frames into the
+//! filter chain, the chain's events out to the upstream (router) and the client, upstream
+//! response frames back in, client aborts as stream resets, and the access-log line.
+
+use super::ListenerWorker;
+use crate::headers::HeaderMap;
+use crate::upstream::response_headers;
+use crate::vm::{StreamEvent, StreamId, StreamInfo};
+use bytes::Bytes;
+use http_body_util::BodyExt;
+use hyper::body::{Body, Frame, Incoming};
+use hyper_util::rt::{TokioExecutor, TokioIo};
+use std::net::SocketAddr;
+use std::pin::Pin;
+use std::rc::Rc;
+use std::task::{Context, Poll};
+use std::time::Instant;
+use tokio::sync::{mpsc, oneshot};
+
+type BoxError = Box<dyn std::error::Error + Send + Sync>;
+type FrameResult = Result<Frame<Bytes>, BoxError>;
+
+/// A body fed frame by frame from a channel (streams both directions without buffering).
+pub(crate) struct ChannelBody {
+    rx: mpsc::UnboundedReceiver<FrameResult>,
+}
+
+impl ChannelBody {
+    fn channel() -> (mpsc::UnboundedSender<FrameResult>, Self) {
+        let (tx, rx) = mpsc::unbounded_channel();
+        (tx, Self { rx })
+    }
+}
+
+impl Body for ChannelBody {
+    type Data = Bytes;
+    type Error = BoxError;
+
+    fn poll_frame(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<FrameResult>> {
+        self.get_mut().rx.poll_recv(cx)
+    }
+}
+
+/// Hop-by-hop headers a proxy must not forward.
+const HOP_BY_HOP: &[&str] = &[
+    "connection",
+    "keep-alive",
+    "transfer-encoding",
+    "upgrade",
+    "proxy-connection",
+    "te",
+];
+
+pub(crate) struct Connection {
+    pub(crate) listener: Rc<ListenerWorker>,
+    pub(crate) peer: SocketAddr,
+    pub(crate) local: SocketAddr,
+    pub(crate) id: u64,
+}
+
+impl Connection {
+    pub(crate) async fn serve(self, io: TokioIo<tokio::net::TcpStream>) {
+        let this = Rc::new(self);
+        let service = hyper::service::service_fn(move |request: http::Request<Incoming>| {
+            let this = Rc::clone(&this);
+            async move {
+                let (tx, rx) = oneshot::channel();
+                let protocol = format!("{:?}", request.version());
+                tokio::task::spawn_local(drive(Rc::clone(&this), request, tx, protocol));
+                rx.await.map_err(|_| -> BoxError { "stream reset".into() })
+            }
+        });
+        let _ = hyper_util::server::conn::auto::Builder::new(super::LocalExec)
+            .serve_connection(io, service)
+            .await;
+    }
+}
+
+/// The filter chain of one stream: the wasm filter's VM, or nothing but the router.
+enum Chain {
+    Wasm(StreamId),
+    Direct {
+        events: Vec<StreamEvent>,
+        finished: bool,
+    },
+}
+
+struct Driver {
+    listener: Rc<ListenerWorker>,
+    chain: Chain,
+}
+
+impl Driver {
+    fn with_vm(&mut self, f: impl FnOnce(&mut crate::vm::Vm, StreamId)) {
+        if let (Chain::Wasm(id), Some(vm)) = (&self.chain, &self.listener.vm) {
+            f(&mut vm.borrow_mut(), *id);
+            self.listener.after_vm_call();
+        }
+    }
+
+    fn direct(&mut self, event: StreamEvent, finishes: bool) {
+        if let Chain::Direct { events, finished } = &mut self.chain {
+            events.push(event);
+            *finished |= finishes;
+        }
+    }
+
+    fn request_headers(&mut self, headers: HeaderMap, end_stream: bool) {
+        self.with_vm(|vm, id| vm.request_headers(id, headers.clone(), end_stream));
+        self.direct(
+            StreamEvent::UpstreamHeaders {
+                headers,
+                end_stream,
+            },
+            false,
+        );
+    }
+
+    fn request_data(&mut self, data: Bytes, end_stream: bool) {
+        self.with_vm(|vm, id| vm.request_data(id, &data, end_stream));
+        self.direct(
+            StreamEvent::UpstreamData {
+                data: data.to_vec(),
+                end_stream,
+            },
+            false,
+        );
+    }
+
+    fn request_trailers(&mut self, trailers: HeaderMap) {
+        self.with_vm(|vm, id| vm.request_trailers(id, trailers.clone()));
+        self.direct(StreamEvent::UpstreamTrailers(trailers), false);
+    }
+
+    fn response_headers(&mut self, headers: HeaderMap, end_stream: bool) {
+        self.with_vm(|vm, id| vm.response_headers(id, headers.clone(), end_stream));
+        self.direct(
+            StreamEvent::DownstreamHeaders {
+                headers,
+                end_stream,
+            },
+            end_stream,
+        );
+    }
+
+    fn response_data(&mut self, data: Bytes, end_stream: bool) {
+        self.with_vm(|vm, id| vm.response_data(id, &data, end_stream));
+        self.direct(
+            StreamEvent::DownstreamData {
+                data: data.to_vec(),
+                end_stream,
+            },
+            end_stream,
+        );
+    }
+
+    fn response_trailers(&mut self, trailers: HeaderMap) {
+        self.with_vm(|vm, id| vm.response_trailers(id, trailers.clone()));
+        self.direct(StreamEvent::DownstreamTrailers(trailers), true);
+    }
+
+    /// A response Envoy's router generates itself (no route, connect failure, timeout).
+    fn router_reply(&mut self, status: u16, body: &str) {
+        let headers = HeaderMap::from([
+            (":status", status.to_string()),
+            ("content-length", body.len().to_string()),
+            ("content-type", "text/plain".to_owned()),
+        ]);
+        self.response_headers(headers, body.is_empty());
+        if !body.is_empty() {
+            self.response_data(Bytes::copy_from_slice(body.as_bytes()), true);
+        }
+    }
+
+    fn reset(&mut self) {
+        self.with_vm(|vm, id| vm.reset_stream(id));
+        if let Chain::Direct { finished, .. } = &mut self.chain {
+            *finished = true;
+        }
+    }
+
+    fn take_events(&mut self) -> Vec<StreamEvent> {
+        match &mut self.chain {
+            Chain::Direct { events, .. } => std::mem::take(events),
+            Chain::Wasm(id) => self
+                .listener
+                .vm
+                .as_ref()
+                .map(|vm| vm.borrow_mut().take_events(*id))
+                .unwrap_or_default(),
+        }
+    }
+
+    fn is_finished(&self) -> bool {
+        match &self.chain {
+            Chain::Direct { finished, .. } => *finished,
+            Chain::Wasm(id) => self
+                .listener
+                .vm
+                .as_ref()
+                .is_none_or(|vm| vm.borrow().is_finished(*id)),
+        }
+    }
+}
+
+impl Drop for Driver {
+    fn drop(&mut self) {
+        if let (Chain::Wasm(id), Some(vm)) = (&self.chain, &self.listener.vm) {
+            let mut vm = vm.borrow_mut();
+            vm.reset_stream(*id);
+            vm.remove_stream(*id);
+        }
+    }
+}
+
+/// The request as Envoy's HCM hands it to filters (pseudo-headers first, `host` folded into
+/// `:authority`, `x-request-id` and `x-forwarded-proto` added).
+fn downstream_headers(parts: &http::request::Parts) -> HeaderMap {
+    let authority = parts
+        .uri
+        .authority()
+        .map(|a| a.to_string())
+        .or_else(|| {
+            parts
+                .headers
+                .get(http::header::HOST)
+                .and_then(|h| h.to_str().ok())
+                .map(str::to_owned)
+        })
+        .unwrap_or_default();
+    let path = parts
+        .uri
+        .path_and_query()
+        .map_or_else(|| "/".to_owned(), |p| p.to_string());
+    let mut headers = HeaderMap::from([
+        (":authority", authority.as_str()),
+        (":path", path.as_str()),
+        (":method", parts.method.as_str()),
+        (":scheme", "http"),
+    ]);
+    for (k, v) in &parts.headers {
+        if k != http::header::HOST && !HOP_BY_HOP.contains(&k.as_str()) {
+            headers.add(k.as_str().as_bytes(), v.as_bytes());
+        }
+    }
+    if headers.get_bytes("x-request-id").is_none() {
+        let mut random = [0u8; 16];
+        let _ = getrandom::getrandom(&mut random);
+        let hex: String = random.iter().map(|b| format!("{b:02x}")).collect();
+        let id = format!(
+            "{}-{}-4{}-8{}-{}",
+            hex.get(0..8).unwrap_or_default(),
+            hex.get(8..12).unwrap_or_default(),
+            hex.get(13..16).unwrap_or_default(),
+            hex.get(17..20).unwrap_or_default(),
+            hex.get(20..32).unwrap_or_default()
+        );
+        headers.add(b"x-request-id", id.as_bytes());
+    }
+    headers.replace(b"x-forwarded-proto", b"http");
+    headers
+}
+
+fn http_headers(map: &HeaderMap, into: &mut http::HeaderMap) {
+    for (k, v) in map.entries() {
+        if k.first() == Some(&b':') || HOP_BY_HOP.contains(&String::from_utf8_lossy(k).as_ref()) {
+            continue;
+        }
+        if let (Ok(name), Ok(value)) = (
+            http::HeaderName::from_bytes(k),
+            http::HeaderValue::from_bytes(v),
+        ) {
+            into.append(name, value);
+        }
+    }
+}
+
+enum UpstreamFailure {
+    Connect,
+    ResetBeforeHeaders,
+}
+
+/// Connects to the route's cluster and sends the request; the response (head + streaming
+/// body) comes back through `done`.
+async fn upstream_exchange(
+    cluster: crate::plugin::Cluster,
+    request: http::Request<ChannelBody>,
+    done: oneshot::Sender<Result<http::Response<Incoming>, UpstreamFailure>>,
+) {
+    let result = async {
+        let address = cluster.address.ok_or(UpstreamFailure::Connect)?;
+        let stream = tokio::time::timeout(
+            cluster.connect_timeout,
+            tokio::net::TcpStream::connect(address),
+        )
+        .await
+        .map_err(|_| UpstreamFailure::Connect)?
+        .map_err(|_| UpstreamFailure::Connect)?;
+        let _ = stream.set_nodelay(true);
+        let io = TokioIo::new(stream);
+        if cluster.http2 {
+            let (mut sender, conn) =
+                hyper::client::conn::http2::handshake(TokioExecutor::new(), io)
+                    .await
+                    .map_err(|_| UpstreamFailure::Connect)?;
+            tokio::task::spawn_local(conn);
+            sender
+                .send_request(request)
+                .await
+                .map_err(|_| UpstreamFailure::ResetBeforeHeaders)
+        } else {
+            let (mut sender, conn) = hyper::client::conn::http1::handshake(io)
+                .await
+                .map_err(|_| UpstreamFailure::Connect)?;
+            tokio::task::spawn_local(conn);
+            sender
+                .send_request(request)
+                .await
+                .map_err(|_| UpstreamFailure::ResetBeforeHeaders)
+        }
+    }
+    .await;
+    let _ = done.send(result);
+}
+
+async fn next_frame(body: &mut Option<Incoming>) -> Option<Result<Frame<Bytes>, hyper::Error>> {
+    match body {
+        Some(b) => b.frame().await,
+        None => std::future::pending().await,
+    }
+}
+
+async fn closed(tx: &Option<mpsc::UnboundedSender<FrameResult>>) {
+    match tx {
+        Some(tx) => tx.closed().await,
+        None => std::future::pending().await,
+    }
+}
+
+async fn response_closed(tx: &mut Option<oneshot::Sender<http::Response<ChannelBody>>>) {
+    match tx {
+        Some(tx) => tx.closed().await,
+        None => std::future::pending().await,
+    }
+}
+
+async fn until(deadline: Option<tokio::time::Instant>) {
+    match deadline {
+        Some(d) => tokio::time::sleep_until(d).await,
+        None => std::future::pending().await,
+    }
+}
+
+/// What the access log and stats record about a stream.
+#[derive(Default)]
+struct Outcome {
+    status: Option<u16>,
+    details: Option<String>,
+    bytes_received: usize,
+    bytes_sent: usize,
+    upstream: Option<SocketAddr>,
+    cluster: Option<String>,
+}
+
+async fn drive(
+    connection: Rc<Connection>,
+    request: http::Request<Incoming>,
+    respond: oneshot::Sender<http::Response<ChannelBody>>,
+    protocol: String,
+) {
+    let started = Instant::now();
+    let listener = Rc::clone(&connection.listener);
+    let (parts, body) = request.into_parts();
+    let headers = downstream_headers(&parts);
+    let chain = match &listener.vm {
+        Some(vm) => Chain::Wasm(vm.borrow_mut().new_stream(StreamInfo {
+            source: connection.peer,
+            destination: connection.local,
+            connection_id: connection.id,
+            protocol: protocol.replace("HTTP/2.0", "HTTP/2"),
+        })),
+        None => Chain::Direct {
+            events: Vec::new(),
+            finished: false,
+        },
+    };
+    let (wake, _slot) = listener.register();
+    let mut driver = Driver {
+        listener: Rc::clone(&listener),
+        chain,
+    };
+    let mut outcome = Outcome::default();
+    let end_stream = body.is_end_stream();
+    let mut request_body = (!end_stream).then_some(body);
+    let mut respond = Some(respond);
+    let mut downstream: Option<mpsc::UnboundedSender<FrameResult>> = None;
+    let mut upstream_body: Option<mpsc::UnboundedSender<FrameResult>> = None;
+    let mut upstream_pending: Option<
+        oneshot::Receiver<Result<http::Response<Incoming>, UpstreamFailure>>,
+    > = None;
+    let mut upstream_task: Option<tokio::task::JoinHandle<()>> = None;
+    let mut upstream_deadline: Option<tokio::time::Instant> = None;
+    let mut upstream_response: Option<Incoming> = None;
+    driver.request_headers(headers.clone(), end_stream);
+
+    for _ in 0..u32::MAX {
+        for event in driver.take_events() {
+            match event {
+                StreamEvent::UpstreamHeaders {
+                    headers,
+                    end_stream,
+                } => {
+                    let path = headers.get(":path").unwrap_or_default();
+                    let route = listener
+                        .config
+                        .routes
+                        .iter()
+                        .find(|r| path.starts_with(&r.prefix));
+                    let Some(route) = route else {
+                        driver.router_reply(404, "");
+                        outcome.details = Some("route_not_found".into());
+                        continue;
+                    };
+                    let Some(cluster) = listener.clusters.get(&route.cluster).cloned() else {
+                        driver.router_reply(503, "no healthy upstream");
+                        continue;
+                    };
+                    listener
+                        .stats
+                        .add(format!("cluster.{}.upstream_rq_total", cluster.name), 1);
+                    outcome.upstream = cluster.address;
+                    outcome.cluster = Some(cluster.name.clone());
+                    let (tx, body) = ChannelBody::channel();
+                    upstream_body = (!end_stream).then_some(tx);
+                    let uri = if cluster.http2 {
+                        format!(
+                            "http://{}{}",
+                            headers.get(":authority").unwrap_or_default(),
+                            path
+                        )
+                    } else {
+                        path.clone()
+                    };
+                    let mut request = http::Request::new(body);
+                    *request.method_mut() = http::Method::from_bytes(
+                        headers.get(":method").unwrap_or_default().as_bytes(),
+                    )
+                    .unwrap_or(http::Method::GET);
+                    if let Ok(uri) = uri.parse() {
+                        *request.uri_mut() = uri;
+                    }
+                    if cluster.http2 {
+                        *request.version_mut() = http::Version::HTTP_2;
+                    } else if let Some(Ok(host)) = headers
+                        .get(":authority")
+                        .map(|a| http::HeaderValue::from_str(&a))
+                    {
+                        request.headers_mut().insert(http::header::HOST, host);
+                    }
+                    http_headers(&headers, request.headers_mut());
+                    let (done, pending) = oneshot::channel();
+                    upstream_pending = Some(pending);
+                    upstream_deadline = route.timeout.map(|t| tokio::time::Instant::now() + t);
+                    upstream_task = Some(tokio::task::spawn_local(upstream_exchange(
+                        cluster, request, done,
+                    )));
+                }
+                StreamEvent::UpstreamData { data, end_stream } => {
+                    if let Some(tx) = &upstream_body {
+                        let _ = tx.send(Ok(Frame::data(Bytes::from(data))));
+                    }
+                    if end_stream {
+                        upstream_body = None;
+                    }
+                }
+                StreamEvent::UpstreamTrailers(trailers) => {
+                    let mut map = http::HeaderMap::new();
+                    http_headers(&trailers, &mut map);
+                    if let Some(tx) = upstream_body.take() {
+                        let _ = tx.send(Ok(Frame::trailers(map)));
+                    }
+                }
+                StreamEvent::UpstreamReset => {
+                    upstream_body = None;
+                    upstream_pending = None;
+                    upstream_response = None;
+                    upstream_deadline = None;
+                    if let Some(task) = upstream_task.take() {
+                        task.abort();
+                    }
+                }
+                StreamEvent::DownstreamHeaders {
+                    headers,
+                    end_stream,
+                } => {
+                    let (tx, body) = ChannelBody::channel();
+                    let mut response = http::Response::new(body);
+                    let status = headers
+                        .get(":status")
+                        .and_then(|s| s.parse().ok())
+                        .unwrap_or(502);
+                    outcome.status = Some(status);
+                    *response.status_mut() =
+                        http::StatusCode::from_u16(status).unwrap_or(http::StatusCode::BAD_GATEWAY);
+                    http_headers(&headers, response.headers_mut());
+                    downstream = (!end_stream).then_some(tx);
+                    if let Some(respond) = respond.take() {
+                        let _ = respond.send(response);
+                    }
+                }
+                StreamEvent::DownstreamData { data, end_stream } => {
+                    outcome.bytes_sent += data.len();
+                    if let Some(tx) = &downstream {
+                        let _ = tx.send(Ok(Frame::data(Bytes::from(data))));
+                    }
+                    if end_stream {
+                        downstream = None;
+                    }
+                }
+                StreamEvent::DownstreamTrailers(trailers) => {
+                    let mut map = http::HeaderMap::new();
+                    http_headers(&trailers, &mut map);
+                    if let Some(tx) = downstream.take() {
+                        let _ = tx.send(Ok(Frame::trailers(map)));
+                    }
+                }
+                StreamEvent::DownstreamReset { details } => {
+                    outcome.details = Some(details);
+                    respond = None;
+                    if let Some(tx) = downstream.take() {
+                        let _ = tx.send(Err("stream reset".into()));
+                    }
+                }
+                StreamEvent::LocalReply(reply) => outcome.details = Some(reply.details),
+            }
+        }
+        if driver.is_finished() {
+            break;
+        }
+        tokio::select! {
+            _ = wake.notified() => {}
+            frame = next_frame(&mut request_body) => match frame {
+                Some(Ok(frame)) => match frame.into_data() {
+                    Ok(data) => {
+                        outcome.bytes_received += data.len();
+                        let end = request_body.as_ref().is_some_and(Body::is_end_stream);
+                        if end {
+                            request_body = None;
+                        }
+                        driver.request_data(data, end);
+                    }
+                    Err(frame) => {
+                        request_body = None;
+                        if let Ok(trailers) = frame.into_trailers() {
+                            let mut map = HeaderMap::new();
+                            for (k, v) in &trailers {
+                                map.add(k.as_str().as_bytes(), v.as_bytes());
+                            }
+                            driver.request_trailers(map);
+                        }
+                    }
+                },
+                None => {
+                    request_body = None;
+                    driver.request_data(Bytes::new(), true);
+                }
+                Some(Err(_)) => {
+                    outcome.details = Some("downstream_remote_disconnect".into());
+                    driver.reset();
+                }
+            },
+            response = async { match upstream_pending.as_mut() { Some(p) => p.await, None => std::future::pending().await } } => {
+                upstream_pending = None;
+                upstream_deadline = None;
+                match response {
+                    Ok(Ok(response)) => {
+                        let (parts, body) = response.into_parts();
+                        let end = body.is_end_stream();
+                        let mut headers = response_headers(parts.status, &parts.headers);
+                        for hop in HOP_BY_HOP {
+                            headers.remove(hop.as_bytes());
+                        }
+                        upstream_response = (!end).then_some(body);
+                        driver.response_headers(headers, end);
+                    }
+                    Ok(Err(UpstreamFailure::Connect)) | Err(_) => {
+                        let cluster = outcome.cluster.as_deref().unwrap_or_default();
+                        listener.stats.add(format!("cluster.{cluster}.upstream_cx_connect_fail"), 1);
+                        outcome.details = Some("upstream_reset_before_response_started{connection_failure}".into());
+                        driver.router_reply(503, "upstream connect error or disconnect/reset before headers. reset reason: connection failure");
+                    }
+                    Ok(Err(UpstreamFailure::ResetBeforeHeaders)) => {
+                        outcome.details = Some("upstream_reset_before_response_started{connection_termination}".into());
+                        driver.router_reply(503, "upstream connect error or disconnect/reset before headers. reset reason: connection termination");
+                    }
+                }
+            }
+            _ = until(upstream_deadline) => {
+                upstream_deadline = None;
+                upstream_pending = None;
+                upstream_body = None;
+                if let Some(task) = upstream_task.take() {
+                    task.abort();
+                }
+                outcome.details = Some("upstream_response_timeout".into());
+                driver.router_reply(504, "upstream request timeout");
+            }
+            frame = next_frame(&mut upstream_response) => match frame {
+                Some(Ok(frame)) => match frame.into_data() {
+                    Ok(data) => {
+                        let end = upstream_response.as_ref().is_some_and(Body::is_end_stream);
+                        if end {
+                            upstream_response = None;
+                        }
+                        driver.response_data(data, end);
+                    }
+                    Err(frame) => {
+                        upstream_response = None;
+                        if let Ok(trailers) = frame.into_trailers() {
+                            let mut map = HeaderMap::new();
+                            for (k, v) in &trailers {
+                                map.add(k.as_str().as_bytes(), v.as_bytes());
+                            }
+                            driver.response_trailers(map);
+                        }
+                    }
+                },
+                None => {
+                    upstream_response = None;
+                    driver.response_data(Bytes::new(), true);
+                }
+                Some(Err(_)) => {
+                    outcome.details = Some("upstream_reset_after_response_started".into());
+                    driver.reset();
+                    if let Some(tx) = downstream.take() {
+                        let _ = tx.send(Err("upstream reset".into()));
+                    }
+                }
+            },
+            _ = response_closed(&mut respond) => {
+                outcome.details = Some("downstream_remote_disconnect".into());
+                driver.reset();
+            }
+            _ = closed(&downstream) => {
+                outcome.details = Some("downstream_remote_disconnect".into());
+                driver.reset();
+            }
+        }
+    }
+    if let Some(task) = upstream_task {
+        task.abort();
+    }
+    let status = outcome
+        .status
+        .map_or_else(|| "0".to_owned(), |s| s.to_string());
+    let prefix = &listener.config.stat_prefix;
+    listener
+        .stats
+        .add(format!("http.{prefix}.downstream_rq_total"), 1);
+    if let Some(s) = outcome.status {
+        listener
+            .stats
+            .add(format!("http.{prefix}.downstream_rq_{}xx", s / 100), 1);
+    }
+    if listener.access_log {
+        println!(
+            "[{}] \"{} {} {}\" {} {} {} {} {} \"{}\" \"{}\" \"{}\" worker={}",
+            std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(0, |d| d.as_millis()),
+            headers.get(":method").unwrap_or_default(),
+            headers.get(":path").unwrap_or_default(),
+            protocol,
+            status,
+            outcome.details.as_deref().unwrap_or("-"),
+            outcome.bytes_received,
+            outcome.bytes_sent,
+            started.elapsed().as_millis(),
+            headers.get("x-request-id").unwrap_or_default(),
+            headers.get(":authority").unwrap_or_default(),
+            outcome
+                .upstream
+                .map_or_else(|| "-".to_owned(), |a| a.to_string()),
+            listener.worker,
+        );
+    }
+}

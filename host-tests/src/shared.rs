@@ -1,0 +1,376 @@
+//! State shared by every VM of one host (Envoy: process-wide): shared data per vm_id with one
+//! global CAS counter, shared queues with last-registrant notification, metrics, the clock and
+//! the captured log.
+
+use crate::abi::{LogLevel, MetricKind, Status};
+use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::time::{SystemTime, UNIX_EPOCH};
+
+/// Locks ignoring poisoning: a panicking test thread must not cascade into unrelated ones.
+pub(crate) fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
+    mutex.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+/// Time source: the test's virtual clock or the wall clock.
+#[derive(Debug, Clone)]
+pub enum Clock {
+    /// Nanoseconds since an arbitrary epoch, advanced only by the test.
+    Virtual(Arc<AtomicU64>),
+    Real(std::time::Instant),
+}
+
+/// Virtual realtime starts here (2026-01-01T00:00:00Z) so plugins see a plausible date.
+const VIRTUAL_EPOCH_NS: u64 = 1_767_225_600 * 1_000_000_000;
+
+impl Clock {
+    pub fn virtual_clock() -> Self {
+        Self::Virtual(Arc::new(AtomicU64::new(0)))
+    }
+
+    pub fn real() -> Self {
+        Self::Real(std::time::Instant::now())
+    }
+
+    /// Monotonic nanoseconds (the timer and callout-deadline base).
+    pub fn monotonic_ns(&self) -> u64 {
+        match self {
+            Self::Virtual(ns) => ns.load(Ordering::SeqCst),
+            Self::Real(start) => start.elapsed().as_nanos() as u64,
+        }
+    }
+
+    pub fn realtime_ns(&self) -> u64 {
+        match self {
+            Self::Virtual(ns) => VIRTUAL_EPOCH_NS + ns.load(Ordering::SeqCst),
+            Self::Real(_) => SystemTime::now()
+                .duration_since(UNIX_EPOCH)
+                .map(|d| d.as_nanos() as u64)
+                .unwrap_or(0),
+        }
+    }
+}
+
+/// One captured `proxy_log` / WASI stdout-stderr line.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LogRecord {
+    pub level: LogLevel,
+    /// Worker index of the VM that logged.
+    pub worker: usize,
+    pub message: String,
+}
+
+/// A metric as Envoy aggregates it across workers.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Metric {
+    pub kind: MetricKind,
+    /// Counter/gauge value.
+    pub value: i64,
+    /// Histogram samples in recording order.
+    pub samples: Vec<u64>,
+}
+
+/// A `proxy_on_queue_ready` posted to a VM's event loop.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct QueueReady {
+    pub root_context_id: u32,
+    pub token: u32,
+}
+
+/// Where a VM's posted events go; its worker drains it between exports.
+#[derive(Debug, Default)]
+pub(crate) struct Mailbox {
+    posted: Mutex<VecDeque<QueueReady>>,
+    /// Wakes a live worker whose event loop is idle.
+    pub(crate) wake: tokio::sync::Notify,
+}
+
+impl Mailbox {
+    pub(crate) fn take(&self) -> Vec<QueueReady> {
+        lock(&self.posted).drain(..).collect()
+    }
+
+    pub(crate) fn is_empty(&self) -> bool {
+        lock(&self.posted).is_empty()
+    }
+}
+
+struct Queue {
+    items: VecDeque<Vec<u8>>,
+    registrant: Option<(Arc<Mailbox>, u32)>,
+}
+
+#[derive(Default)]
+struct Queues {
+    tokens: HashMap<(String, Vec<u8>), u32>,
+    queues: HashMap<u32, Queue>,
+    next_token: u32,
+}
+
+/// key → (value, cas) for one vm_id.
+type Entries = HashMap<Vec<u8>, (Vec<u8>, u32)>;
+
+#[derive(Default)]
+struct SharedData {
+    by_vm_id: HashMap<String, Entries>,
+    next_cas: u32,
+}
+
+/// Everything the VMs of one host share. Cheap to clone behind an `Arc`.
+pub struct SharedState {
+    data: Mutex<SharedData>,
+    queues: Mutex<Queues>,
+    metrics: Mutex<BTreeMap<String, Metric>>,
+    logs: Mutex<VecDeque<LogRecord>>,
+    /// Only the newest lines are kept (a long-running gateway must not grow without bound).
+    log_capacity: usize,
+    /// Lines at or above this level are also printed to stderr (Envoy's default: info).
+    print_level: Option<LogLevel>,
+    pub(crate) clock: Clock,
+}
+
+impl SharedState {
+    /// `print_level`: also print lines at or above it to stderr; `log_capacity`: how many of
+    /// the newest lines to keep for [`logs`](Self::logs) (0 keeps none).
+    pub fn new(clock: Clock, print_level: Option<LogLevel>, log_capacity: usize) -> Self {
+        Self {
+            data: Mutex::default(),
+            queues: Mutex::default(),
+            metrics: Mutex::default(),
+            logs: Mutex::default(),
+            log_capacity,
+            print_level,
+            clock,
+        }
+    }
+
+    pub fn clock(&self) -> &Clock {
+        &self.clock
+    }
+
+    // ---- shared data (HOST shared_data.cc) ----
+
+    pub fn get_shared_data(&self, vm_id: &str, key: &[u8]) -> Option<(Vec<u8>, u32)> {
+        lock(&self.data)
+            .by_vm_id
+            .get(vm_id)
+            .and_then(|m| m.get(key))
+            .cloned()
+    }
+
+    /// `cas == 0` writes unconditionally; a missing key is inserted whatever `cas` says.
+    pub fn set_shared_data(&self, vm_id: &str, key: &[u8], value: &[u8], cas: u32) -> Status {
+        let mut data = lock(&self.data);
+        let current = data
+            .by_vm_id
+            .get(vm_id)
+            .and_then(|m| m.get(key))
+            .map(|e| e.1);
+        if current.is_some_and(|current| cas != 0 && current != cas) {
+            return Status::CasMismatch;
+        }
+        // The counter moves only on successful writes, skipping 0 on wrap.
+        data.next_cas = match data.next_cas.wrapping_add(1) {
+            0 => 1,
+            next => next,
+        };
+        let fresh = data.next_cas;
+        data.by_vm_id
+            .entry(vm_id.to_owned())
+            .or_default()
+            .insert(key.to_vec(), (value.to_vec(), fresh));
+        Status::Ok
+    }
+
+    /// Every key of one vm_id (for test assertions and the demo).
+    pub fn shared_data_keys(&self, vm_id: &str) -> Vec<Vec<u8>> {
+        let data = lock(&self.data);
+        let mut keys: Vec<Vec<u8>> = data
+            .by_vm_id
+            .get(vm_id)
+            .map(|m| m.keys().cloned().collect())
+            .unwrap_or_default();
+        keys.sort();
+        keys
+    }
+
+    // ---- shared queues (HOST shared_queue.cc) ----
+
+    pub(crate) fn register_queue(
+        &self,
+        vm_id: &str,
+        name: &[u8],
+        mailbox: &Arc<Mailbox>,
+        root: u32,
+    ) -> u32 {
+        let mut queues = lock(&self.queues);
+        let key = (vm_id.to_owned(), name.to_vec());
+        let token = match queues.tokens.get(&key) {
+            Some(token) => *token,
+            None => {
+                queues.next_token += 1;
+                let token = queues.next_token;
+                queues.tokens.insert(key, token);
+                queues.queues.insert(
+                    token,
+                    Queue {
+                        items: VecDeque::new(),
+                        registrant: None,
+                    },
+                );
+                token
+            }
+        };
+        if let Some(queue) = queues.queues.get_mut(&token) {
+            queue.registrant = Some((Arc::clone(mailbox), root));
+        }
+        token
+    }
+
+    pub(crate) fn resolve_queue(&self, vm_id: &str, name: &[u8]) -> Option<u32> {
+        lock(&self.queues)
+            .tokens
+            .get(&(vm_id.to_owned(), name.to_vec()))
+            .copied()
+    }
+
+    /// Appends and posts one `on_queue_ready` to the registrant (never inline).
+    pub(crate) fn enqueue(&self, token: u32, data: &[u8]) -> Status {
+        let mut queues = lock(&self.queues);
+        let Some(queue) = queues.queues.get_mut(&token) else {
+            return Status::NotFound;
+        };
+        queue.items.push_back(data.to_vec());
+        if let Some((mailbox, root)) = &queue.registrant {
+            lock(&mailbox.posted).push_back(QueueReady {
+                root_context_id: *root,
+                token,
+            });
+            mailbox.wake.notify_one();
+        }
+        Status::Ok
+    }
+
+    pub(crate) fn dequeue(&self, token: u32) -> Result<Vec<u8>, Status> {
+        let mut queues = lock(&self.queues);
+        let queue = queues.queues.get_mut(&token).ok_or(Status::NotFound)?;
+        queue.items.pop_front().ok_or(Status::Empty)
+    }
+
+    // ---- metrics (ENVOY defineMetric & co; values aggregate across VMs) ----
+
+    pub(crate) fn define_metric(&self, kind: MetricKind, name: &str) {
+        lock(&self.metrics)
+            .entry(name.to_owned())
+            .or_insert(Metric {
+                kind,
+                value: 0,
+                samples: Vec::new(),
+            });
+    }
+
+    pub(crate) fn increment_metric(&self, name: &str, delta: i64) -> Status {
+        let mut metrics = lock(&self.metrics);
+        let Some(metric) = metrics.get_mut(name) else {
+            return Status::NotFound;
+        };
+        match metric.kind {
+            MetricKind::Counter if delta > 0 => metric.value = metric.value.saturating_add(delta),
+            MetricKind::Gauge => metric.value = metric.value.saturating_add(delta),
+            MetricKind::Counter | MetricKind::Histogram => return Status::BadArgument,
+        }
+        Status::Ok
+    }
+
+    pub(crate) fn record_metric(&self, name: &str, value: u64) -> Status {
+        let mut metrics = lock(&self.metrics);
+        let Some(metric) = metrics.get_mut(name) else {
+            return Status::NotFound;
+        };
+        let as_i64 = i64::try_from(value).unwrap_or(i64::MAX);
+        match metric.kind {
+            MetricKind::Counter => metric.value = metric.value.saturating_add(as_i64),
+            MetricKind::Gauge => metric.value = as_i64,
+            MetricKind::Histogram => metric.samples.push(value),
+        }
+        Status::Ok
+    }
+
+    pub(crate) fn metric_value(&self, name: &str) -> Result<i64, Status> {
+        let metrics = lock(&self.metrics);
+        let metric = metrics.get(name).ok_or(Status::NotFound)?;
+        match metric.kind {
+            MetricKind::Histogram => Err(Status::BadArgument),
+            _ => Ok(metric.value),
+        }
+    }
+
+    /// A snapshot of every metric, by name (without Envoy's internal `wasmcustom.` prefix).
+    pub fn metrics(&self) -> BTreeMap<String, Metric> {
+        lock(&self.metrics).clone()
+    }
+
+    // ---- logs ----
+
+    pub(crate) fn log(&self, record: LogRecord) {
+        if self.print_level.is_some_and(|min| record.level >= min) {
+            eprintln!(
+                "[wasm {:?} worker {}] {}",
+                record.level, record.worker, record.message
+            );
+        }
+        if self.log_capacity == 0 {
+            return;
+        }
+        let mut logs = lock(&self.logs);
+        if logs.len() >= self.log_capacity {
+            logs.pop_front();
+        }
+        logs.push_back(record);
+    }
+
+    /// Every line logged so far by any VM of this host.
+    pub fn logs(&self) -> Vec<LogRecord> {
+        lock(&self.logs).iter().cloned().collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn state() -> SharedState {
+        SharedState::new(Clock::virtual_clock(), None, 16)
+    }
+
+    #[test]
+    fn cas_zero_is_unconditional_and_missing_keys_insert_whatever_the_cas() {
+        let s = state();
+        assert_eq!(s.set_shared_data("vm", b"k", b"a", 77), Status::Ok);
+        let (_, cas) = s.get_shared_data("vm", b"k").unwrap_or_default();
+        assert_eq!(
+            s.set_shared_data("vm", b"k", b"b", cas + 1),
+            Status::CasMismatch
+        );
+        assert_eq!(s.set_shared_data("vm", b"k", b"c", 0), Status::Ok);
+        assert_eq!(
+            s.set_shared_data("vm", b"k", b"d", cas),
+            Status::CasMismatch
+        );
+        assert_eq!(s.get_shared_data("other", b"k"), None);
+    }
+
+    #[test]
+    fn counters_reject_non_positive_increments_and_histograms_have_no_value() {
+        let s = state();
+        s.define_metric(MetricKind::Counter, "c");
+        s.define_metric(MetricKind::Histogram, "h");
+        assert_eq!(s.increment_metric("c", 0), Status::BadArgument);
+        assert_eq!(s.increment_metric("c", 2), Status::Ok);
+        assert_eq!(s.record_metric("c", 3), Status::Ok);
+        assert_eq!(s.metric_value("c"), Ok(5));
+        assert_eq!(s.metric_value("h"), Err(Status::BadArgument));
+        assert_eq!(s.increment_metric("nope", 1), Status::NotFound);
+    }
+}

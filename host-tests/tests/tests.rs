@@ -1,0 +1,15 @@
+//! The host-tests integration suite: one binary, one module per area.
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::panic,
+    clippy::indexing_slicing
+)]
+
+mod artifact;
+mod callouts;
+mod gateway;
+mod http;
+mod lifecycle;
+mod shared_state;
+mod util;

@@ -1,0 +1,220 @@
+//! Response capture for replay: the first caller's response is copied chunk by chunk as it
+//! passes (the filter returns Continue, so the caller is never held back), up to the stored-body
+//! cap. What cannot be replayed faithfully — over the cap, streamed (SSE), a content type
+//! outside the allow-list — aborts or stores status and headers only, as configured.
+
+use alloc::string::String;
+use alloc::vec::Vec;
+use idemgate_wire::{Limits, StoredResponse};
+
+use crate::config::{ResponsePolicy, Unreplayable};
+
+/// What happens to the key once the response is complete.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Outcome {
+    /// Store this response (the body may be empty for `store_status`).
+    Store(StoredResponse, Vec<u8>),
+    /// Release without storing, so the client's retry runs again.
+    Abort,
+}
+
+#[derive(Debug)]
+pub struct Capture {
+    status: u16,
+    headers: Vec<(String, String)>,
+    body: Vec<u8>,
+    /// The status is one the policy stores.
+    stored: bool,
+    replayable: bool,
+}
+
+impl Capture {
+    /// Starts from the response headers (pseudo-headers included, as Envoy lists them).
+    pub fn begin(policy: &ResponsePolicy, headers: &[(String, Vec<u8>)]) -> Capture {
+        let value = |name: &str| {
+            headers
+                .iter()
+                .find(|(n, _)| n == name)
+                .map(|(_, v)| v.as_slice())
+        };
+        let status = value(":status")
+            .and_then(|s| core::str::from_utf8(s).ok())
+            .and_then(|s| s.parse::<u16>().ok())
+            .unwrap_or(0);
+        let stored = (100..=599).contains(&status) && policy.stores(status);
+        let mut replayable = match value("content-type") {
+            Some(ct) => content_type_allowed(policy, ct),
+            None => true,
+        };
+        if let Some(len) = value("content-length").and_then(|v| core::str::from_utf8(v).ok()) {
+            replayable &= len
+                .trim()
+                .parse::<usize>()
+                .is_ok_and(|n| n <= policy.max_body);
+        }
+        let kept = headers
+            .iter()
+            .filter(|(n, _)| policy.headers.iter().any(|h| h == n))
+            .filter_map(|(n, v)| Some((n.clone(), String::from(core::str::from_utf8(v).ok()?))))
+            .collect();
+        Capture {
+            status,
+            headers: kept,
+            body: Vec::new(),
+            stored,
+            replayable,
+        }
+    }
+
+    /// Whether response body chunks should be handed to [`Capture::chunk`].
+    pub fn wants_body(&self) -> bool {
+        self.stored && self.replayable
+    }
+
+    pub fn chunk(&mut self, policy: &ResponsePolicy, data: &[u8]) {
+        if !self.wants_body() {
+            return;
+        }
+        if self.body.len().saturating_add(data.len()) > policy.max_body {
+            self.replayable = false;
+            self.body = Vec::new();
+            return;
+        }
+        self.body.extend_from_slice(data);
+    }
+
+    pub fn finish(self, policy: &ResponsePolicy) -> Outcome {
+        if !self.stored {
+            return Outcome::Abort;
+        }
+        let response = StoredResponse {
+            status: self.status,
+            headers: self.headers,
+        };
+        let fits = Limits::default()
+            .stored_response(&response, &self.body)
+            .is_ok();
+        match (self.replayable && fits, policy.unreplayable) {
+            (true, _) => Outcome::Store(response, self.body),
+            (false, Unreplayable::StoreStatus) => {
+                let bare = StoredResponse {
+                    status: response.status,
+                    headers: Vec::new(),
+                };
+                Outcome::Store(if fits { response } else { bare }, Vec::new())
+            }
+            (false, Unreplayable::Abort) => Outcome::Abort,
+        }
+    }
+}
+
+/// Prefix match on the media type; event streams are never replayable.
+fn content_type_allowed(policy: &ResponsePolicy, raw: &[u8]) -> bool {
+    let Ok(raw) = core::str::from_utf8(raw) else {
+        return false;
+    };
+    let media = raw
+        .split(';')
+        .next()
+        .unwrap_or_default()
+        .trim()
+        .to_ascii_lowercase();
+    media != "text/event-stream"
+        && policy
+            .content_types
+            .iter()
+            .any(|allowed| media.starts_with(allowed.as_str()))
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used, clippy::indexing_slicing, clippy::panic)]
+    use super::*;
+    use alloc::vec;
+
+    fn policy(extra: &str) -> ResponsePolicy {
+        crate::config::parse(
+            alloc::format!(r#"{{"sidecar":{{"cluster":"s"}},"rules":[{{"response":{{"max_body_bytes":8{extra}}}}}]}}"#)
+                .as_bytes(),
+        )
+        .unwrap()
+        .rules
+        .remove(0)
+        .response
+    }
+
+    fn headers(status: &str, ct: &str) -> Vec<(String, Vec<u8>)> {
+        vec![
+            (":status".into(), status.as_bytes().to_vec()),
+            ("content-type".into(), ct.as_bytes().to_vec()),
+            ("set-cookie".into(), b"s=1".to_vec()),
+            ("date".into(), b"today".to_vec()),
+            ("etag".into(), b"\"v1\"".to_vec()),
+        ]
+    }
+
+    #[test]
+    fn stores_allow_listed_headers_and_body() {
+        let p = policy("");
+        let mut c = Capture::begin(&p, &headers("201", "application/json; charset=utf-8"));
+        c.chunk(&p, b"{\"a\"");
+        c.chunk(&p, b":1}");
+        let Outcome::Store(r, body) = c.finish(&p) else {
+            panic!()
+        };
+        assert_eq!(r.status, 201);
+        assert_eq!(
+            r.headers,
+            vec![
+                (
+                    "content-type".into(),
+                    "application/json; charset=utf-8".into()
+                ),
+                ("etag".into(), "\"v1\"".into())
+            ]
+        );
+        assert_eq!(body, b"{\"a\":1}");
+    }
+
+    #[test]
+    fn statuses_that_abort() {
+        let p = policy("");
+        for s in ["500", "503", "408", "429", "garbage"] {
+            assert_eq!(
+                Capture::begin(&p, &headers(s, "application/json")).finish(&p),
+                Outcome::Abort,
+                "{s}"
+            );
+        }
+        assert!(matches!(
+            Capture::begin(&p, &headers("404", "application/json")).finish(&p),
+            Outcome::Store(..)
+        ));
+    }
+
+    #[test]
+    fn unreplayable_aborts_or_stores_status() {
+        let p = policy("");
+        let mut big = Capture::begin(&p, &headers("200", "application/json"));
+        big.chunk(&p, b"123456789");
+        assert_eq!(big.finish(&p), Outcome::Abort);
+        assert_eq!(
+            Capture::begin(&p, &headers("200", "text/event-stream")).finish(&p),
+            Outcome::Abort
+        );
+        assert_eq!(
+            Capture::begin(&p, &headers("200", "image/png")).finish(&p),
+            Outcome::Abort
+        );
+        let p = policy(r#","unreplayable":"store_status""#);
+        let mut big = Capture::begin(&p, &headers("200", "application/json"));
+        big.chunk(&p, b"123456789");
+        let Outcome::Store(r, body) = big.finish(&p) else {
+            panic!()
+        };
+        assert_eq!((r.status, body.len()), (200, 0));
+        let mut declared = headers("200", "application/json");
+        declared.push(("content-length".into(), b"100".to_vec()));
+        assert!(!Capture::begin(&p, &declared).wants_body());
+    }
+}

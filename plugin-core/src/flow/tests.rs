@@ -1,0 +1,829 @@
+//! The decision matrix: every path a request can take through [`Flow`].
+
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::indexing_slicing,
+    clippy::panic
+)]
+
+use super::*;
+use crate::testing::{MemStore, Recorder, Req};
+use alloc::format;
+use idemgate_wire::WaitPolicy;
+
+/// One gateway: its shared data, breaker and metrics.
+struct Gateway {
+    config: Config,
+    shared: MemStore,
+    breaker: Breaker,
+    rec: Recorder,
+    now: u64,
+    next_owner: u64,
+}
+
+impl Gateway {
+    fn new(json: &str) -> Gateway {
+        Gateway {
+            config: crate::config::parse(json.as_bytes()).unwrap(),
+            shared: MemStore::default(),
+            breaker: Breaker::default(),
+            rec: Recorder::default(),
+            now: 1_000_000,
+            next_owner: 1,
+        }
+    }
+
+    fn rules(rules: &str) -> Gateway {
+        Gateway::new(&format!(
+            r#"{{"sidecar":{{"cluster":"s"}},"rules":{rules}}}"#
+        ))
+    }
+
+    fn with<R>(&mut self, f: impl FnOnce(&Config, &mut Env<'_>) -> R) -> R {
+        self.next_owner += 1;
+        let mut env = Env {
+            now_ms: self.now,
+            shared: &self.shared,
+            breaker: &mut self.breaker,
+            telemetry: &mut self.rec,
+            owner: self.next_owner,
+        };
+        f(&self.config, &mut env)
+    }
+
+    fn start(&mut self, req: &Req) -> (Option<Flow>, Action) {
+        self.start_with_eos(req, true)
+    }
+
+    fn start_with_eos(&mut self, req: &Req, end_of_stream: bool) -> (Option<Flow>, Action) {
+        self.with(|c, env| match Flow::route(c, req) {
+            None => (None, Action::pass()),
+            Some(route) => Flow::on_request_headers(c, route, req, end_of_stream, env),
+        })
+    }
+
+    /// Starts a request that must produce a claim; returns the flow and the decoded claim.
+    fn claim(&mut self, req: &Req) -> (Flow, ClaimRequest, u64) {
+        let (flow, action) = self.start(req);
+        let Action::Claim(call) = action else {
+            panic!("expected a claim, got {action:?}")
+        };
+        assert_eq!(call.path, paths::CLAIM);
+        let (claim, payload): (ClaimRequest, &[u8]) = idemgate_wire::decode(&call.body).unwrap();
+        assert!(payload.is_empty());
+        (flow.unwrap(), claim, call.timeout_ms)
+    }
+
+    fn answer(&mut self, flow: &mut Flow, answer: Answer<'_>) -> Action {
+        self.with(|c, env| flow.on_claim_answer(c, answer, env))
+    }
+
+    fn answer_with(&mut self, flow: &mut Flow, outcome: &ClaimOutcome, payload: &[u8]) -> Action {
+        let body = idemgate_wire::encode(outcome, payload);
+        self.answer(
+            flow,
+            Answer::Http {
+                status: 200,
+                body: &body,
+            },
+        )
+    }
+
+    fn grant(&mut self, flow: &mut Flow, fence: u64) -> Action {
+        let g = ClaimOutcome::Granted {
+            owner: format!("owner-{fence}"),
+            fence,
+            lease_ms: 30_000,
+            waited_ms: 0,
+        };
+        self.answer_with(flow, &g, &[])
+    }
+
+    fn respond(&mut self, flow: &mut Flow, status: &str, content_type: &str, chunks: &[&[u8]]) {
+        let headers = vec![
+            (":status".to_string(), status.as_bytes().to_vec()),
+            ("content-type".to_string(), content_type.as_bytes().to_vec()),
+            ("set-cookie".to_string(), b"secret".to_vec()),
+        ];
+        self.with(|c, env| flow.on_response_headers(c, &headers, chunks.is_empty(), env));
+        for (i, chunk) in chunks.iter().enumerate() {
+            let data: &[u8] = if flow.wants_response_body() {
+                chunk
+            } else {
+                &[]
+            };
+            let eos = i + 1 == chunks.len();
+            self.with(|c, env| flow.on_response_body(c, data, eos, env));
+        }
+    }
+
+    fn end(&mut self, flow: &mut Flow) -> bool {
+        self.with(|c, env| flow.on_stream_end(c, env))
+    }
+
+    fn count(&self, c: Counter) -> usize {
+        self.rec.count_of(c)
+    }
+}
+
+fn post(key: &str) -> Req {
+    Req::new("POST", "/payments")
+        .with("idempotency-key", key)
+        .with("content-type", "application/json")
+}
+
+fn reply(action: Action) -> Reply {
+    match action {
+        Action::Respond(r) => r,
+        other => panic!("expected a local reply, got {other:?}"),
+    }
+}
+
+fn header<'a>(r: &'a Reply, name: &str) -> Option<&'a str> {
+    r.headers
+        .iter()
+        .find(|(n, _)| n == name)
+        .map(|(_, v)| v.as_str())
+}
+
+fn problem_type(r: &Reply) -> String {
+    let p: idemgate_wire::Problem = serde_json::from_slice(&r.body).unwrap();
+    assert_eq!(p.status, r.status);
+    assert_eq!(header(r, "content-type"), Some("application/problem+json"));
+    p.type_uri
+}
+
+fn release(flow: &mut Flow) -> (&'static str, Vec<u8>) {
+    let call = flow.take_release().expect("a release callout");
+    (call.path, call.body)
+}
+
+const REJECT: &str = r#"[{"match":{"path_prefix":"/payments"}}]"#;
+const QUEUE: &str = r#"[{"match":{"path_prefix":"/payments"},"on_conflict":"queue","queue":{"max_wait":"10s","max_queue":4}}]"#;
+
+#[test]
+fn no_rule_passes_untouched_after_one_header_read() {
+    let mut gw = Gateway::rules(REJECT);
+    let get = Req::new("GET", "/payments").with("idempotency-key", "k");
+    let (flow, action) = gw.start(&get);
+    assert!(flow.is_none() && action == Action::pass());
+    assert_eq!(get.reads(), 1);
+    assert!(gw.start(&Req::new("POST", "/other")).0.is_none());
+    assert!(gw.rec.counts.is_empty());
+}
+
+#[test]
+fn first_call_is_granted_fenced_and_its_response_stored() {
+    let mut gw = Gateway::rules(REJECT);
+    let (mut flow, claim, timeout) = gw.claim(&post("k1"));
+    assert_eq!(claim.key.len(), 64);
+    assert!(!claim.key.contains("k1"));
+    assert_eq!(claim.mode, Mode::Idempotency);
+    assert_eq!(claim.lease_ms, 30_000);
+    assert!(claim.fingerprint.is_some());
+    assert_eq!(claim.wait, None);
+    assert_eq!(timeout, 1_000);
+    let action = gw.grant(&mut flow, 7);
+    assert_eq!(
+        action,
+        Action::Continue(vec![("x-fencing-token".into(), "7".into())])
+    );
+    assert_eq!(flow.fence(), Some(7));
+    gw.respond(&mut flow, "201", "application/json", &[b"{\"id\":", b"1}"]);
+    let (path, body) = release(&mut flow);
+    assert_eq!(path, paths::COMPLETE);
+    let (complete, payload): (CompleteRequest, &[u8]) = idemgate_wire::decode(&body).unwrap();
+    assert_eq!(complete.owner, "owner-7");
+    assert_eq!(complete.key, claim.key);
+    assert_eq!(complete.retention_ms, 86_400_000);
+    let stored = complete.response.unwrap();
+    assert_eq!(stored.status, 201);
+    assert_eq!(
+        stored.headers,
+        vec![("content-type".to_string(), "application/json".to_string())]
+    );
+    assert_eq!(payload, b"{\"id\":1}");
+    assert!(!gw.end(&mut flow));
+    assert!(flow.take_release().is_none(), "released exactly once");
+    assert_eq!(gw.count(Counter::Granted), 1);
+}
+
+#[test]
+fn duplicate_in_flight_on_this_gateway_is_rejected_without_a_callout() {
+    let mut gw = Gateway::rules(REJECT);
+    let (mut first, _, _) = gw.claim(&post("k"));
+    gw.grant(&mut first, 1);
+    gw.now += 1_000;
+    let r = reply(gw.start(&post("k")).1);
+    assert_eq!(r.status, 409);
+    assert_eq!(problem_type(&r), types::IN_PROGRESS);
+    assert_eq!(header(&r, "retry-after"), Some("29"));
+    assert_eq!(
+        (gw.count(Counter::LocalHits), gw.count(Counter::Rejected)),
+        (1, 1)
+    );
+    // Other callers (another scope) are unaffected.
+    let other = Req::new("POST", "/payments").with("idempotency-key", "k2");
+    assert!(matches!(gw.start(&other).1, Action::Claim(_)));
+}
+
+#[test]
+fn duplicate_in_flight_on_another_gateway_is_rejected_by_the_sidecar() {
+    let mut gw = Gateway::rules(REJECT);
+    let (mut flow, _, _) = gw.claim(&post("k"));
+    let busy = ClaimOutcome::Busy {
+        retry_after_ms: 2_500,
+        queue_len: 0,
+        waited: false,
+    };
+    let r = reply(gw.answer_with(&mut flow, &busy, &[]));
+    assert_eq!((r.status, header(&r, "retry-after")), (409, Some("3")));
+    // The local slot was given back: a retry here goes to the sidecar again.
+    assert!(matches!(gw.start(&post("k")).1, Action::Claim(_)));
+}
+
+#[test]
+fn queued_duplicate_waits_at_the_sidecar_and_gets_the_stored_response() {
+    let mut gw = Gateway::rules(QUEUE);
+    let (mut first, first_claim, _) = gw.claim(&post("k"));
+    assert_eq!(
+        first_claim.wait,
+        Some(WaitPolicy {
+            budget_ms: 10_000,
+            per_waiter_ms: 0,
+            max_budget_ms: 10_000,
+            max_queue: 4
+        })
+    );
+    gw.grant(&mut first, 1);
+    // Same gateway, queue policy: the local tier defers to the sidecar's queue.
+    let (mut second, claim, timeout) = gw.claim(&post("k"));
+    assert_eq!(claim.key, first_claim.key);
+    assert!(
+        timeout > 10_000,
+        "the callout outlives the longest wait budget"
+    );
+    assert_eq!(gw.count(Counter::LocalHits), 1);
+    let done = ClaimOutcome::Completed {
+        response: StoredResponse {
+            status: 201,
+            headers: vec![("content-type".into(), "application/json".into())],
+        },
+        waited_ms: 800,
+    };
+    let r = reply(gw.answer_with(&mut second, &done, b"{\"id\":1}"));
+    assert_eq!((r.status, r.body.as_slice()), (201, &b"{\"id\":1}"[..]));
+    assert_eq!(header(&r, "idempotent-replayed"), Some("true"));
+    assert_eq!(
+        (gw.count(Counter::Queued), gw.count(Counter::Replayed)),
+        (1, 1)
+    );
+    assert!(gw.rec.samples.contains(&(Histogram::QueueWaitMs, 800)));
+    assert!(!gw.end(&mut second));
+    assert!(second.take_release().is_none());
+}
+
+#[test]
+fn queued_lock_is_granted_in_turn() {
+    let mut gw = Gateway::rules(
+        r#"[{"mode":"lock","match":{"path_template":"/agents/{agent_id}/mcp"},"key":{"path_param":"agent_id"},"on_conflict":"queue"}]"#,
+    );
+    let (mut flow, claim, _) = gw.claim(&Req::new("PUT", "/agents/a1/mcp"));
+    assert_eq!((claim.mode, claim.fingerprint), (Mode::Lock, None));
+    let granted = ClaimOutcome::Granted {
+        owner: "o".into(),
+        fence: 9,
+        lease_ms: 30_000,
+        waited_ms: 120,
+    };
+    assert!(
+        matches!(gw.answer_with(&mut flow, &granted, &[]), Action::Continue(h) if h[0].1 == "9")
+    );
+    gw.respond(&mut flow, "200", "text/event-stream", &[b"data: x\n\n"]);
+    let (path, body) = release(&mut flow);
+    assert_eq!(
+        path,
+        paths::COMPLETE,
+        "a lock is released whatever the response"
+    );
+    let (complete, _): (CompleteRequest, &[u8]) = idemgate_wire::decode(&body).unwrap();
+    assert_eq!(complete.response, None);
+    assert_eq!(gw.count(Counter::Queued), 1);
+}
+
+#[test]
+fn queue_limits_answer_429_and_503() {
+    let mut gw = Gateway::rules(QUEUE);
+    let (mut a, _, _) = gw.claim(&post("a"));
+    let full = ClaimOutcome::QueueFull {
+        retry_after_ms: 1_000,
+        queue_len: 4,
+    };
+    let r = reply(gw.answer_with(&mut a, &full, &[]));
+    assert_eq!(
+        (
+            r.status,
+            problem_type(&r).as_str(),
+            header(&r, "retry-after")
+        ),
+        (429, types::QUEUE_FULL, Some("1"))
+    );
+    let (mut b, _, _) = gw.claim(&post("b"));
+    let expired = ClaimOutcome::Busy {
+        retry_after_ms: 4_000,
+        queue_len: 2,
+        waited: true,
+    };
+    let r = reply(gw.answer_with(&mut b, &expired, &[]));
+    assert_eq!(
+        (r.status, problem_type(&r).as_str()),
+        (503, types::WAIT_EXPIRED)
+    );
+}
+
+#[test]
+fn duplicate_after_completion_is_replayed_locally_byte_for_byte() {
+    let mut gw = Gateway::rules(REJECT);
+    let (mut first, _, _) = gw.claim(&post("k"));
+    gw.grant(&mut first, 1);
+    gw.respond(
+        &mut first,
+        "201",
+        "application/json",
+        &[b"{\"id\":", b"\"p_1\"}"],
+    );
+    gw.now += 60_000;
+    let r = reply(gw.start(&post("k")).1);
+    assert_eq!(
+        (r.status, r.body.as_slice()),
+        (201, &b"{\"id\":\"p_1\"}"[..])
+    );
+    assert_eq!(
+        r.headers,
+        vec![
+            ("content-type".into(), "application/json".into()),
+            ("idempotent-replayed".into(), "true".into())
+        ]
+    );
+    assert_eq!(
+        (gw.count(Counter::LocalHits), gw.count(Counter::Replayed)),
+        (1, 1)
+    );
+}
+
+#[test]
+fn replay_from_the_sidecar_fills_the_local_tier() {
+    let mut gw = Gateway::rules(REJECT);
+    let (mut flow, _, _) = gw.claim(&post("k"));
+    let done = ClaimOutcome::Completed {
+        response: StoredResponse {
+            status: 200,
+            headers: vec![],
+        },
+        waited_ms: 0,
+    };
+    assert_eq!(reply(gw.answer_with(&mut flow, &done, b"ok")).status, 200);
+    let r = reply(gw.start(&post("k")).1);
+    assert_eq!((r.status, r.body.as_slice()), (200, &b"ok"[..]));
+    assert_eq!(gw.count(Counter::LocalHits), 1);
+}
+
+#[test]
+fn key_reuse_with_another_request_is_422() {
+    let mut gw = Gateway::rules(REJECT);
+    let (mut first, _, _) = gw.claim(&post("k"));
+    gw.grant(&mut first, 1);
+    gw.respond(&mut first, "201", "application/json", &[b"{}"]);
+    let other = Req::new("POST", "/payments/2")
+        .with("idempotency-key", "k")
+        .with("content-type", "application/json");
+    let r = reply(gw.start(&other).1);
+    assert_eq!(
+        (r.status, problem_type(&r).as_str()),
+        (422, types::MISMATCH)
+    );
+    // And the sidecar's verdict for a request this gateway has not seen.
+    let (mut flow, _, _) = gw.claim(&post("k-other"));
+    let r = reply(gw.answer_with(&mut flow, &ClaimOutcome::Mismatch, &[]));
+    assert_eq!(r.status, 422);
+    assert_eq!(gw.count(Counter::Mismatch), 2);
+}
+
+#[test]
+fn missing_and_invalid_keys() {
+    let mut gw = Gateway::rules(REJECT);
+    let r = reply(gw.start(&Req::new("POST", "/payments")).1);
+    assert_eq!(
+        (r.status, problem_type(&r).as_str()),
+        (400, types::MISSING_KEY)
+    );
+    assert!(header(&r, "retry-after").is_none());
+    let r = reply(
+        gw.start(&Req::new("POST", "/payments").with("idempotency-key", &"x".repeat(256)))
+            .1,
+    );
+    assert_eq!(
+        (r.status, problem_type(&r).as_str()),
+        (400, types::INVALID_KEY)
+    );
+    assert_eq!(
+        (gw.count(Counter::MissingKey), gw.count(Counter::InvalidKey)),
+        (1, 1)
+    );
+    let mut optional = Gateway::rules(r#"[{"key":{"required":false}}]"#);
+    let (flow, action) = optional.start(&Req::new("POST", "/payments"));
+    assert!(flow.is_none() && action == Action::pass());
+    assert_eq!(optional.count(Counter::Bypassed), 1);
+}
+
+#[test]
+fn cas_lost_to_another_worker_is_a_local_duplicate() {
+    let mut gw = Gateway::rules(REJECT);
+    let (_, probe, _) = gw.claim(&post("probe"));
+    let _ = probe;
+    // Compute the stored key of "k" by claiming it on a scratch gateway.
+    let mut scratch = Gateway::rules(REJECT);
+    let (_, claim, _) = scratch.claim(&post("k"));
+    gw.shared.interfere_once(claim.key, gw.now + 5_000);
+    let r = reply(gw.start(&post("k")).1);
+    assert_eq!((r.status, header(&r, "retry-after")), (409, Some("5")));
+}
+
+#[test]
+fn sidecar_failures_fail_closed_by_default() {
+    let failures: [Answer<'_>; 5] = [
+        Answer::Failed,
+        Answer::Http {
+            status: 504,
+            body: b"upstream request timeout",
+        },
+        Answer::Http {
+            status: 503,
+            body: b"{\"type\":\"urn:idemgate:problem:store-unavailable\"}",
+        },
+        Answer::Http {
+            status: 200,
+            body: b"{\"outcome\":\"granted\"",
+        },
+        Answer::Http {
+            status: 200,
+            body: b"{\"outcome\":\"granted\",\"owner\":\"has space\",\"fence\":1,\"lease_ms\":5}",
+        },
+    ];
+    for failure in failures {
+        let mut gw = Gateway::rules(REJECT);
+        let (mut flow, _, _) = gw.claim(&post("k"));
+        let r = reply(gw.answer(&mut flow, failure));
+        assert_eq!(
+            (
+                r.status,
+                problem_type(&r).as_str(),
+                header(&r, "retry-after")
+            ),
+            (503, types::UNAVAILABLE, Some("5"))
+        );
+        assert_eq!(
+            (
+                gw.count(Counter::FailedClosed),
+                gw.count(Counter::SidecarErrors)
+            ),
+            (1, 1)
+        );
+        assert!(flow.take_release().is_none());
+        // The local slot is free again: the client's retry is not a local duplicate.
+        assert!(matches!(gw.start(&post("k")).1, Action::Claim(_)));
+    }
+}
+
+#[test]
+fn fail_open_forwards_marked_and_keeps_the_local_claim() {
+    let mut gw = Gateway::new(r#"{"sidecar":{"cluster":"s"},"failure_mode":"open","rules":[{}]}"#);
+    let (mut flow, _, _) = gw.claim(&post("k"));
+    assert_eq!(
+        gw.answer(&mut flow, Answer::Failed),
+        Action::Continue(vec![("x-idemgate-degraded".into(), "open".into())])
+    );
+    assert_eq!(gw.count(Counter::FailedOpen), 1);
+    assert_eq!(
+        reply(gw.start(&post("k")).1).status,
+        409,
+        "duplicates here are still caught locally"
+    );
+    gw.respond(&mut flow, "201", "application/json", &[b"{}"]);
+    assert!(
+        flow.take_release().is_none(),
+        "nothing to release at the sidecar without a grant"
+    );
+    assert_eq!(
+        reply(gw.start(&post("k")).1).status,
+        201,
+        "replayed from the local tier"
+    );
+}
+
+#[test]
+fn fail_local_decides_on_shared_data() {
+    let json =
+        r#"{"sidecar":{"cluster":"s"},"failure_mode":"local","rules":[{"on_conflict":"queue"}]}"#;
+    let mut gw = Gateway::new(json);
+    let (mut first, _, _) = gw.claim(&post("k"));
+    assert_eq!(
+        gw.answer(&mut first, Answer::Failed),
+        Action::Continue(vec![("x-idemgate-degraded".into(), "local".into())])
+    );
+    // Queue policy, local duplicate, sidecar down: the local tier says busy.
+    let (mut second, _, _) = gw.claim(&post("k"));
+    let r = reply(gw.answer(&mut second, Answer::Failed));
+    assert_eq!(r.status, 409);
+    assert_eq!(gw.count(Counter::FailedLocal), 2);
+}
+
+#[test]
+fn breaker_opens_and_skips_the_callout() {
+    let mut gw = Gateway::rules(REJECT);
+    for i in 0..5 {
+        let (mut flow, _, _) = gw.claim(&post(&format!("k{i}")));
+        assert_eq!(reply(gw.answer(&mut flow, Answer::Failed)).status, 503);
+    }
+    let r = reply(gw.start(&post("next")).1);
+    assert_eq!(r.status, 503);
+    assert_eq!(gw.count(Counter::BreakerOpen), 1);
+    // After the cooldown one probe goes out; its success closes the breaker.
+    gw.now += 5_000;
+    let (mut probe, _, _) = gw.claim(&post("probe"));
+    assert_eq!(reply(gw.start(&post("during-probe")).1).status, 503);
+    assert!(matches!(gw.grant(&mut probe, 1), Action::Continue(_)));
+    assert!(matches!(gw.start(&post("after")).1, Action::Claim(_)));
+}
+
+#[test]
+fn client_abort_at_each_phase_releases_everything() {
+    // While the claim is out: the slot is freed now, a late grant is aborted.
+    let mut gw = Gateway::rules(REJECT);
+    let (mut flow, _, _) = gw.claim(&post("k"));
+    assert!(gw.end(&mut flow), "kept until the claim's answer arrives");
+    assert!(
+        matches!(gw.start(&post("k")).1, Action::Claim(_)),
+        "local slot freed"
+    );
+    assert_eq!(gw.grant(&mut flow, 3), Action::pass());
+    let (path, body) = release(&mut flow);
+    assert_eq!(path, paths::ABORT);
+    let (abort, _): (AbortRequest, &[u8]) = idemgate_wire::decode(&body).unwrap();
+    assert_eq!(abort.owner, "owner-3");
+    assert_eq!(gw.count(Counter::Abandoned), 1);
+    // Abandoned, and the sidecar answered something else: nothing to release.
+    let (mut flow, _, _) = gw.claim(&post("k2"));
+    gw.end(&mut flow);
+    gw.answer_with(
+        &mut flow,
+        &ClaimOutcome::Busy {
+            retry_after_ms: 1,
+            queue_len: 0,
+            waited: false,
+        },
+        &[],
+    );
+    assert!(flow.take_release().is_none());
+
+    // Upstream, before or during the response.
+    for respond_first in [false, true] {
+        let mut gw = Gateway::rules(REJECT);
+        let (mut flow, _, _) = gw.claim(&post("k"));
+        gw.grant(&mut flow, 1);
+        if respond_first {
+            let headers = vec![(":status".to_string(), b"200".to_vec())];
+            gw.with(|c, env| flow.on_response_headers(c, &headers, false, env));
+            gw.with(|c, env| flow.on_response_body(c, b"partial", false, env));
+        }
+        assert!(!gw.end(&mut flow));
+        assert_eq!(release(&mut flow).0, paths::ABORT);
+        assert!(
+            matches!(gw.start(&post("k")).1, Action::Claim(_)),
+            "local slot freed"
+        );
+    }
+
+    // While the body is being fingerprinted: nothing was claimed yet.
+    let mut gw = Gateway::new(
+        r#"{"sidecar":{"cluster":"s"},"allow_on_headers_stop_iteration":true,"rules":[{}]}"#,
+    );
+    let (flow, action) = gw.start_with_eos(&post("k"), false);
+    let mut flow = flow.unwrap();
+    assert_eq!(action, Action::Pause);
+    assert!(!gw.end(&mut flow));
+    assert!(flow.take_release().is_none());
+}
+
+#[test]
+fn upstream_errors_abort_so_the_retry_runs_again() {
+    for status in ["500", "503", "504", "408", "429"] {
+        let mut gw = Gateway::rules(REJECT);
+        let (mut flow, _, _) = gw.claim(&post("k"));
+        gw.grant(&mut flow, 1);
+        gw.respond(&mut flow, status, "application/json", &[b"{}"]);
+        assert_eq!(release(&mut flow).0, paths::ABORT, "{status}");
+        assert!(matches!(gw.start(&post("k")).1, Action::Claim(_)));
+    }
+}
+
+#[test]
+fn body_fingerprint_with_allow_on_headers_stop_iteration() {
+    let json = r#"{"sidecar":{"cluster":"s"},"allow_on_headers_stop_iteration":true,"rules":[{"fingerprint":{"max_body_bytes":8}}]}"#;
+    let claim_with = |body: &[u8]| {
+        let mut gw = Gateway::new(json);
+        let (flow, action) = gw.start_with_eos(&post("k"), false);
+        let mut flow = flow.unwrap();
+        assert_eq!(action, Action::Pause);
+        assert!(flow.holds_request());
+        let mut reads = 0;
+        let mut read = |n: usize| {
+            reads += 1;
+            Some(body[..n].to_vec())
+        };
+        let half = body.len() / 2;
+        assert_eq!(
+            gw.with(|c, env| flow.on_request_body(c, half, false, &mut read, env)),
+            Action::Pause
+        );
+        let action = gw.with(|c, env| flow.on_request_body(c, body.len(), true, &mut read, env));
+        assert_eq!(
+            reads,
+            usize::from(!body.is_empty() && body.len() <= 8),
+            "the body is read once, at its end"
+        );
+        action
+    };
+    let fp = |action: Action| {
+        let Action::Claim(call) = action else {
+            panic!("{action:?}")
+        };
+        let (claim, _): (ClaimRequest, &[u8]) = idemgate_wire::decode(&call.body).unwrap();
+        claim.fingerprint.unwrap()
+    };
+    assert_ne!(fp(claim_with(b"{\"a\":1}")), fp(claim_with(b"{\"a\":2}")));
+    assert_eq!(fp(claim_with(b"{\"a\":1}")), fp(claim_with(b"{\"a\":1}")));
+    let r = reply(claim_with(b"123456789"));
+    assert_eq!(
+        (r.status, problem_type(&r).as_str()),
+        (413, types::TOO_LARGE)
+    );
+    // A body-less request fingerprints like an empty body.
+    let mut gw = Gateway::new(json);
+    let (_, a) = gw.start_with_eos(&post("k"), true);
+    assert_eq!(fp(a), fp(claim_with(b"")));
+}
+
+#[test]
+fn shadow_mode_decides_counts_and_never_blocks() {
+    let mut gw = Gateway::new(
+        r#"{"sidecar":{"cluster":"s"},"shadow":true,"rules":[{"on_conflict":"queue"}]}"#,
+    );
+    let (flow, action) = gw.start(&Req::new("POST", "/x"));
+    assert!(flow.is_none() && action == Action::pass());
+    let (mut first, claim, _) = gw.claim(&post("k"));
+    assert_eq!(claim.wait, None, "shadow mode never waits");
+    gw.grant(&mut first, 1);
+    let (mut dup, _, _) = gw.claim(&post("k"));
+    let busy = ClaimOutcome::Busy {
+        retry_after_ms: 1,
+        queue_len: 0,
+        waited: false,
+    };
+    assert_eq!(gw.answer_with(&mut dup, &busy, &[]), Action::pass());
+    let (mut down, _, _) = gw.claim(&post("k3"));
+    assert_eq!(gw.answer(&mut down, Answer::Failed), Action::pass());
+    assert_eq!(gw.count(Counter::ShadowWouldBlock), 3);
+    assert!(!gw.end(&mut dup) && dup.take_release().is_none());
+}
+
+#[test]
+fn renewals_on_half_lease_and_lease_loss() {
+    let mut gw = Gateway::rules(REJECT);
+    let (mut flow, _, _) = gw.claim(&post("k"));
+    gw.grant(&mut flow, 1);
+    let cfg = gw.config.clone();
+    assert!(flow.renewal_due(&cfg, gw.now + 14_999).is_none());
+    let call = flow.renewal_due(&cfg, gw.now + 15_000).unwrap();
+    assert!(
+        flow.renewal_due(&cfg, gw.now + 15_001).is_none(),
+        "one renewal at a time"
+    );
+    let (renew, _): (RenewRequest, &[u8]) = idemgate_wire::decode(&call.body).unwrap();
+    assert_eq!((renew.owner.as_str(), renew.lease_ms), ("owner-1", 30_000));
+    gw.now += 15_000;
+    let ok = idemgate_wire::encode(&OwnerOutcome::Renewed { lease_ms: 30_000 }, &[]);
+    gw.with(|_, env| {
+        flow.on_renew_answer(
+            Answer::Http {
+                status: 200,
+                body: &ok,
+            },
+            env,
+        )
+    });
+    assert!(flow.renewal_due(&cfg, gw.now + 14_999).is_none());
+    let _ = flow.renewal_due(&cfg, gw.now + 15_000).unwrap();
+    gw.with(|_, env| flow.on_renew_answer(Answer::Failed, env));
+    assert!(
+        flow.renewal_due(&cfg, gw.now + 15_000).is_some(),
+        "a failed renewal is retried"
+    );
+    let stale = idemgate_wire::encode(&OwnerOutcome::Stale, &[]);
+    gw.with(|_, env| {
+        flow.on_renew_answer(
+            Answer::Http {
+                status: 200,
+                body: &stale,
+            },
+            env,
+        )
+    });
+    assert!(flow.renewal_due(&cfg, u64::MAX - 1).is_none());
+    assert_eq!(
+        (
+            gw.count(Counter::LeaseRenewals),
+            gw.count(Counter::LeaseLost)
+        ),
+        (1, 1)
+    );
+}
+
+#[test]
+fn release_answers() {
+    let mut rec = Recorder::default();
+    let released = idemgate_wire::encode(&OwnerOutcome::Released, &[]);
+    let stale = idemgate_wire::encode(&OwnerOutcome::Stale, &[]);
+    assert_eq!(
+        on_release_answer(
+            Answer::Http {
+                status: 200,
+                body: &released
+            },
+            &mut rec
+        ),
+        ReleaseResult::Done
+    );
+    assert_eq!(
+        on_release_answer(
+            Answer::Http {
+                status: 200,
+                body: &stale
+            },
+            &mut rec
+        ),
+        ReleaseResult::Stale
+    );
+    assert_eq!(
+        on_release_answer(
+            Answer::Http {
+                status: 503,
+                body: b""
+            },
+            &mut rec
+        ),
+        ReleaseResult::Retry
+    );
+    assert_eq!(
+        on_release_answer(Answer::Failed, &mut rec),
+        ReleaseResult::Retry
+    );
+    assert_eq!(
+        on_release_answer(
+            Answer::Http {
+                status: 200,
+                body: b"[]"
+            },
+            &mut rec
+        ),
+        ReleaseResult::Retry
+    );
+}
+
+#[test]
+fn scope_headers_and_properties_separate_callers() {
+    let mut gw = Gateway::rules(
+        r#"[{"scope":{"headers":["x-user-id"],"properties":[["source","principal"]]}}]"#,
+    );
+    let a = post("k")
+        .with("x-user-id", "alice")
+        .with_property(&["source", "principal"], "spiffe://a");
+    let b = post("k")
+        .with("x-user-id", "alice")
+        .with_property(&["source", "principal"], "spiffe://b");
+    let (_, ca, _) = gw.claim(&a);
+    let (_, cb, _) = gw.claim(&b);
+    assert_ne!(ca.key, cb.key);
+}
+
+#[test]
+fn local_tier_host_errors_fall_back_to_the_sidecar() {
+    let mut gw = Gateway::rules(REJECT);
+    gw.shared.fail.set(true);
+    let (mut flow, _, _) = gw.claim(&post("k"));
+    assert_eq!(gw.count(Counter::LocalUnavailable), 1);
+    gw.grant(&mut flow, 1);
+    gw.respond(&mut flow, "201", "application/json", &[b"{}"]);
+    assert_eq!(release(&mut flow).0, paths::COMPLETE);
+}

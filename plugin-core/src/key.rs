@@ -1,0 +1,270 @@
+//! Keys: extracting the client's key (an `Idempotency-Key` as an RFC 8941 sf-string or a bare
+//! token, or a lock-mode resource id), checking it against the rule, and deriving the stored
+//! key — a hex SHA-256 over the length-prefixed scope and key. Raw keys and caller identities
+//! never leave this module: nothing stores, sends or logs them.
+
+use alloc::borrow::Cow;
+use alloc::string::String;
+use alloc::vec::Vec;
+use sha2::{Digest, Sha256};
+
+use crate::config::{KeySource, Rule};
+use crate::rule::{RequestHead, RequestView};
+
+/// Why a request's key was not usable.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum KeyError {
+    Missing,
+    Malformed,
+    TooLong,
+    BadCharacter,
+}
+
+impl KeyError {
+    pub fn detail(self) -> &'static str {
+        match self {
+            KeyError::Missing => "this endpoint requires an idempotency key",
+            KeyError::Malformed => "the key is not a valid RFC 8941 string or token",
+            KeyError::TooLong => "the key is longer than this endpoint allows",
+            KeyError::BadCharacter => "the key contains characters this endpoint does not allow",
+        }
+    }
+}
+
+/// The raw key bytes of a request, validated against the rule; `Ok(None)` = absent and optional.
+pub fn extract(
+    rule: &Rule,
+    head: &RequestHead,
+    req: &dyn RequestView,
+) -> Result<Option<Vec<u8>>, KeyError> {
+    let raw: Option<Cow<'_, [u8]>> = match &rule.key.source {
+        KeySource::Header(h) => req.header(h).map(Cow::Owned),
+        KeySource::PathParam(p) => rule
+            .matcher
+            .path
+            .variable(head.path_only(), Some(p))
+            .map(Cow::Borrowed),
+        KeySource::QueryParam(q) => head.query_param(q).map(Cow::Borrowed),
+    };
+    let raw = match raw {
+        Some(r) if !r.is_empty() => r,
+        _ if rule.key.required => return Err(KeyError::Missing),
+        _ => return Ok(None),
+    };
+    let key = match rule.key.source {
+        KeySource::Header(_) => unquote(&raw)?,
+        _ => raw.into_owned(),
+    };
+    if key.is_empty() {
+        return Err(KeyError::Malformed);
+    }
+    if key.len() > rule.key.max_length {
+        return Err(KeyError::TooLong);
+    }
+    if !key.iter().all(|b| rule.key.charset.allows(*b)) {
+        return Err(KeyError::BadCharacter);
+    }
+    Ok(Some(key))
+}
+
+/// RFC 8941 sf-string (`"abc"`, escapes `\"` and `\\`) or a bare value, surrounding spaces trimmed.
+fn unquote(raw: &[u8]) -> Result<Vec<u8>, KeyError> {
+    let trimmed = raw.trim_ascii();
+    let Some(inner) = trimmed.strip_prefix(b"\"") else {
+        if trimmed.contains(&b'"') {
+            return Err(KeyError::Malformed);
+        }
+        return Ok(trimmed.to_vec());
+    };
+    let mut out = Vec::with_capacity(inner.len());
+    let mut bytes = inner.iter();
+    while let Some(&b) = bytes.next() {
+        match b {
+            b'\\' => match bytes.next() {
+                Some(&e @ (b'"' | b'\\')) => out.push(e),
+                _ => return Err(KeyError::Malformed),
+            },
+            // Closing quote: nothing may follow (no parameters are defined for this field).
+            b'"' if bytes.as_slice().is_empty() => return Ok(out),
+            b'"' => return Err(KeyError::Malformed),
+            0x20..=0x7e => out.push(b),
+            _ => return Err(KeyError::Malformed),
+        }
+    }
+    Err(KeyError::Malformed)
+}
+
+/// SHA-256 over length-prefixed parts: no two different part lists hash alike.
+pub(crate) struct PartHasher(Sha256);
+
+impl PartHasher {
+    pub(crate) fn new(domain: &str) -> Self {
+        let mut h = PartHasher(Sha256::new());
+        h.part(domain.as_bytes());
+        h
+    }
+
+    pub(crate) fn part(&mut self, bytes: &[u8]) {
+        self.0.update((bytes.len() as u64).to_be_bytes());
+        self.0.update(bytes);
+    }
+
+    /// An optional part: absent differs from empty.
+    pub(crate) fn optional(&mut self, bytes: Option<&[u8]>) {
+        match bytes {
+            Some(b) => {
+                self.0.update([1]);
+                self.part(b);
+            }
+            None => self.0.update([0]),
+        }
+    }
+
+    pub(crate) fn raw(&mut self, bytes: &[u8]) {
+        self.0.update(bytes);
+    }
+
+    pub(crate) fn finish_hex(self) -> String {
+        hex(&self.0.finalize())
+    }
+}
+
+pub(crate) fn hex(bytes: &[u8]) -> String {
+    const DIGITS: &[u8; 16] = b"0123456789abcdef";
+    let mut s = String::with_capacity(bytes.len() * 2);
+    for b in bytes {
+        for nibble in [b >> 4, b & 0xf] {
+            s.push(char::from(
+                *DIGITS.get(usize::from(nibble)).unwrap_or(&b'0'),
+            ));
+        }
+    }
+    s
+}
+
+/// The stored key: scope (rule, mode, optionally method, caller identity) ‖ key, hashed.
+pub fn scoped(rule: &Rule, head: &RequestHead, req: &dyn RequestView, key: &[u8]) -> String {
+    let mut h = PartHasher::new("idemgate/key/v1");
+    h.part(rule.name.as_bytes());
+    h.part(match rule.mode {
+        idemgate_wire::Mode::Idempotency => b"idempotency",
+        idemgate_wire::Mode::Lock => b"lock",
+    });
+    h.optional(rule.scope.method.then_some(head.method.as_slice()));
+    for name in &rule.scope.headers {
+        h.optional(req.header(name).as_deref());
+    }
+    for path in &rule.scope.properties {
+        h.optional(req.property(path).as_deref());
+    }
+    h.part(key);
+    h.finish_hex()
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used, clippy::indexing_slicing)]
+    use super::*;
+    use crate::testing::Req;
+
+    fn rule(extra: &str) -> Rule {
+        crate::config::parse(
+            alloc::format!(r#"{{"sidecar":{{"cluster":"s"}},"rules":[{{{extra}}}]}}"#).as_bytes(),
+        )
+        .unwrap()
+        .rules
+        .remove(0)
+    }
+
+    fn head(req: &Req) -> RequestHead {
+        RequestHead {
+            method: req.header(":method").unwrap(),
+            path: req.header(":path").unwrap(),
+        }
+    }
+
+    fn key_of(rule: &Rule, value: &str) -> Result<Option<Vec<u8>>, KeyError> {
+        let req = Req::new("POST", "/x").with("idempotency-key", value);
+        extract(rule, &head(&req), &req)
+    }
+
+    #[test]
+    fn sf_strings_and_tokens() {
+        let r = rule("");
+        assert_eq!(key_of(&r, "\"abc-1\"").unwrap().unwrap(), b"abc-1");
+        assert_eq!(key_of(&r, " abc-1 ").unwrap().unwrap(), b"abc-1");
+        assert_eq!(key_of(&r, r#""a\"b\\c""#).unwrap().unwrap(), br#"a"b\c"#);
+        assert_eq!(key_of(&r, "\"a b\"").unwrap().unwrap(), b"a b");
+        for bad in ["\"abc", "\"a\"b", "a\"b", r#""a\nb""#, "\"\""] {
+            assert_eq!(key_of(&r, bad), Err(KeyError::Malformed), "{bad}");
+        }
+        assert_eq!(key_of(&r, &"k".repeat(255)).unwrap().unwrap().len(), 255);
+        assert_eq!(key_of(&r, &"k".repeat(256)), Err(KeyError::TooLong));
+    }
+
+    #[test]
+    fn non_ascii_is_rejected_not_trapped() {
+        let r = rule("");
+        let req = Req::new("POST", "/x").with_bytes("idempotency-key", b"\xff\xfe");
+        assert_eq!(extract(&r, &head(&req), &req), Err(KeyError::BadCharacter));
+    }
+
+    #[test]
+    fn missing_required_and_optional() {
+        let req = Req::new("POST", "/x");
+        assert_eq!(
+            extract(&rule(""), &head(&req), &req),
+            Err(KeyError::Missing)
+        );
+        assert_eq!(
+            extract(&rule(r#""key":{"required":false}"#), &head(&req), &req),
+            Ok(None)
+        );
+        let empty = Req::new("POST", "/x").with("idempotency-key", "");
+        assert_eq!(
+            extract(&rule(""), &head(&empty), &empty),
+            Err(KeyError::Missing)
+        );
+    }
+
+    #[test]
+    fn charsets() {
+        let r = rule(r#""key":{"charset":"alphanumeric","max_length":8}"#);
+        assert!(key_of(&r, "ab-1_2.3").unwrap().is_some());
+        assert_eq!(key_of(&r, "a b"), Err(KeyError::BadCharacter));
+        assert_eq!(key_of(&r, "123456789"), Err(KeyError::TooLong));
+    }
+
+    #[test]
+    fn lock_ids_from_path_and_query() {
+        let r = rule(
+            r#""mode":"lock","match":{"path_template":"/agents/{agent_id}/mcp"},"key":{"path_param":"agent_id"}"#,
+        );
+        let req = Req::new("PUT", "/agents/a7/mcp");
+        assert_eq!(extract(&r, &head(&req), &req).unwrap().unwrap(), b"a7");
+        let r = rule(r#""mode":"lock","key":{"query_param":"doc"}"#);
+        let req = Req::new("PUT", "/edit?doc=d1");
+        assert_eq!(extract(&r, &head(&req), &req).unwrap().unwrap(), b"d1");
+    }
+
+    #[test]
+    fn scope_separates_callers_methods_and_rules() {
+        let r = rule(r#""scope":{"headers":["x-user-id"]}"#);
+        let alice = Req::new("POST", "/x").with("x-user-id", "alice");
+        let bob = Req::new("POST", "/x").with("x-user-id", "bob");
+        let anon = Req::new("POST", "/x");
+        let empty = Req::new("POST", "/x").with("x-user-id", "");
+        let put = Req::new("PUT", "/x").with("x-user-id", "alice");
+        let a = scoped(&r, &head(&alice), &alice, b"k");
+        assert_eq!(a.len(), 64);
+        assert!(a.bytes().all(|b| b.is_ascii_hexdigit()));
+        assert_eq!(a, scoped(&r, &head(&alice), &alice, b"k"));
+        for other in [&bob, &anon, &empty, &put] {
+            assert_ne!(a, scoped(&r, &head(other), other, b"k"));
+        }
+        assert_ne!(a, scoped(&r, &head(&alice), &alice, b"k2"));
+        let mut r2 = r.clone();
+        r2.name = "other".into();
+        assert_ne!(a, scoped(&r2, &head(&alice), &alice, b"k"));
+    }
+}

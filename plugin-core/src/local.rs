@@ -1,0 +1,500 @@
+//! The local tier: a fixed-size table in Envoy shared data that catches duplicates reaching
+//! this gateway (on any worker) without a network hop, and serves recently completed
+//! responses.
+//!
+//! Shared data has no delete, no TTL and no create-if-absent, and lives as long as the
+//! process. So the table is `slots` keys (`idemgate.v1.slot.<n>`) that are never added to:
+//! a stored key lives in slot `hash mod slots` or one of the next `probes - 1` slots, every
+//! entry carries its owner and expiry, and slots are reused with CAS once free or expired.
+//! Memory is bounded by `slots × (entry header + max_response_bytes + stored headers)`
+//! whatever the traffic. The table is never authoritative across gateways: the sidecar is.
+
+use alloc::format;
+use alloc::string::String;
+use alloc::vec::Vec;
+use idemgate_wire::StoredResponse;
+
+use crate::config::LocalConfig;
+
+/// A host call on shared data failed in a way Envoy should never produce.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct HostError;
+
+/// Envoy shared data as the ABI offers it (the glue maps `proxy_*_shared_data`).
+pub trait SharedStore {
+    /// `None` when the key was never written; an empty value reads as `Some((vec![], cas))`.
+    fn get(&self, key: &str) -> Result<Option<(Vec<u8>, u32)>, HostError>;
+    /// `cas == None` writes unconditionally; `Ok(false)` is a CAS mismatch.
+    fn set(&self, key: &str, value: &[u8], cas: Option<u32>) -> Result<bool, HostError>;
+}
+
+/// A CAS value no live entry has in practice: setting a *missing* key with any non-zero CAS
+/// inserts it, while an existing key (written concurrently) has the CAS the host assigned on
+/// its write — a global counter that would have to reach `u32::MAX` to collide.
+const INSERT_CAS: u32 = u32::MAX;
+const MAGIC: &[u8; 3] = b"IG1";
+const ROUNDS: u32 = 3;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum State {
+    Free = 0,
+    InFlight = 1,
+    Completed = 2,
+}
+
+/// A completed response kept for local replay.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LocalResponse {
+    pub fingerprint: Option<String>,
+    pub response: StoredResponse,
+    pub body: Vec<u8>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct Entry {
+    state: State,
+    key: String,
+    owner: u64,
+    expires_ms: u64,
+    completed: Option<LocalResponse>,
+}
+
+/// Proof that this request wrote the in-flight entry of `slot`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Hold {
+    pub slot: u32,
+    pub owner: u64,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum LocalClaim {
+    /// This request now holds the key on this gateway.
+    Claimed(Hold),
+    /// Another request on this gateway holds it.
+    InFlight { retry_after_ms: u64 },
+    /// A request with this key completed recently.
+    Completed(LocalResponse),
+    /// No free slot among the probes, or CAS kept failing: decide without the local tier.
+    Unavailable,
+}
+
+pub struct Table<'a> {
+    pub config: &'a LocalConfig,
+    pub store: &'a dyn SharedStore,
+}
+
+pub fn slot_key(slot: u32) -> String {
+    format!("idemgate.v1.slot.{slot}")
+}
+
+impl Table<'_> {
+    fn home(&self, key: &str) -> u32 {
+        let prefix = key
+            .get(..8)
+            .and_then(|h| u32::from_str_radix(h, 16).ok())
+            .unwrap_or(0);
+        prefix % self.config.slots
+    }
+
+    fn probe(&self, key: &str) -> impl Iterator<Item = u32> + '_ {
+        let home = self.home(key);
+        let slots = self.config.slots;
+        (0..self.config.probes.min(slots))
+            .map(move |p| ((u64::from(home) + u64::from(p)) % u64::from(slots)) as u32)
+    }
+
+    /// Looks `key` up among its slots and, when it is not live there, claims a slot for it.
+    pub fn claim(&self, key: &str, owner: u64, now_ms: u64, lease_ms: u64) -> LocalClaim {
+        for _ in 0..ROUNDS {
+            // Best slot to take: (slot, cas, evicts a completed entry, its expiry).
+            let mut best: Option<(u32, Option<u32>, bool, u64)> = None;
+            for slot in self.probe(key) {
+                let Ok(current) = self.store.get(&slot_key(slot)) else {
+                    return LocalClaim::Unavailable;
+                };
+                let (entry, cas) = match current {
+                    None => (None, None),
+                    Some((bytes, cas)) => (decode(&bytes), Some(cas)),
+                };
+                let live = entry.filter(|e| e.state != State::Free && e.expires_ms > now_ms);
+                let evicts = match live {
+                    Some(e) if e.key == key => {
+                        return match e.completed {
+                            Some(done) if e.state == State::Completed => {
+                                LocalClaim::Completed(done)
+                            }
+                            _ => LocalClaim::InFlight {
+                                retry_after_ms: e.expires_ms - now_ms,
+                            },
+                        };
+                    }
+                    Some(e) if e.state == State::InFlight => continue,
+                    Some(e) => Some(e.expires_ms),
+                    None => None,
+                };
+                best = match (best, evicts) {
+                    (None, _) => Some((slot, cas, evicts.is_some(), evicts.unwrap_or(0))),
+                    // A free slot beats evicting; among evictions the one expiring first goes.
+                    (Some((_, _, true, _)), None) => Some((slot, cas, false, 0)),
+                    (Some((_, _, true, exp)), Some(e)) if e < exp => Some((slot, cas, true, e)),
+                    (b, _) => b,
+                };
+            }
+            let Some((slot, cas, _, _)) = best else {
+                return LocalClaim::Unavailable;
+            };
+            let entry = Entry {
+                state: State::InFlight,
+                key: key.into(),
+                owner,
+                expires_ms: now_ms.saturating_add(lease_ms),
+                completed: None,
+            };
+            match self.store.set(
+                &slot_key(slot),
+                &encode(&entry),
+                Some(cas.unwrap_or(INSERT_CAS)),
+            ) {
+                Ok(true) => return LocalClaim::Claimed(Hold { slot, owner }),
+                Ok(false) => continue,
+                Err(HostError) => return LocalClaim::Unavailable,
+            }
+        }
+        LocalClaim::Unavailable
+    }
+
+    /// Gives the slot back: free, or holding `completed` until `expires_ms`. Does nothing when
+    /// the slot is no longer ours (our entry expired and was reused). Returns whether it wrote.
+    pub fn release(&self, hold: Hold, key: &str, completed: Option<(LocalResponse, u64)>) -> bool {
+        if let Some((done, _)) = &completed
+            && done.body.len() > self.config.max_response_bytes
+        {
+            return self.release(hold, key, None);
+        }
+        let entry = match completed {
+            Some((done, expires_ms)) => Entry {
+                state: State::Completed,
+                key: key.into(),
+                owner: hold.owner,
+                expires_ms,
+                completed: Some(done),
+            },
+            None => Entry {
+                state: State::Free,
+                key: String::new(),
+                owner: 0,
+                expires_ms: 0,
+                completed: None,
+            },
+        };
+        let bytes = encode(&entry);
+        let slot = slot_key(hold.slot);
+        for _ in 0..ROUNDS {
+            let Ok(Some((current, cas))) = self.store.get(&slot) else {
+                return false;
+            };
+            match decode(&current) {
+                Some(e) if e.key == key && e.owner == hold.owner && e.state == State::InFlight => {}
+                _ => return false,
+            }
+            match self.store.set(&slot, &bytes, Some(cas)) {
+                Ok(true) => return true,
+                Ok(false) => continue,
+                Err(HostError) => return false,
+            }
+        }
+        false
+    }
+}
+
+#[cfg(test)]
+pub(crate) fn in_flight_bytes(key: &str, owner: u64, expires_ms: u64) -> Vec<u8> {
+    encode(&Entry {
+        state: State::InFlight,
+        key: key.into(),
+        owner,
+        expires_ms,
+        completed: None,
+    })
+}
+
+// === entry codec: fixed header, then (completed only) the response ===
+
+fn encode(e: &Entry) -> Vec<u8> {
+    let mut out = Vec::with_capacity(96 + e.completed.as_ref().map_or(0, |c| c.body.len()));
+    out.extend_from_slice(MAGIC);
+    out.push(e.state as u8);
+    put_bytes(&mut out, e.key.as_bytes());
+    out.extend_from_slice(&e.owner.to_le_bytes());
+    out.extend_from_slice(&e.expires_ms.to_le_bytes());
+    if let Some(c) = &e.completed {
+        put_bytes(
+            &mut out,
+            c.fingerprint.as_deref().unwrap_or_default().as_bytes(),
+        );
+        out.extend_from_slice(&c.response.status.to_le_bytes());
+        out.extend_from_slice(&(c.response.headers.len() as u32).to_le_bytes());
+        for (name, value) in &c.response.headers {
+            put_bytes(&mut out, name.as_bytes());
+            put_bytes(&mut out, value.as_bytes());
+        }
+        put_bytes(&mut out, &c.body);
+    }
+    out
+}
+
+fn put_bytes(out: &mut Vec<u8>, b: &[u8]) {
+    out.extend_from_slice(&(b.len() as u32).to_le_bytes());
+    out.extend_from_slice(b);
+}
+
+struct Reader<'a>(&'a [u8]);
+
+impl<'a> Reader<'a> {
+    fn take(&mut self, n: usize) -> Option<&'a [u8]> {
+        let (head, rest) = self.0.split_at_checked(n)?;
+        self.0 = rest;
+        Some(head)
+    }
+    fn array<const N: usize>(&mut self) -> Option<[u8; N]> {
+        self.take(N)?.try_into().ok()
+    }
+    fn u32(&mut self) -> Option<u32> {
+        self.array().map(u32::from_le_bytes)
+    }
+    fn u64(&mut self) -> Option<u64> {
+        self.array().map(u64::from_le_bytes)
+    }
+    fn bytes(&mut self) -> Option<&'a [u8]> {
+        let n = self.u32()? as usize;
+        self.take(n)
+    }
+    fn string(&mut self) -> Option<String> {
+        core::str::from_utf8(self.bytes()?).ok().map(String::from)
+    }
+}
+
+/// `None` for anything that is not an entry (another plugin's data, a torn format): such a
+/// slot is treated as free and overwritten.
+fn decode(bytes: &[u8]) -> Option<Entry> {
+    let mut r = Reader(bytes);
+    if r.take(3)? != MAGIC {
+        return None;
+    }
+    let state = match r.array::<1>()? {
+        [0] => State::Free,
+        [1] => State::InFlight,
+        [2] => State::Completed,
+        _ => return None,
+    };
+    let key = r.string()?;
+    let owner = r.u64()?;
+    let expires_ms = r.u64()?;
+    let completed = if state == State::Completed {
+        let fingerprint = Some(r.string()?).filter(|f| !f.is_empty());
+        let status = u16::from_le_bytes(r.array()?);
+        let count = r.u32()?;
+        let mut headers = Vec::new();
+        for _ in 0..count {
+            headers.push((r.string()?, r.string()?));
+        }
+        let body = r.bytes()?.to_vec();
+        Some(LocalResponse {
+            fingerprint,
+            response: StoredResponse { status, headers },
+            body,
+        })
+    } else {
+        None
+    };
+    Some(Entry {
+        state,
+        key,
+        owner,
+        expires_ms,
+        completed,
+    })
+}
+
+#[cfg(test)]
+pub(crate) mod tests {
+    #![allow(clippy::unwrap_used, clippy::indexing_slicing, clippy::panic)]
+    use super::*;
+    use crate::testing::MemStore;
+    use alloc::vec;
+
+    fn cfg(slots: u32, probes: u32) -> LocalConfig {
+        LocalConfig {
+            enabled: true,
+            slots,
+            probes,
+            max_response_bytes: 1024,
+        }
+    }
+
+    fn key(n: u32) -> String {
+        crate::key::hex(&n.to_be_bytes()).repeat(8)
+    }
+
+    fn done(body: &[u8]) -> LocalResponse {
+        LocalResponse {
+            fingerprint: Some("f".into()),
+            response: StoredResponse {
+                status: 201,
+                headers: vec![("content-type".into(), "application/json".into())],
+            },
+            body: body.to_vec(),
+        }
+    }
+
+    #[test]
+    fn claim_duplicate_release_replay() {
+        let store = MemStore::default();
+        let c = cfg(64, 4);
+        let t = Table {
+            config: &c,
+            store: &store,
+        };
+        let LocalClaim::Claimed(hold) = t.claim(&key(1), 7, 1_000, 500) else {
+            panic!()
+        };
+        assert_eq!(
+            t.claim(&key(1), 8, 1_100, 500),
+            LocalClaim::InFlight {
+                retry_after_ms: 400
+            }
+        );
+        assert!(t.release(hold, &key(1), Some((done(b"{}"), 10_000))));
+        assert_eq!(
+            t.claim(&key(1), 9, 1_200, 500),
+            LocalClaim::Completed(done(b"{}"))
+        );
+        // Expired completed entry: claimable again.
+        assert!(matches!(
+            t.claim(&key(1), 9, 10_000, 500),
+            LocalClaim::Claimed(_)
+        ));
+    }
+
+    #[test]
+    fn expired_in_flight_is_reclaimed_and_stale_release_is_refused() {
+        let store = MemStore::default();
+        let c = cfg(64, 4);
+        let t = Table {
+            config: &c,
+            store: &store,
+        };
+        let LocalClaim::Claimed(old) = t.claim(&key(1), 1, 0, 100) else {
+            panic!()
+        };
+        let LocalClaim::Claimed(new) = t.claim(&key(1), 2, 200, 100) else {
+            panic!()
+        };
+        assert_eq!(old.slot, new.slot);
+        assert!(
+            !t.release(old, &key(1), None),
+            "the old owner must not free the new owner's slot"
+        );
+        assert_eq!(
+            t.claim(&key(1), 3, 250, 100),
+            LocalClaim::InFlight { retry_after_ms: 50 }
+        );
+        assert!(t.release(new, &key(1), None));
+        assert!(matches!(
+            t.claim(&key(1), 3, 250, 100),
+            LocalClaim::Claimed(_)
+        ));
+    }
+
+    #[test]
+    fn cas_lost_to_another_worker_sees_its_claim() {
+        let store = MemStore::default();
+        let c = cfg(64, 4);
+        let t = Table {
+            config: &c,
+            store: &store,
+        };
+        // Another worker writes the same key right after our read of the first slot.
+        store.interfere_once(key(1), 100);
+        assert_eq!(
+            t.claim(&key(1), 1, 0, 100),
+            LocalClaim::InFlight {
+                retry_after_ms: 100
+            }
+        );
+    }
+
+    #[test]
+    fn full_of_in_flight_means_unavailable_and_completed_entries_are_evicted() {
+        let store = MemStore::default();
+        let c = cfg(2, 2);
+        let t = Table {
+            config: &c,
+            store: &store,
+        };
+        let LocalClaim::Claimed(a) = t.claim(&key(1), 1, 0, 1_000) else {
+            panic!()
+        };
+        let LocalClaim::Claimed(_) = t.claim(&key(2), 1, 0, 1_000) else {
+            panic!()
+        };
+        assert_eq!(t.claim(&key(3), 1, 0, 1_000), LocalClaim::Unavailable);
+        assert!(t.release(a, &key(1), Some((done(b"x"), 5_000))));
+        assert!(matches!(
+            t.claim(&key(3), 1, 0, 1_000),
+            LocalClaim::Claimed(_)
+        ));
+        assert_eq!(store.len(), 2);
+    }
+
+    #[test]
+    fn table_stays_bounded_and_garbage_is_overwritten() {
+        let store = MemStore::default();
+        let c = cfg(128, 4);
+        let t = Table {
+            config: &c,
+            store: &store,
+        };
+        store.set(&slot_key(0), b"not ours", None).unwrap();
+        for n in 0..20_000u32 {
+            if let LocalClaim::Claimed(h) = t.claim(&key(n), u64::from(n), u64::from(n), 10) {
+                t.release(h, &key(n), Some((done(b"b"), u64::from(n) + 5)));
+            }
+        }
+        assert!(store.len() <= 128);
+    }
+
+    #[test]
+    fn oversized_bodies_are_not_kept() {
+        let store = MemStore::default();
+        let c = cfg(8, 2);
+        let t = Table {
+            config: &c,
+            store: &store,
+        };
+        let LocalClaim::Claimed(h) = t.claim(&key(1), 1, 0, 100) else {
+            panic!()
+        };
+        assert!(t.release(h, &key(1), Some((done(&[0; 2048]), 1_000))));
+        assert!(matches!(
+            t.claim(&key(1), 1, 1, 100),
+            LocalClaim::Claimed(_)
+        ));
+    }
+
+    #[test]
+    fn codec_round_trips_and_rejects_truncation() {
+        let e = Entry {
+            state: State::Completed,
+            key: key(5),
+            owner: 3,
+            expires_ms: 9,
+            completed: Some(done(b"hi")),
+        };
+        let bytes = encode(&e);
+        assert_eq!(decode(&bytes), Some(e));
+        for n in 0..bytes.len() {
+            assert_eq!(decode(&bytes[..n]), None);
+        }
+    }
+}

@@ -1,0 +1,110 @@
+//! Metric names and the port the decision code reports through. Names are the stable,
+//! documented interface (plugin/README.md); Envoy shows them without a prefix of its own.
+
+/// Counters, one per decision and per noteworthy event.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Counter {
+    /// Requests that matched no rule (flushed from a per-VM tally on the tick).
+    Pass,
+    Granted,
+    Replayed,
+    Rejected,
+    Queued,
+    Mismatch,
+    MissingKey,
+    InvalidKey,
+    Bypassed,
+    TooLarge,
+    FailedOpen,
+    FailedClosed,
+    FailedLocal,
+    ShadowWouldBlock,
+    LocalHits,
+    LocalUnavailable,
+    SidecarErrors,
+    BreakerOpen,
+    LeaseRenewals,
+    LeaseLost,
+    ReleaseRetries,
+    ReleaseFailures,
+    Abandoned,
+}
+
+impl Counter {
+    pub const ALL: [Counter; 23] = [
+        Counter::Pass,
+        Counter::Granted,
+        Counter::Replayed,
+        Counter::Rejected,
+        Counter::Queued,
+        Counter::Mismatch,
+        Counter::MissingKey,
+        Counter::InvalidKey,
+        Counter::Bypassed,
+        Counter::TooLarge,
+        Counter::FailedOpen,
+        Counter::FailedClosed,
+        Counter::FailedLocal,
+        Counter::ShadowWouldBlock,
+        Counter::LocalHits,
+        Counter::LocalUnavailable,
+        Counter::SidecarErrors,
+        Counter::BreakerOpen,
+        Counter::LeaseRenewals,
+        Counter::LeaseLost,
+        Counter::ReleaseRetries,
+        Counter::ReleaseFailures,
+        Counter::Abandoned,
+    ];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Counter::Pass => "idemgate.requests.pass",
+            Counter::Granted => "idemgate.requests.granted",
+            Counter::Replayed => "idemgate.requests.replayed",
+            Counter::Rejected => "idemgate.requests.rejected",
+            Counter::Queued => "idemgate.requests.queued",
+            Counter::Mismatch => "idemgate.requests.mismatch",
+            Counter::MissingKey => "idemgate.requests.missing_key",
+            Counter::InvalidKey => "idemgate.requests.invalid_key",
+            Counter::Bypassed => "idemgate.requests.bypassed",
+            Counter::TooLarge => "idemgate.requests.too_large",
+            Counter::FailedOpen => "idemgate.requests.failed_open",
+            Counter::FailedClosed => "idemgate.requests.failed_closed",
+            Counter::FailedLocal => "idemgate.requests.failed_local",
+            Counter::ShadowWouldBlock => "idemgate.shadow.would_block",
+            Counter::LocalHits => "idemgate.local.hits",
+            Counter::LocalUnavailable => "idemgate.local.unavailable",
+            Counter::SidecarErrors => "idemgate.sidecar.errors",
+            Counter::BreakerOpen => "idemgate.sidecar.breaker_open",
+            Counter::LeaseRenewals => "idemgate.lease.renewals",
+            Counter::LeaseLost => "idemgate.lease.lost",
+            Counter::ReleaseRetries => "idemgate.release.retries",
+            Counter::ReleaseFailures => "idemgate.release.failures",
+            Counter::Abandoned => "idemgate.requests.abandoned",
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Histogram {
+    QueueWaitMs,
+    SidecarLatencyMs,
+}
+
+impl Histogram {
+    pub const ALL: [Histogram; 2] = [Histogram::QueueWaitMs, Histogram::SidecarLatencyMs];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Histogram::QueueWaitMs => "idemgate.queue.wait_ms",
+            Histogram::SidecarLatencyMs => "idemgate.sidecar.latency_ms",
+        }
+    }
+}
+
+/// Where decisions are counted; the glue maps it onto the proxy-wasm metrics ABI.
+pub trait Telemetry {
+    fn count(&mut self, counter: Counter);
+    fn record(&mut self, histogram: Histogram, value: u64);
+}

@@ -1,0 +1,176 @@
+//! `idemgate-core`'s ports over the raw `proxy_wasm::hostcalls`, used only where Envoy
+//! answers with statuses the SDK maps (anything else would make the SDK panic): request
+//! headers are read only at request headers or while the request is paused, callout answers
+//! only through the pairs getter (`:status` of a failed callout is BadArgument).
+
+use std::time::{Duration, UNIX_EPOCH};
+
+use idemgate_core::metrics::{Counter, Histogram, Telemetry};
+use idemgate_core::{Answer, HostError, Reply, RequestView, SharedStore};
+use proxy_wasm::hostcalls;
+use proxy_wasm::types::{BufferType, MapType, MetricType, Status};
+
+pub(crate) fn now_ms() -> u64 {
+    hostcalls::get_current_time()
+        .ok()
+        .and_then(|t| t.duration_since(UNIX_EPOCH).ok())
+        .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
+}
+
+pub(crate) fn set_tick_ms(ms: u64) {
+    if hostcalls::set_tick_period(Duration::from_millis(ms)).is_err() {
+        log::error!("idemgate: could not set the tick period");
+    }
+}
+
+/// The request headers of the current (or effective) stream.
+pub(crate) struct RequestHeaders;
+
+impl RequestView for RequestHeaders {
+    fn header(&self, name: &str) -> Option<Vec<u8>> {
+        hostcalls::get_map_value_bytes(MapType::HttpRequestHeaders, name)
+            .ok()
+            .flatten()
+    }
+
+    fn property(&self, path: &[String]) -> Option<Vec<u8>> {
+        hostcalls::get_property(path.iter().map(String::as_str).collect())
+            .ok()
+            .flatten()
+    }
+}
+
+pub(crate) fn response_headers() -> Vec<(String, Vec<u8>)> {
+    hostcalls::get_map_bytes(MapType::HttpResponseHeaders).unwrap_or_default()
+}
+
+pub(crate) fn body(buffer: BufferType, size: usize) -> Option<Vec<u8>> {
+    hostcalls::get_buffer(buffer, 0, size).ok().flatten()
+}
+
+pub(crate) fn set_request_headers(headers: &[(String, String)]) {
+    for (name, value) in headers {
+        if hostcalls::set_map_value_bytes(MapType::HttpRequestHeaders, name, Some(value.as_bytes()))
+            .is_err()
+        {
+            log::warn!("idemgate: could not set request header {name}");
+        }
+    }
+}
+
+pub(crate) fn send_reply(reply: &Reply) {
+    let headers: Vec<(&str, &str)> = reply
+        .headers
+        .iter()
+        .map(|(n, v)| (n.as_str(), v.as_str()))
+        .collect();
+    if hostcalls::send_http_response(u32::from(reply.status), headers, Some(&reply.body)).is_err() {
+        log::error!("idemgate: could not send a local reply");
+    }
+}
+
+/// The answer of the callout being delivered (valid only inside `on_http_call_response`).
+pub(crate) fn callout_answer(num_headers: usize, body_size: usize) -> (u16, Vec<u8>) {
+    if num_headers == 0 {
+        return (0, Vec::new());
+    }
+    let status = hostcalls::get_map_bytes(MapType::HttpCallResponseHeaders)
+        .unwrap_or_default()
+        .into_iter()
+        .find(|(name, _)| name == ":status")
+        .and_then(|(_, v)| {
+            std::str::from_utf8(&v)
+                .ok()
+                .and_then(|s| s.parse::<u16>().ok())
+        })
+        .unwrap_or(0);
+    let body = if body_size == 0 {
+        Vec::new()
+    } else {
+        body(BufferType::HttpCallResponseBody, body_size).unwrap_or_default()
+    };
+    (status, body)
+}
+
+pub(crate) fn as_answer(status: u16, body: &[u8]) -> Answer<'_> {
+    if status == 0 {
+        Answer::Failed
+    } else {
+        Answer::Http { status, body }
+    }
+}
+
+/// Envoy shared data (`vm_id` namespace).
+pub(crate) struct SharedData;
+
+impl SharedStore for SharedData {
+    fn get(&self, key: &str) -> Result<Option<(Vec<u8>, u32)>, HostError> {
+        match hostcalls::get_shared_data(key) {
+            Ok((value, Some(cas))) => Ok(Some((value.unwrap_or_default(), cas))),
+            Ok((_, None)) => Ok(None),
+            Err(_) => Err(HostError),
+        }
+    }
+
+    fn set(&self, key: &str, value: &[u8], cas: Option<u32>) -> Result<bool, HostError> {
+        match hostcalls::set_shared_data(key, Some(value), cas) {
+            Ok(()) => Ok(true),
+            Err(Status::CasMismatch) => Ok(false),
+            Err(_) => Err(HostError),
+        }
+    }
+}
+
+/// Metric ids defined in `on_configure` (per VM; Envoy aggregates them by name).
+#[derive(Default)]
+pub(crate) struct Metrics {
+    counters: Vec<u32>,
+    histograms: Vec<u32>,
+}
+
+impl Metrics {
+    pub(crate) fn define() -> Metrics {
+        let define = |kind, name| hostcalls::define_metric(kind, name).unwrap_or(0);
+        Metrics {
+            counters: Counter::ALL
+                .iter()
+                .map(|c| define(MetricType::Counter, c.name()))
+                .collect(),
+            histograms: Histogram::ALL
+                .iter()
+                .map(|h| define(MetricType::Histogram, h.name()))
+                .collect(),
+        }
+    }
+
+    pub(crate) fn add(&mut self, counter: Counter, n: u64) {
+        let id = Counter::ALL
+            .iter()
+            .position(|c| *c == counter)
+            .and_then(|i| self.counters.get(i));
+        if let (Some(&id), Ok(n)) = (id, i64::try_from(n))
+            && id != 0
+            && n > 0
+        {
+            let _ = hostcalls::increment_metric(id, n);
+        }
+    }
+}
+
+impl Telemetry for Metrics {
+    fn count(&mut self, counter: Counter) {
+        self.add(counter, 1);
+    }
+
+    fn record(&mut self, histogram: Histogram, value: u64) {
+        let id = Histogram::ALL
+            .iter()
+            .position(|h| *h == histogram)
+            .and_then(|i| self.histograms.get(i));
+        if let Some(&id) = id
+            && id != 0
+        {
+            let _ = hostcalls::record_metric(id, value);
+        }
+    }
+}

@@ -1,0 +1,270 @@
+//! The root context: validates the configuration once, owns the tick, and dispatches every
+//! sidecar callout. Claims, renewals and releases all go out from here so that their answers
+//! arrive at the root — the SDK silently drops an answer addressed to a stream that ended,
+//! which would leave a granted key held until its lease ran out. The root applies a claim's
+//! answer to its stream through `set_effective_context`.
+
+use std::cell::RefCell;
+use std::rc::Rc;
+use std::time::Duration;
+
+use idemgate_core::metrics::Counter;
+use idemgate_core::{Action, Answer, Callout, Config, ReleaseResult, on_release_answer};
+use proxy_wasm::hostcalls;
+use proxy_wasm::traits::{Context, HttpContext, RootContext};
+use proxy_wasm::types::{BufferType, ContextType};
+
+use crate::host::{self, Metrics, SharedData};
+use crate::stream::Stream;
+use crate::vm::{Call, PendingRelease, SharedVm, Vm};
+
+/// Shared-data key handing out VM numbers: owner ids must differ across workers.
+const VM_SEQUENCE_KEY: &str = "idemgate.v1.vm-sequence";
+
+pub(crate) struct Root {
+    vm: SharedVm,
+}
+
+impl Root {
+    pub(crate) fn new() -> Root {
+        Root {
+            vm: Rc::new(RefCell::new(Vm::default())),
+        }
+    }
+}
+
+impl Context for Root {
+    fn on_http_call_response(
+        &mut self,
+        token_id: u32,
+        num_headers: usize,
+        body_size: usize,
+        _num_trailers: usize,
+    ) {
+        let mut vm = self.vm.borrow_mut();
+        let Some(call) = vm.calls.remove(&token_id) else {
+            return;
+        };
+        let (status, body) = host::callout_answer(num_headers, body_size);
+        if status != 200 {
+            log::warn!(
+                "idemgate: sidecar answered {}",
+                if status == 0 {
+                    "nothing (reset)".into()
+                } else {
+                    status.to_string()
+                }
+            );
+        }
+        let answer = host::as_answer(status, &body);
+        match call {
+            Call::Claim(stream) => settle_claim(&mut vm, stream, answer),
+            Call::Renew(stream) => {
+                vm.with_flow(stream, |_, flow, env| flow.on_renew_answer(answer, env));
+            }
+            Call::Release(release) => {
+                if on_release_answer(answer, &mut vm.metrics) == ReleaseResult::Retry {
+                    retry(&mut vm, release);
+                }
+            }
+        }
+    }
+}
+
+impl RootContext for Root {
+    fn on_vm_start(&mut self, _vm_configuration_size: usize) -> bool {
+        log::info!("idemgate {} starting", env!("CARGO_PKG_VERSION"));
+        true
+    }
+
+    fn on_configure(&mut self, plugin_configuration_size: usize) -> bool {
+        let bytes = hostcalls::get_buffer(
+            BufferType::PluginConfiguration,
+            0,
+            plugin_configuration_size,
+        )
+        .ok()
+        .flatten()
+        .unwrap_or_default();
+        let config = match idemgate_core::config::parse(&bytes) {
+            Ok(config) => config,
+            Err(e) => {
+                log::error!("idemgate: invalid configuration: {e}");
+                return false;
+            }
+        };
+        log::info!(
+            "idemgate: {} rule(s), sidecar cluster {}, failure mode {:?}{}",
+            config.rules.len(),
+            config.sidecar.cluster,
+            config.failure_mode,
+            if config.shadow { ", shadow mode" } else { "" }
+        );
+        let mut vm = self.vm.borrow_mut();
+        vm.nonce = u64::from(vm_number()) << 32;
+        vm.metrics = Metrics::define();
+        host::set_tick_ms(config.tick_ms);
+        vm.config = Some(Rc::new(config));
+        true
+    }
+
+    fn on_tick(&mut self) {
+        let mut vm = self.vm.borrow_mut();
+        let Some(config) = vm.config.clone() else {
+            return;
+        };
+        if vm.kicked {
+            vm.kicked = false;
+            host::set_tick_ms(config.tick_ms);
+        }
+        let passed = std::mem::take(&mut vm.passed);
+        vm.metrics.add(Counter::Pass, passed);
+        for (stream, callout) in std::mem::take(&mut vm.claims) {
+            match dispatch(&config, &callout) {
+                Some(token) => {
+                    vm.calls.insert(token, Call::Claim(stream));
+                }
+                None => settle_claim(&mut vm, stream, Answer::Failed),
+            }
+        }
+        let now = host::now_ms();
+        let renewals: Vec<(u32, Callout)> = vm
+            .flows
+            .iter_mut()
+            .filter_map(|(id, flow)| flow.renewal_due(&config, now).map(|c| (*id, c)))
+            .collect();
+        for (stream, callout) in renewals {
+            match dispatch(&config, &callout) {
+                Some(token) => {
+                    vm.calls.insert(token, Call::Renew(stream));
+                }
+                None => {
+                    vm.with_flow(stream, |_, flow, env| {
+                        flow.on_renew_answer(Answer::Failed, env)
+                    });
+                }
+            }
+        }
+        for release in std::mem::take(&mut vm.releases) {
+            match dispatch(&config, &release.callout) {
+                Some(token) => {
+                    vm.calls.insert(token, Call::Release(release));
+                }
+                None => retry(&mut vm, release),
+            }
+        }
+    }
+
+    fn get_type(&self) -> Option<ContextType> {
+        Some(ContextType::HttpContext)
+    }
+
+    fn create_http_context(&self, context_id: u32) -> Option<Box<dyn HttpContext>> {
+        Some(Box::new(Stream::new(context_id, self.vm.clone())))
+    }
+}
+
+/// A unique number for this VM among all VMs sharing the `vm_id` (CAS on one shared key).
+fn vm_number() -> u32 {
+    use idemgate_core::SharedStore;
+    for _ in 0..16 {
+        let Ok(current) = SharedData.get(VM_SEQUENCE_KEY) else {
+            break;
+        };
+        let (next, cas) = match current {
+            Some((bytes, cas)) => {
+                let n = bytes.try_into().map(u32::from_le_bytes).unwrap_or(0);
+                (n.wrapping_add(1), Some(cas))
+            }
+            None => (1, None),
+        };
+        if let Ok(true) = SharedData.set(VM_SEQUENCE_KEY, &next.to_le_bytes(), cas) {
+            return next;
+        }
+    }
+    // Contention beyond reason: fall back to the clock, unique enough for owner ids.
+    (host::now_ms() & 0xffff_ffff) as u32
+}
+
+fn dispatch(config: &Config, callout: &Callout) -> Option<u32> {
+    let auth = config.sidecar.token.as_ref().map(|t| format!("Bearer {t}"));
+    let mut headers = vec![
+        (":method", "POST"),
+        (":path", callout.path),
+        (":authority", config.sidecar.authority.as_str()),
+        ("content-type", idemgate_wire::CONTENT_TYPE),
+    ];
+    if let Some(auth) = &auth {
+        headers.push(("authorization", auth.as_str()));
+    }
+    // Envoy reads the timeout as a signed 32-bit value.
+    let timeout = Duration::from_millis(callout.timeout_ms.min(i32::MAX as u64));
+    match hostcalls::dispatch_http_call(
+        &config.sidecar.cluster,
+        headers,
+        Some(&callout.body),
+        vec![],
+        timeout,
+    ) {
+        Ok(token) => Some(token),
+        Err(status) => {
+            log::warn!(
+                "idemgate: callout to cluster {} refused: {status:?}",
+                config.sidecar.cluster
+            );
+            None
+        }
+    }
+}
+
+/// Applies a claim's answer to its flow and, if the stream is still paused, to the stream.
+fn settle_claim(vm: &mut Vm, stream: u32, answer: Answer<'_>) {
+    let settled = vm.with_flow(stream, |config, flow, env| {
+        let abandoned = flow.is_abandoned();
+        let action = flow.on_claim_answer(config, answer, env);
+        if abandoned {
+            return (None, flow.take_release());
+        }
+        if hostcalls::set_effective_context(stream).is_err() {
+            // Envoy no longer knows the stream: treat it as gone.
+            flow.on_stream_end(config, env);
+            return (None, flow.take_release());
+        }
+        (Some(action), flow.take_release())
+    });
+    let Some((action, release)) = settled else {
+        return;
+    };
+    if let Some(release) = release {
+        vm.queue_release(release);
+    }
+    match action {
+        None => {
+            vm.flows.remove(&stream);
+        }
+        Some(Action::Continue(headers)) => {
+            host::set_request_headers(&headers);
+            if hostcalls::resume_http_request().is_err() {
+                log::error!("idemgate: could not resume #{stream}");
+            }
+        }
+        Some(Action::Respond(reply)) => host::send_reply(&reply),
+        Some(Action::Pause | Action::Claim(_)) => {}
+    }
+}
+
+fn retry(vm: &mut Vm, mut release: PendingRelease) {
+    release.attempts += 1;
+    let attempts = vm.config.as_ref().map_or(1, |c| c.release_attempts);
+    if release.attempts < attempts {
+        // Dispatched again on the next regular tick: a natural backoff.
+        vm.metrics.add(Counter::ReleaseRetries, 1);
+        vm.releases.push(release);
+    } else {
+        vm.metrics.add(Counter::ReleaseFailures, 1);
+        log::error!(
+            "idemgate: giving up a {} after {attempts} attempts; the lease will expire it",
+            release.callout.path
+        );
+    }
+}

@@ -1,0 +1,156 @@
+//! The HTTP context: a translator between Envoy's stream callbacks and the request's `Flow`
+//! (kept in the VM state so the root can apply the sidecar's answers to it).
+
+use idemgate_core::{Action, Env, Flow};
+use proxy_wasm::traits::{Context, HttpContext};
+use proxy_wasm::types::{Action as Next, BufferType};
+
+use crate::host::{self, RequestHeaders, SharedData};
+use crate::vm::{SharedVm, Vm};
+
+pub(crate) struct Stream {
+    id: u32,
+    vm: SharedVm,
+}
+
+impl Stream {
+    pub(crate) fn new(id: u32, vm: SharedVm) -> Stream {
+        Stream { id, vm }
+    }
+
+    /// Carries out a request-side action; returns what the callback returns to Envoy.
+    fn apply(&self, vm: &mut Vm, action: Action) -> Next {
+        match action {
+            Action::Continue(headers) => {
+                host::set_request_headers(&headers);
+                Next::Continue
+            }
+            Action::Pause => Next::Pause,
+            Action::Claim(callout) => {
+                vm.queue_claim(self.id, callout);
+                Next::Pause
+            }
+            Action::Respond(reply) => {
+                host::send_reply(&reply);
+                Next::Pause
+            }
+        }
+    }
+
+    /// Passes a response event to the flow and queues the release it may produce.
+    fn response_event(&mut self, f: impl FnOnce(&idemgate_core::Config, &mut Flow, &mut Env<'_>)) {
+        let mut vm = self.vm.borrow_mut();
+        let release = vm.with_flow(self.id, |config, flow, env| {
+            if flow.watches_response() {
+                f(config, flow, env);
+            }
+            flow.take_release()
+        });
+        if let Some(Some(release)) = release {
+            vm.queue_release(release);
+        }
+    }
+
+    fn request_body(&mut self, buffered: usize, end_of_stream: bool) -> Next {
+        let mut vm = self.vm.borrow_mut();
+        let action = vm.with_flow(self.id, |config, flow, env| {
+            flow.holds_request().then(|| {
+                let mut read = |n| host::body(BufferType::HttpRequestBody, n);
+                flow.on_request_body(config, buffered, end_of_stream, &mut read, env)
+            })
+        });
+        match action.flatten() {
+            Some(action) => self.apply(&mut vm, action),
+            None => Next::Continue,
+        }
+    }
+}
+
+impl Context for Stream {
+    fn on_done(&mut self) -> bool {
+        let mut vm = self.vm.borrow_mut();
+        let ended = vm.with_flow(self.id, |config, flow, env| {
+            (flow.on_stream_end(config, env), flow.take_release())
+        });
+        let Some((awaiting_answer, release)) = ended else {
+            return true;
+        };
+        if let Some(release) = release {
+            vm.queue_release(release);
+        }
+        let undispatched = vm.claims.iter().position(|(id, _)| *id == self.id);
+        if let Some(i) = undispatched {
+            // Never sent: nobody at the sidecar holds anything for it.
+            vm.claims.remove(i);
+        }
+        if !awaiting_answer || undispatched.is_some() {
+            vm.flows.remove(&self.id);
+        }
+        true
+    }
+}
+
+impl HttpContext for Stream {
+    fn on_http_request_headers(&mut self, _num_headers: usize, end_of_stream: bool) -> Next {
+        let mut vm = self.vm.borrow_mut();
+        let Some(config) = vm.config.clone() else {
+            return Next::Continue;
+        };
+        let Some(route) = Flow::route(&config, &RequestHeaders) else {
+            vm.passed += 1;
+            return Next::Continue;
+        };
+        let owner = vm.next_owner();
+        let (flow, action) = {
+            let Vm {
+                breaker, metrics, ..
+            } = &mut *vm;
+            let mut env = Env {
+                now_ms: host::now_ms(),
+                shared: &SharedData,
+                breaker,
+                telemetry: metrics,
+                owner,
+            };
+            Flow::on_request_headers(&config, route, &RequestHeaders, end_of_stream, &mut env)
+        };
+        if let Some(flow) = flow {
+            vm.flows.insert(self.id, flow);
+        }
+        self.apply(&mut vm, action)
+    }
+
+    fn on_http_request_body(&mut self, body_size: usize, end_of_stream: bool) -> Next {
+        self.request_body(body_size, end_of_stream)
+    }
+
+    fn on_http_request_trailers(&mut self, _num_trailers: usize) -> Next {
+        // Trailers end the request: no body callback carried end_of_stream.
+        self.request_body(0, true)
+    }
+
+    fn on_http_response_headers(&mut self, _num_headers: usize, end_of_stream: bool) -> Next {
+        self.response_event(|config, flow, env| {
+            let headers = host::response_headers();
+            flow.on_response_headers(config, &headers, end_of_stream, env);
+        });
+        Next::Continue
+    }
+
+    fn on_http_response_body(&mut self, body_size: usize, end_of_stream: bool) -> Next {
+        self.response_event(|config, flow, env| {
+            let chunk = if flow.wants_response_body() && body_size > 0 {
+                host::body(BufferType::HttpResponseBody, body_size).unwrap_or_default()
+            } else {
+                Vec::new()
+            };
+            flow.on_response_body(config, &chunk, end_of_stream, env);
+        });
+        Next::Continue
+    }
+
+    fn on_http_response_trailers(&mut self, _num_trailers: usize) -> Next {
+        self.response_event(|config, flow, env| flow.on_response_trailers(config, env));
+        Next::Continue
+    }
+}

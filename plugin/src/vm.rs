@@ -1,0 +1,105 @@
+//! The state one VM's root context shares with its streams (same thread, so `Rc<RefCell>`):
+//! the compiled configuration, the breaker, metrics, every live request's `Flow`, and the
+//! callouts waiting for the root to dispatch them.
+
+use std::cell::RefCell;
+use std::collections::BTreeMap;
+use std::rc::Rc;
+
+use idemgate_core::{Breaker, Callout, Config, Env, Flow};
+
+use crate::host::{self, Metrics, SharedData};
+
+pub(crate) type SharedVm = Rc<RefCell<Vm>>;
+
+/// What a dispatched callout was for; its answer is routed by token.
+pub(crate) enum Call {
+    Claim(u32),
+    Renew(u32),
+    Release(PendingRelease),
+}
+
+/// A complete/abort callout, retried a bounded number of times.
+pub(crate) struct PendingRelease {
+    pub(crate) callout: Callout,
+    pub(crate) attempts: u32,
+}
+
+#[derive(Default)]
+pub(crate) struct Vm {
+    pub(crate) config: Option<Rc<Config>>,
+    pub(crate) breaker: Breaker,
+    pub(crate) metrics: Metrics,
+    /// Live requests (and abandoned ones whose claim answer is still due), by stream id.
+    /// Ordered maps: no hashing cost, and few entries per worker.
+    pub(crate) flows: BTreeMap<u32, Flow>,
+    /// Claims the next tick dispatches, by stream id.
+    pub(crate) claims: Vec<(u32, Callout)>,
+    pub(crate) releases: Vec<PendingRelease>,
+    pub(crate) calls: BTreeMap<u32, Call>,
+    /// A 1 ms tick is armed to dispatch queued callouts.
+    pub(crate) kicked: bool,
+    /// Requests that matched no rule since the last tick (counted without a host call).
+    pub(crate) passed: u64,
+    /// High half of local-tier owner ids, unique per VM; the low half counts requests.
+    pub(crate) nonce: u64,
+    pub(crate) sequence: u32,
+}
+
+impl Vm {
+    /// Runs `f` with the flow of `context_id` and an environment over the host.
+    pub(crate) fn with_flow<R>(
+        &mut self,
+        context_id: u32,
+        f: impl FnOnce(&Config, &mut Flow, &mut Env<'_>) -> R,
+    ) -> Option<R> {
+        // Field by field: the common case (a stream without a flow) costs one map lookup.
+        let Vm {
+            config,
+            flows,
+            breaker,
+            metrics,
+            nonce,
+            sequence,
+            ..
+        } = self;
+        let config = config.as_deref()?;
+        let flow = flows.get_mut(&context_id)?;
+        *sequence = sequence.wrapping_add(1);
+        let mut env = Env {
+            now_ms: host::now_ms(),
+            shared: &SharedData,
+            breaker,
+            telemetry: metrics,
+            owner: *nonce | u64::from(*sequence),
+        };
+        Some(f(config, flow, &mut env))
+    }
+
+    pub(crate) fn next_owner(&mut self) -> u64 {
+        self.sequence = self.sequence.wrapping_add(1);
+        self.nonce | u64::from(self.sequence)
+    }
+
+    /// Queues a release for the root and makes sure a tick comes soon to dispatch it.
+    pub(crate) fn queue_release(&mut self, callout: Callout) {
+        self.releases.push(PendingRelease {
+            callout,
+            attempts: 0,
+        });
+        self.kick();
+    }
+
+    pub(crate) fn queue_claim(&mut self, context_id: u32, callout: Callout) {
+        self.claims.push((context_id, callout));
+        self.kick();
+    }
+
+    /// Arms a 1 ms tick once: re-arming on every request would keep postponing it under load.
+    fn kick(&mut self) {
+        if !self.kicked {
+            self.kicked = true;
+            host::set_tick_ms(1);
+        }
+    }
+}

@@ -1,0 +1,446 @@
+//! The HTTP API: routes, request decoding and limits, bearer authentication, problem+json
+//! errors, admin, health and metrics endpoints. Protocol logic lives in [`crate::locks`].
+//!
+//! Every protocol answer is 200 with a framed body (`idemgate_wire::encode`); everything
+//! else is an RFC 9457 problem. Nothing answers 200 unless the store agreed.
+
+use crate::config::Config;
+use crate::locks::{LockError, Locks};
+use crate::metrics::Metrics;
+use crate::store::{Store, StoreError};
+use axum::Router;
+use axum::body::Body;
+use axum::extract::{ConnectInfo, MatchedPath, Path, Request, State};
+use axum::http::{HeaderValue, StatusCode, header};
+use axum::middleware::{self, Next};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use bytes::Bytes;
+use idemgate_wire::{
+    AbortRequest, ClaimRequest, CompleteRequest, FieldError, Problem, RenewRequest, paths,
+    problem_types,
+};
+use serde::Deserialize;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use subtle::ConstantTimeEq;
+use tokio::sync::watch;
+use tokio::time::Instant;
+
+/// Room for the JSON head on top of the stored body limit (headers are limited separately).
+const HEAD_ALLOWANCE: usize = 64 * 1024;
+/// What a client is told to wait before retrying after a transient failure.
+const RETRY_AFTER_MS: u64 = 1000;
+/// Admin listing default and ceiling.
+const LIST_DEFAULT: usize = 100;
+const LIST_MAX: usize = 10_000;
+
+pub(crate) struct App<S> {
+    pub locks: Locks<S>,
+    pub config: Arc<Config>,
+    pub metrics: Arc<Metrics>,
+    pub shutting_down: watch::Receiver<bool>,
+}
+
+type AppState<S> = State<Arc<App<S>>>;
+
+pub(crate) fn router<S: Store>(app: Arc<App<S>>) -> Router {
+    let protected = Router::new()
+        .route(paths::CLAIM, post(claim::<S>))
+        .route(paths::COMPLETE, post(complete::<S>))
+        .route(paths::ABORT, post(abort::<S>))
+        .route(paths::RENEW, post(renew::<S>))
+        .route("/admin/v1/keys", get(list_keys::<S>))
+        .route("/admin/v1/keys/{*key}", get(inspect_key::<S>))
+        .route("/admin/v1/release", post(force_release::<S>))
+        .route_layer(middleware::from_fn_with_state(
+            Arc::clone(&app),
+            authenticate::<S>,
+        ));
+    Router::new()
+        .merge(protected)
+        .route("/healthz", get(|| async { "ok\n" }))
+        .route("/readyz", get(ready::<S>))
+        .route("/metrics", get(metrics::<S>))
+        .fallback(|| async {
+            problem(
+                StatusCode::NOT_FOUND,
+                problem_types::NOT_FOUND,
+                "no such endpoint",
+                None,
+            )
+        })
+        .method_not_allowed_fallback(|| async {
+            problem(
+                StatusCode::METHOD_NOT_ALLOWED,
+                problem_types::BAD_REQUEST,
+                "method not allowed",
+                None,
+            )
+        })
+        .layer(middleware::from_fn_with_state(
+            Arc::clone(&app),
+            observe::<S>,
+        ))
+        .with_state(app)
+}
+
+// === problems ===
+
+/// A problem+json answer (boxed: it travels in `Err` variants).
+pub(crate) struct Rejection(Box<Problem>);
+
+type Answer = Result<Response, Rejection>;
+
+impl IntoResponse for Rejection {
+    fn into_response(self) -> Response {
+        let status =
+            StatusCode::from_u16(self.0.status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
+        let mut response = (
+            status,
+            [(header::CONTENT_TYPE, idemgate_wire::PROBLEM_CONTENT_TYPE)],
+            serde_json::to_vec(&*self.0).unwrap_or_default(),
+        )
+            .into_response();
+        if let Some(ms) = self.0.retry_after_ms {
+            response.headers_mut().insert(
+                header::RETRY_AFTER,
+                HeaderValue::from(ms.div_ceil(1000).max(1)),
+            );
+        }
+        if status == StatusCode::UNAUTHORIZED {
+            response
+                .headers_mut()
+                .insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
+        }
+        response
+    }
+}
+
+fn problem_with_retry(
+    status: StatusCode,
+    type_uri: &str,
+    title: &str,
+    detail: Option<String>,
+    retry_after_ms: Option<u64>,
+) -> Rejection {
+    Rejection(Box::new(Problem {
+        type_uri: type_uri.to_owned(),
+        title: title.to_owned(),
+        status: status.as_u16(),
+        detail,
+        retry_after_ms,
+    }))
+}
+
+fn problem(status: StatusCode, type_uri: &str, title: &str, detail: Option<String>) -> Rejection {
+    problem_with_retry(status, type_uri, title, detail, None)
+}
+
+fn bad_request(detail: String) -> Rejection {
+    problem(
+        StatusCode::BAD_REQUEST,
+        problem_types::BAD_REQUEST,
+        "malformed request",
+        Some(detail),
+    )
+}
+
+fn field_problem(err: FieldError) -> Rejection {
+    if err.too_large {
+        problem(
+            StatusCode::PAYLOAD_TOO_LARGE,
+            problem_types::TOO_LARGE,
+            "request field too large",
+            Some(err.to_string()),
+        )
+    } else {
+        bad_request(err.to_string())
+    }
+}
+
+impl<S: Store> App<S> {
+    fn store_error(&self, err: &StoreError) -> Rejection {
+        let kind = if err.is_transient() {
+            "transient"
+        } else {
+            "permanent"
+        };
+        self.metrics.store_errors.with_label_values(&[kind]).inc();
+        if err.is_transient() {
+            tracing::warn!(%err, "store unavailable");
+        } else {
+            tracing::error!(%err, "store failed");
+        }
+        // Both kinds are 503 so the filter's fail-open/closed policy applies; only a
+        // transient one invites a retry.
+        problem_with_retry(
+            StatusCode::SERVICE_UNAVAILABLE,
+            problem_types::STORE_UNAVAILABLE,
+            "lock store unavailable",
+            Some(format!("{kind} store error")),
+            err.is_transient().then_some(RETRY_AFTER_MS),
+        )
+    }
+
+    fn lock_error(&self, err: LockError) -> Rejection {
+        match err {
+            LockError::Store(err) => self.store_error(&err),
+            LockError::ShuttingDown => shutting_down(),
+        }
+    }
+}
+
+fn shutting_down() -> Rejection {
+    problem_with_retry(
+        StatusCode::SERVICE_UNAVAILABLE,
+        problem_types::SHUTTING_DOWN,
+        "sidecar shutting down",
+        Some("retry on another instance".into()),
+        Some(RETRY_AFTER_MS),
+    )
+}
+
+// === middleware ===
+
+async fn authenticate<S: Store>(State(app): AppState<S>, req: Request, next: Next) -> Response {
+    if let Some(expected) = &app.config.auth_token {
+        let given = req
+            .headers()
+            .get(header::AUTHORIZATION)
+            .and_then(|v| v.as_bytes().strip_prefix(b"Bearer "))
+            .unwrap_or_default();
+        // Constant time in the token's content (a length mismatch fails fast, which only
+        // reveals the length).
+        if !bool::from(given.ct_eq(expected.as_bytes())) {
+            return problem(
+                StatusCode::UNAUTHORIZED,
+                problem_types::UNAUTHORIZED,
+                "missing or wrong bearer token",
+                None,
+            )
+            .into_response();
+        }
+    }
+    next.run(req).await
+}
+
+async fn observe<S: Store>(State(app): AppState<S>, req: Request, next: Next) -> Response {
+    let route = req
+        .extensions()
+        .get::<MatchedPath>()
+        .map_or("unmatched", |p| p.as_str())
+        .to_owned();
+    let started = Instant::now();
+    let response = next.run(req).await;
+    app.metrics
+        .request_seconds
+        .with_label_values(&[route.as_str(), response.status().as_str()])
+        .observe(started.elapsed().as_secs_f64());
+    response
+}
+
+// === protocol ===
+
+/// Reads the whole body, refusing more than the configured limit allows.
+async fn read_body<S>(app: &App<S>, req: Request) -> Result<Bytes, Rejection> {
+    let limit = app.config.limits.max_body.saturating_add(HEAD_ALLOWANCE);
+    let too_large = || {
+        problem(
+            StatusCode::PAYLOAD_TOO_LARGE,
+            problem_types::TOO_LARGE,
+            "request body too large",
+            Some(format!("at most {limit} bytes")),
+        )
+    };
+    let declared = req
+        .headers()
+        .get(header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<u64>().ok());
+    if declared.is_some_and(|n| n > limit as u64) {
+        return Err(too_large());
+    }
+    axum::body::to_bytes(req.into_body(), limit)
+        .await
+        .map_err(|err| {
+            let mut source: Option<&(dyn std::error::Error + 'static)> = Some(&err);
+            while let Some(e) = source {
+                if e.is::<http_body_util::LengthLimitError>() {
+                    return too_large();
+                }
+                source = e.source();
+            }
+            bad_request(format!("cannot read the request body: {err}"))
+        })
+}
+
+fn framed<T: serde::Serialize>(head: &T, payload: &[u8]) -> Response {
+    (
+        StatusCode::OK,
+        [(header::CONTENT_TYPE, idemgate_wire::CONTENT_TYPE)],
+        idemgate_wire::encode(head, payload),
+    )
+        .into_response()
+}
+
+/// Decodes a framed request; `with_payload` says whether a payload may follow the head.
+fn decode<'a, T: Deserialize<'a>>(
+    frame: &'a [u8],
+    with_payload: bool,
+) -> Result<(T, &'a [u8]), Rejection> {
+    let (head, payload) =
+        idemgate_wire::decode::<T>(frame).map_err(|e| bad_request(e.to_string()))?;
+    if !with_payload && !payload.is_empty() {
+        return Err(bad_request("this request takes no payload".into()));
+    }
+    Ok((head, payload))
+}
+
+async fn claim<S: Store>(State(app): AppState<S>, req: Request) -> Answer {
+    let frame = read_body(&app, req).await?;
+    let (req, _): (ClaimRequest, _) = decode(&frame, false)?;
+    app.config.limits.claim(&req).map_err(field_problem)?;
+    let (outcome, payload) = app.locks.claim(&req).await.map_err(|e| app.lock_error(e))?;
+    Ok(framed(&outcome, &payload))
+}
+
+async fn complete<S: Store>(State(app): AppState<S>, req: Request) -> Answer {
+    let frame = read_body(&app, req).await?;
+    let (req, payload): (CompleteRequest, _) = decode(&frame, true)?;
+    app.config
+        .limits
+        .complete(&req, payload)
+        .map_err(field_problem)?;
+    if req.response.is_some() && req.retention_ms == 0 {
+        return Err(bad_request(
+            "retention_ms: must be greater than zero with a response".into(),
+        ));
+    }
+    let body = frame.slice_ref(payload);
+    let outcome = app
+        .locks
+        .complete(req, body)
+        .await
+        .map_err(|e| app.lock_error(e))?;
+    Ok(framed(&outcome, &[]))
+}
+
+async fn abort<S: Store>(State(app): AppState<S>, req: Request) -> Answer {
+    let frame = read_body(&app, req).await?;
+    let (req, _): (AbortRequest, _) = decode(&frame, false)?;
+    app.config.limits.abort(&req).map_err(field_problem)?;
+    let outcome = app.locks.abort(&req).await.map_err(|e| app.lock_error(e))?;
+    Ok(framed(&outcome, &[]))
+}
+
+async fn renew<S: Store>(State(app): AppState<S>, req: Request) -> Answer {
+    let frame = read_body(&app, req).await?;
+    let (req, _): (RenewRequest, _) = decode(&frame, false)?;
+    app.config.limits.renew(&req).map_err(field_problem)?;
+    let outcome = app.locks.renew(&req).await.map_err(|e| app.lock_error(e))?;
+    Ok(framed(&outcome, &[]))
+}
+
+// === admin, health, metrics ===
+
+fn json<T: serde::Serialize>(value: &T) -> Response {
+    (
+        StatusCode::OK,
+        [(header::CONTENT_TYPE, "application/json")],
+        serde_json::to_vec(value).unwrap_or_default(),
+    )
+        .into_response()
+}
+
+async fn list_keys<S: Store>(State(app): AppState<S>, req: Request) -> Answer {
+    let limit = match req
+        .uri()
+        .query()
+        .unwrap_or_default()
+        .split('&')
+        .find_map(|pair| pair.strip_prefix("limit="))
+    {
+        None => LIST_DEFAULT,
+        Some(v) => match v.parse::<usize>() {
+            Ok(n) if (1..=LIST_MAX).contains(&n) => n,
+            _ => return Err(bad_request(format!("limit: must be 1..={LIST_MAX}"))),
+        },
+    };
+    let (keys, truncated) = app
+        .locks
+        .store()
+        .list_held(limit)
+        .await
+        .map_err(|e| app.store_error(&e))?;
+    Ok(json(
+        &serde_json::json!({ "keys": keys, "truncated": truncated }),
+    ))
+}
+
+async fn inspect_key<S: Store>(State(app): AppState<S>, Path(key): Path<String>) -> Answer {
+    app.config.limits.key(&key).map_err(field_problem)?;
+    let info = app
+        .locks
+        .store()
+        .inspect(&key)
+        .await
+        .map_err(|e| app.store_error(&e))?;
+    Ok(json(&info))
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct ReleaseRequest {
+    key: String,
+}
+
+async fn force_release<S: Store>(State(app): AppState<S>, req: Request) -> Answer {
+    let peer = req
+        .extensions()
+        .get::<ConnectInfo<SocketAddr>>()
+        .map(|c| c.0.to_string())
+        .unwrap_or_default();
+    let body = read_body(&app, req).await?;
+    let release: ReleaseRequest =
+        serde_json::from_slice(&body).map_err(|e| bad_request(e.to_string()))?;
+    app.config.limits.key(&release.key).map_err(field_problem)?;
+    let fence = app
+        .locks
+        .store()
+        .force_release(&release.key)
+        .await
+        .map_err(|e| app.store_error(&e))?;
+    app.metrics.force_releases.inc();
+    tracing::warn!(
+        audit = "force_release",
+        key = %release.key,
+        released_fence = ?fence,
+        %peer,
+        "operator force-released a key"
+    );
+    Ok(json(
+        &serde_json::json!({ "released": fence.is_some(), "fence": fence }),
+    ))
+}
+
+async fn ready<S: Store>(State(app): AppState<S>) -> Answer {
+    if *app.shutting_down.borrow() {
+        return Err(shutting_down());
+    }
+    app.locks
+        .store()
+        .ping()
+        .await
+        .map_err(|e| app.store_error(&e))?;
+    Ok((StatusCode::OK, "ready\n").into_response())
+}
+
+async fn metrics<S: Store>(State(app): AppState<S>) -> Response {
+    (
+        StatusCode::OK,
+        [(header::CONTENT_TYPE, "text/plain; version=0.0.4")],
+        Body::from(app.metrics.render()),
+    )
+        .into_response()
+}

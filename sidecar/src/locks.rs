@@ -1,0 +1,344 @@
+//! The protocol's verbs over a [`Store`]: claim (including the FIFO long-poll), complete,
+//! abort, renew. Owns owner tokens, caps (lease, wait, queue, retention), waiting and
+//! wake-ups, and the metrics of each outcome. Knows nothing about HTTP.
+//!
+//! A waiting claim sits in the store's queue and sleeps until (a) its process is told the
+//! key was handed to it or a response was stored, (b) the holder's lease is due to end (the
+//! first waiter re-checks then, which hands an expired key on promptly without keyspace
+//! notifications), or (c) the re-check interval passes, which bounds the damage of a lost
+//! notification. Each wake-up is one atomic claim step that also reports "granted to you".
+
+use crate::config::Config;
+use crate::metrics::Metrics;
+use crate::store::{
+    ClaimArgs, ClaimReply, ClaimStep, Grant, LeaveStep, QueueArgs, Store, StoreError, Stored,
+    millis, now_us,
+};
+use bytes::Bytes;
+use idemgate_wire::{
+    AbortRequest, ClaimOutcome, ClaimRequest, CompleteRequest, OwnerOutcome, RenewRequest,
+};
+use std::sync::Arc;
+use std::time::Duration;
+use tokio::sync::watch;
+use tokio::time::Instant;
+
+/// Why a verb produced no protocol answer.
+#[derive(Debug, thiserror::Error)]
+pub(crate) enum LockError {
+    #[error(transparent)]
+    Store(#[from] StoreError),
+    #[error("the sidecar is shutting down")]
+    ShuttingDown,
+}
+
+/// 128 bits from the operating system's CSPRNG, hex-encoded: owner tokens and inbox ids.
+pub(crate) fn random_token() -> String {
+    let mut bytes = [0u8; 16];
+    // The OS generator failing is not recoverable in any useful way; a predictable token
+    // would be worse than no service.
+    if let Err(err) = getrandom::fill(&mut bytes) {
+        tracing::error!(%err, "the OS random generator failed");
+        std::process::abort();
+    }
+    hex::encode(bytes)
+}
+
+pub(crate) struct Locks<S> {
+    store: Arc<S>,
+    config: Arc<Config>,
+    metrics: Arc<Metrics>,
+    shutdown: watch::Receiver<bool>,
+}
+
+/// Takes a waiter out of the queue if its claim ends without an answer (the connection
+/// closed, a store error): a grant that arrived meanwhile is released to the next waiter.
+struct QueueGuard<S: Store> {
+    store: Arc<S>,
+    key: String,
+    owner: String,
+    armed: bool,
+    metrics: Arc<Metrics>,
+}
+
+impl<S: Store> QueueGuard<S> {
+    fn disarm(&mut self) {
+        self.armed = false;
+    }
+}
+
+impl<S: Store> Drop for QueueGuard<S> {
+    fn drop(&mut self) {
+        self.store.waiters().unregister(&self.owner);
+        self.metrics.waiters.dec();
+        if !self.armed {
+            return;
+        }
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            return; // runtime gone: the queue entry expires with its deadline
+        };
+        let store = Arc::clone(&self.store);
+        let (key, owner) = (
+            std::mem::take(&mut self.key),
+            std::mem::take(&mut self.owner),
+        );
+        runtime.spawn(async move {
+            if let Err(err) = store.leave(&key, &owner, true).await {
+                tracing::warn!(%err, "could not remove an abandoned waiter; it expires by itself");
+            }
+        });
+    }
+}
+
+impl<S: Store> Locks<S> {
+    pub(crate) fn new(
+        store: Arc<S>,
+        config: Arc<Config>,
+        metrics: Arc<Metrics>,
+        shutdown: watch::Receiver<bool>,
+    ) -> Self {
+        Locks {
+            store,
+            config,
+            metrics,
+            shutdown,
+        }
+    }
+
+    pub(crate) fn store(&self) -> &Arc<S> {
+        &self.store
+    }
+
+    async fn step(&self, args: &ClaimArgs<'_>) -> Result<ClaimReply, StoreError> {
+        let reply = self.store.claim(args).await?;
+        if reply.lease_expired {
+            self.metrics.lease_expiries.inc();
+        }
+        Ok(reply)
+    }
+
+    /// Claims `req.key`; waits in FIFO order when `req.wait` is set. Returns the answer and
+    /// its payload (the stored body of a `completed` answer).
+    pub(crate) async fn claim(
+        &self,
+        req: &ClaimRequest,
+    ) -> Result<(ClaimOutcome, Bytes), LockError> {
+        let owner = random_token();
+        let mut args = ClaimArgs {
+            key: &req.key,
+            mode: req.mode,
+            owner: &owner,
+            fingerprint: req.fingerprint.as_deref(),
+            lease: Duration::from_millis(req.lease_ms).min(self.config.max_lease),
+            queue: None,
+        };
+        let Some(policy) = req.wait else {
+            let reply = self.step(&args).await?;
+            return Ok(self.answer(&owner, reply.step, None));
+        };
+        let longest = Duration::from_millis(policy.longest_budget()).min(self.config.max_wait);
+        args.queue = Some(QueueArgs {
+            wait: longest,
+            max_queue: policy.max_queue.min(self.config.max_queue),
+        });
+        let started = Instant::now();
+        let notify = self.store.waiters().register(&owner);
+        self.metrics.waiters.inc();
+        let mut guard = QueueGuard {
+            store: Arc::clone(&self.store),
+            key: req.key.clone(),
+            owner: owner.clone(),
+            armed: true,
+            metrics: Arc::clone(&self.metrics),
+        };
+        let mut shutdown = self.shutdown.clone();
+        let mut deadline = None;
+        loop {
+            let reply = self.step(&args).await?;
+            let (position, holder_ttl_ms) = match reply.step {
+                ClaimStep::Queued {
+                    position,
+                    holder_ttl_ms,
+                    ..
+                } => (position, holder_ttl_ms),
+                step => {
+                    guard.disarm();
+                    return Ok(self.answer(&owner, step, deadline.map(|_| started)));
+                }
+            };
+            let deadline = *deadline.get_or_insert_with(|| {
+                self.metrics.queue_position.observe(f64::from(position));
+                let budget = Duration::from_millis(policy.budget_for(position)).min(longest);
+                started + budget
+            });
+            let now = Instant::now();
+            if now >= deadline {
+                let step = self.store.leave(&req.key, &owner, false).await?;
+                guard.disarm();
+                return Ok(self.give_up(&owner, step, started));
+            }
+            let mut nap = self.config.recheck;
+            if position == 0 {
+                // The holder's lease ends then: be there to take the key over.
+                nap = nap.min(Duration::from_millis(holder_ttl_ms.saturating_add(1)));
+            }
+            let nap = nap.min(deadline - now);
+            let stopping = tokio::select! {
+                biased;
+                // A dropped sender means the server is gone: stop as well.
+                _ = shutdown.wait_for(|stop| *stop) => true,
+                () = notify.notified() => false,
+                () = tokio::time::sleep(nap) => false,
+            };
+            if stopping {
+                self.store.leave(&req.key, &owner, true).await?;
+                guard.disarm();
+                self.observe_wait(started);
+                return Err(LockError::ShuttingDown);
+            }
+        }
+    }
+
+    fn observe_wait(&self, started: Instant) {
+        self.metrics
+            .wait_seconds
+            .observe(started.elapsed().as_secs_f64());
+    }
+
+    fn give_up(&self, owner: &str, step: LeaveStep, started: Instant) -> (ClaimOutcome, Bytes) {
+        match step {
+            LeaveStep::Granted(grant) => {
+                self.answer(owner, ClaimStep::Granted(grant), Some(started))
+            }
+            LeaveStep::Left {
+                retry_after_ms,
+                queue_len,
+            } => {
+                self.observe_wait(started);
+                self.metrics.claims.with_label_values(&["busy"]).inc();
+                let outcome = ClaimOutcome::Busy {
+                    retry_after_ms: retry_after_ms.max(1),
+                    queue_len,
+                    waited: true,
+                };
+                (outcome, Bytes::new())
+            }
+        }
+    }
+
+    /// The protocol answer for a final claim step; `queued_since` is set when it waited.
+    fn answer(
+        &self,
+        owner: &str,
+        step: ClaimStep,
+        queued_since: Option<Instant>,
+    ) -> (ClaimOutcome, Bytes) {
+        let waited_ms = queued_since.map_or(0, |t| millis(t.elapsed()));
+        if let Some(started) = queued_since {
+            self.observe_wait(started);
+        }
+        let (label, outcome, payload) = match step {
+            ClaimStep::Granted(Grant {
+                fence,
+                lease_ms,
+                granted_at_us,
+            }) => {
+                if queued_since.is_some() {
+                    let handoff_us = now_us().saturating_sub(granted_at_us);
+                    self.metrics
+                        .handoff_seconds
+                        .observe(handoff_us as f64 / 1e6);
+                }
+                let outcome = ClaimOutcome::Granted {
+                    owner: owner.to_owned(),
+                    fence,
+                    lease_ms,
+                    waited_ms,
+                };
+                ("granted", outcome, Bytes::new())
+            }
+            ClaimStep::Completed(Stored { response, body }) => (
+                "completed",
+                ClaimOutcome::Completed {
+                    response,
+                    waited_ms,
+                },
+                body,
+            ),
+            ClaimStep::Mismatch => ("mismatch", ClaimOutcome::Mismatch, Bytes::new()),
+            ClaimStep::Busy {
+                retry_after_ms,
+                queue_len,
+            } => (
+                "busy",
+                ClaimOutcome::Busy {
+                    retry_after_ms: retry_after_ms.max(1),
+                    queue_len,
+                    waited: false,
+                },
+                Bytes::new(),
+            ),
+            ClaimStep::QueueFull {
+                retry_after_ms,
+                queue_len,
+            } => (
+                "queue_full",
+                ClaimOutcome::QueueFull {
+                    retry_after_ms: retry_after_ms.max(1),
+                    queue_len,
+                },
+                Bytes::new(),
+            ),
+            // A final step is never `Queued`: the wait loop handles it. Answer busy rather
+            // than panic should a store ever return it for a non-waiting claim.
+            ClaimStep::Queued {
+                queue_len,
+                holder_ttl_ms,
+                ..
+            } => (
+                "busy",
+                ClaimOutcome::Busy {
+                    retry_after_ms: holder_ttl_ms.max(1),
+                    queue_len,
+                    waited: false,
+                },
+                Bytes::new(),
+            ),
+        };
+        self.metrics.claims.with_label_values(&[label]).inc();
+        (outcome, payload)
+    }
+
+    fn owner_answer(&self, op: &str, outcome: OwnerOutcome) -> OwnerOutcome {
+        if outcome == OwnerOutcome::Stale {
+            self.metrics.stale_owners.with_label_values(&[op]).inc();
+            tracing::info!(op, "refused a stale owner");
+        }
+        outcome
+    }
+
+    pub(crate) async fn complete(
+        &self,
+        req: CompleteRequest,
+        body: Bytes,
+    ) -> Result<OwnerOutcome, LockError> {
+        let retention = Duration::from_millis(req.retention_ms).min(self.config.max_retention);
+        let stored = req.response.map(|response| Stored { response, body });
+        let outcome = self
+            .store
+            .complete(&req.key, &req.owner, retention, stored)
+            .await?;
+        Ok(self.owner_answer("complete", outcome))
+    }
+
+    pub(crate) async fn abort(&self, req: &AbortRequest) -> Result<OwnerOutcome, LockError> {
+        let outcome = self.store.abort(&req.key, &req.owner).await?;
+        Ok(self.owner_answer("abort", outcome))
+    }
+
+    pub(crate) async fn renew(&self, req: &RenewRequest) -> Result<OwnerOutcome, LockError> {
+        let lease = Duration::from_millis(req.lease_ms).min(self.config.max_lease);
+        let outcome = self.store.renew(&req.key, &req.owner, lease).await?;
+        Ok(self.owner_answer("renew", outcome))
+    }
+}

@@ -1,0 +1,170 @@
+//! Prometheus metrics of one sidecar instance (its own registry, so several in-process
+//! sidecars in tests do not collide), rendered at `/metrics`.
+
+use prometheus::{
+    Encoder, Histogram, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge, Opts,
+    Registry, TextEncoder,
+};
+
+pub(crate) struct Metrics {
+    registry: Registry,
+    /// Claim answers by outcome (granted, completed, mismatch, busy, queue_full).
+    pub claims: IntCounterVec,
+    /// Time claims spent queued, whatever the outcome.
+    pub wait_seconds: Histogram,
+    /// Waiters currently queued through this process.
+    pub waiters: IntGauge,
+    /// Position in the queue when a claim joined it (0 = next).
+    pub queue_position: Histogram,
+    /// From the store's grant (release of the previous holder) to the waiter's answer.
+    pub handoff_seconds: Histogram,
+    /// Leases that ran out without complete/abort (seen on the next claim of the key).
+    pub lease_expiries: IntCounter,
+    /// complete/abort/renew refused because the caller no longer owned the key.
+    pub stale_owners: IntCounterVec,
+    /// Store errors by kind (transient, permanent).
+    pub store_errors: IntCounterVec,
+    /// Operator force-releases.
+    pub force_releases: IntCounter,
+    /// Request latency by route and status.
+    pub request_seconds: HistogramVec,
+}
+
+const NS: &str = "idemgate_sidecar";
+
+/// Building a metric only fails for an invalid name or a duplicate registration: both are
+/// programming errors caught by the unit test below, so this degrades to an unregistered
+/// metric rather than a panic.
+fn register<M: prometheus::core::Collector + Clone + 'static>(registry: &Registry, m: M) -> M {
+    if let Err(err) = registry.register(Box::new(m.clone())) {
+        tracing::error!(%err, "metric not registered");
+    }
+    m
+}
+
+fn opts(name: &str, help: &str) -> Opts {
+    Opts::new(name, help).namespace(NS)
+}
+
+fn hist(name: &str, help: &str, buckets: Vec<f64>) -> HistogramOpts {
+    HistogramOpts::new(name, help)
+        .namespace(NS)
+        .buckets(buckets)
+}
+
+const LATENCY_BUCKETS: &[f64] = &[
+    0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5,
+    5.0, 10.0, 30.0, 60.0,
+];
+
+impl Metrics {
+    pub(crate) fn new() -> Result<Self, prometheus::Error> {
+        let registry = Registry::new();
+        let r = &registry;
+        Ok(Metrics {
+            claims: register(
+                r,
+                IntCounterVec::new(
+                    opts("claims_total", "Claim answers by outcome."),
+                    &["outcome"],
+                )?,
+            ),
+            wait_seconds: register(
+                r,
+                Histogram::with_opts(hist(
+                    "wait_seconds",
+                    "Time claims spent queued.",
+                    LATENCY_BUCKETS.to_vec(),
+                ))?,
+            ),
+            waiters: register(
+                r,
+                IntGauge::with_opts(opts("waiters", "Claims queued through this process."))?,
+            ),
+            queue_position: register(
+                r,
+                Histogram::with_opts(hist(
+                    "queue_position",
+                    "Queue position when a claim joined (0 = next).",
+                    vec![
+                        0.0, 1.0, 2.0, 5.0, 10.0, 20.0, 50.0, 100.0, 200.0, 500.0, 1000.0,
+                    ],
+                ))?,
+            ),
+            handoff_seconds: register(
+                r,
+                Histogram::with_opts(hist(
+                    "handoff_seconds",
+                    "From the grant to a queued claim (at release) to its answer.",
+                    LATENCY_BUCKETS.to_vec(),
+                ))?,
+            ),
+            lease_expiries: register(
+                r,
+                IntCounter::with_opts(opts(
+                    "lease_expiries_total",
+                    "Leases that ran out without complete or abort.",
+                ))?,
+            ),
+            stale_owners: register(
+                r,
+                IntCounterVec::new(
+                    opts(
+                        "stale_owners_total",
+                        "Refused complete/abort/renew from non-owners.",
+                    ),
+                    &["op"],
+                )?,
+            ),
+            store_errors: register(
+                r,
+                IntCounterVec::new(
+                    opts("store_errors_total", "Store errors by kind."),
+                    &["kind"],
+                )?,
+            ),
+            force_releases: register(
+                r,
+                IntCounter::with_opts(opts("force_releases_total", "Operator force-releases."))?,
+            ),
+            request_seconds: register(
+                r,
+                HistogramVec::new(
+                    hist(
+                        "request_seconds",
+                        "HTTP request latency.",
+                        LATENCY_BUCKETS.to_vec(),
+                    ),
+                    &["route", "status"],
+                )?,
+            ),
+            registry,
+        })
+    }
+
+    /// The Prometheus text exposition.
+    pub(crate) fn render(&self) -> String {
+        let mut buf = Vec::new();
+        if let Err(err) = TextEncoder::new().encode(&self.registry.gather(), &mut buf) {
+            tracing::error!(%err, "cannot encode metrics");
+        }
+        String::from_utf8_lossy(&buf).into_owned()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn every_metric_registers() {
+        let metrics = super::Metrics::new().map_err(|e| e.to_string());
+        let text = metrics.map(|m| {
+            m.claims.with_label_values(&["granted"]).inc();
+            m.render()
+        });
+        assert!(
+            text.as_ref()
+                .is_ok_and(|t| t.contains("idemgate_sidecar_claims_total")),
+            "{text:?}"
+        );
+    }
+}

@@ -1,0 +1,217 @@
+//! The store: every atomic step on a key's state (holder, FIFO queue, fencing counter,
+//! stored response) behind one trait, with two implementations that pass one behavioural
+//! suite — [`memory::MemoryStore`] (one process) and [`redis::RedisStore`] (shared).
+//!
+//! A store only performs single atomic steps and hands a released key to the next queued
+//! waiter itself (so the hand-off cannot be lost between two round trips). Waiting, budgets
+//! and wake-ups live in [`crate::locks`]; a store tells a waiting process "your turn may
+//! have come" through the [`Waiters`] registry it was built with.
+
+pub(crate) mod memory;
+pub(crate) mod redis;
+
+use crate::waiters::Waiters;
+use bytes::Bytes;
+use idemgate_wire::{Mode, OwnerOutcome, StoredResponse};
+use serde::{Deserialize, Serialize};
+use std::future::Future;
+use std::sync::Arc;
+use std::time::Duration;
+
+/// A store error, classified once where it is converted so callers only ask
+/// [`StoreError::is_transient`].
+#[derive(Debug, thiserror::Error)]
+pub enum StoreError {
+    /// Worth retrying: connection lost, timeout, failover, cluster resharding, loading.
+    #[error("store temporarily unavailable: {0}")]
+    Transient(String),
+    /// Retrying will not help: wrong credentials, a script error, an unexpected reply.
+    #[error("store error: {0}")]
+    Permanent(String),
+}
+
+impl StoreError {
+    pub fn is_transient(&self) -> bool {
+        matches!(self, StoreError::Transient(_))
+    }
+}
+
+pub(crate) type StoreResult<T> = Result<T, StoreError>;
+
+/// One claim attempt.
+#[derive(Debug, Clone)]
+pub(crate) struct ClaimArgs<'a> {
+    pub key: &'a str,
+    pub mode: Mode,
+    /// The owner token this claim is granted under (also its queue identity).
+    pub owner: &'a str,
+    pub fingerprint: Option<&'a str>,
+    pub lease: Duration,
+    /// `Some` when the caller waits in the queue instead of taking `Busy`.
+    pub queue: Option<QueueArgs>,
+}
+
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct QueueArgs {
+    /// How long the queue entry stays valid: an entry whose process died is skipped after it.
+    pub wait: Duration,
+    pub max_queue: u32,
+}
+
+/// A grant as the store recorded it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Grant {
+    pub fence: u64,
+    pub lease_ms: u64,
+    /// When the grant happened (store clock, µs since the epoch): for hand-off latency.
+    pub granted_at_us: u64,
+}
+
+/// A stored response with its body.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct Stored {
+    pub response: StoredResponse,
+    pub body: Bytes,
+}
+
+/// What one claim attempt found.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum ClaimStep {
+    Granted(Grant),
+    Completed(Stored),
+    Mismatch,
+    Busy {
+        retry_after_ms: u64,
+        queue_len: u32,
+    },
+    QueueFull {
+        retry_after_ms: u64,
+        queue_len: u32,
+    },
+    /// In the queue at `position` (0 = next); the holder's lease ends in `holder_ttl_ms`.
+    Queued {
+        position: u32,
+        queue_len: u32,
+        holder_ttl_ms: u64,
+    },
+}
+
+/// A claim step plus what the store noticed on the way (for metrics).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct ClaimReply {
+    pub step: ClaimStep,
+    /// The previous holder's lease ran out without complete/abort.
+    pub lease_expired: bool,
+}
+
+/// The result of leaving a queue.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum LeaveStep {
+    /// The key had already been handed to this waiter (and was kept).
+    Granted(Grant),
+    /// Out of the queue (or the grant released again, when asked to).
+    Left { retry_after_ms: u64, queue_len: u32 },
+}
+
+/// Whether a key is held, has a stored response, or neither.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum KeyState {
+    Free,
+    Held,
+    Completed,
+}
+
+/// What an operator sees of one key (`GET /admin/v1/keys/{key}`).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct KeyInfo {
+    pub key: String,
+    pub state: KeyState,
+    /// The last fencing token issued for this key (0: none known).
+    pub last_fence: u64,
+    pub holder: Option<HolderInfo>,
+    pub queue_len: u32,
+    /// Status of the stored response and how long it is still replayed.
+    pub completed: Option<CompletedInfo>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct HolderInfo {
+    pub fence: u64,
+    pub age_ms: u64,
+    pub lease_remaining_ms: u64,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct CompletedInfo {
+    pub status: u16,
+    pub retention_remaining_ms: u64,
+}
+
+/// Atomic steps on key state. Every method is one atomic step in the backing store.
+pub(crate) trait Store: Send + Sync + 'static {
+    /// The registry this store wakes when it hands a key to one of this process's waiters.
+    fn waiters(&self) -> &Arc<Waiters>;
+
+    /// Stored response (idempotency mode) → fingerprint check → grant if free (and nobody is
+    /// queued ahead) → otherwise busy, queue-full, or queued.
+    fn claim(&self, args: &ClaimArgs<'_>) -> impl Future<Output = StoreResult<ClaimReply>> + Send;
+
+    /// Leaves the queue. If the key was already handed to `owner`, keeps it
+    /// ([`LeaveStep::Granted`]) or, with `release_if_granted`, releases it to the next waiter.
+    fn leave(
+        &self,
+        key: &str,
+        owner: &str,
+        release_if_granted: bool,
+    ) -> impl Future<Output = StoreResult<LeaveStep>> + Send;
+
+    /// Owner-checked: stores `response` (if any) for `retention`, releases, wakes waiters.
+    fn complete(
+        &self,
+        key: &str,
+        owner: &str,
+        retention: Duration,
+        response: Option<Stored>,
+    ) -> impl Future<Output = StoreResult<OwnerOutcome>> + Send;
+
+    /// Owner-checked release without storing; hands the key to the next waiter.
+    fn abort(
+        &self,
+        key: &str,
+        owner: &str,
+    ) -> impl Future<Output = StoreResult<OwnerOutcome>> + Send;
+
+    /// Owner-checked lease extension to `lease` from now.
+    fn renew(
+        &self,
+        key: &str,
+        owner: &str,
+        lease: Duration,
+    ) -> impl Future<Output = StoreResult<OwnerOutcome>> + Send;
+
+    fn inspect(&self, key: &str) -> impl Future<Output = StoreResult<KeyInfo>> + Send;
+
+    /// Keys currently held, at most `limit` (and whether there were more).
+    fn list_held(
+        &self,
+        limit: usize,
+    ) -> impl Future<Output = StoreResult<(Vec<String>, bool)>> + Send;
+
+    /// Releases whoever holds `key` (an operator action); returns the released fence.
+    fn force_release(&self, key: &str) -> impl Future<Output = StoreResult<Option<u64>>> + Send;
+
+    /// Reachability, for `/readyz`.
+    fn ping(&self) -> impl Future<Output = StoreResult<()>> + Send;
+}
+
+/// Microseconds since the epoch on this machine's clock.
+pub(crate) fn now_us() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| u64::try_from(d.as_micros()).unwrap_or(u64::MAX))
+}
+
+pub(crate) fn millis(d: Duration) -> u64 {
+    u64::try_from(d.as_millis()).unwrap_or(u64::MAX)
+}

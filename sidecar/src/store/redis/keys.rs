@@ -1,0 +1,120 @@
+//! Every Redis key and channel name the sidecar uses, built in one place.
+//!
+//! All keys of one lock share the hash tag `{<key>}`, so each script touches one slot in a
+//! Redis Cluster. The protocol allows `{`/`}` in keys; they would move the tag, so the tag
+//! escapes them (and `%`) percent-style — an injective mapping that [`tag_to_key`] reverses.
+
+/// The keys of one lock, in the order the scripts take them as KEYS.
+pub(crate) struct LockKeys {
+    /// Hash: the holder (owner, fence, fingerprint, since, lease); PEXPIREs with the lease.
+    pub lock: String,
+    /// List of queued owner tokens, FIFO.
+    pub queue: String,
+    /// Hash: owner token → `inbox|deadline_ms|lease_ms|fingerprint` of each queued waiter.
+    pub waiters: String,
+    /// Hash: last issued fence and whether a grant is outstanding; lives `fence_ttl`.
+    pub fence: String,
+    /// Hash: the stored response (status, headers as JSON, body, fingerprint).
+    pub response: String,
+}
+
+impl LockKeys {
+    pub(crate) fn new(prefix: &str, key: &str) -> Self {
+        let base = format!("{prefix}:{{{}}}", key_to_tag(key));
+        LockKeys {
+            lock: format!("{base}:lock"),
+            queue: format!("{base}:queue"),
+            waiters: format!("{base}:waiters"),
+            fence: format!("{base}:fence"),
+            response: format!("{base}:resp"),
+        }
+    }
+
+    #[cfg(test)]
+    pub(crate) fn all(&self) -> [&str; 5] {
+        [
+            &self.lock,
+            &self.queue,
+            &self.waiters,
+            &self.fence,
+            &self.response,
+        ]
+    }
+}
+
+/// SCAN pattern matching every held lock.
+pub(crate) fn lock_pattern(prefix: &str) -> String {
+    format!("{prefix}:{{*}}:lock")
+}
+
+/// The protocol key of a lock key found by [`lock_pattern`].
+pub(crate) fn key_of_lock(prefix: &str, lock_key: &str) -> Option<String> {
+    let tag = lock_key
+        .strip_prefix(prefix)?
+        .strip_prefix(":{")?
+        .strip_suffix("}:lock")?;
+    tag_to_key(tag)
+}
+
+/// Channel prefix of the per-process inboxes (pub/sub channels are not keys: no tag).
+pub(crate) fn inbox_prefix(prefix: &str) -> String {
+    format!("{prefix}:inbox:")
+}
+
+fn key_to_tag(key: &str) -> String {
+    let mut tag = String::with_capacity(key.len());
+    for c in key.chars() {
+        match c {
+            '%' => tag.push_str("%25"),
+            '{' => tag.push_str("%7B"),
+            '}' => tag.push_str("%7D"),
+            c => tag.push(c),
+        }
+    }
+    tag
+}
+
+fn tag_to_key(tag: &str) -> Option<String> {
+    let mut key = String::with_capacity(tag.len());
+    let mut rest = tag;
+    while let Some(i) = rest.find('%') {
+        key.push_str(rest.get(..i)?);
+        let esc = rest.get(i..i + 3)?;
+        key.push(match esc {
+            "%25" => '%',
+            "%7B" => '{',
+            "%7D" => '}',
+            _ => return None,
+        });
+        rest = rest.get(i + 3..)?;
+    }
+    key.push_str(rest);
+    Some(key)
+}
+
+#[cfg(test)]
+#[allow(
+    clippy::indexing_slicing,
+    reason = "a test: a panic is a failure report"
+)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn all_keys_of_a_lock_share_one_hash_tag() {
+        for key in ["abc", "}x{", "{", "a%7Bb", "%"] {
+            let keys = LockKeys::new("p", key);
+            let tags: Vec<&str> = keys
+                .all()
+                .iter()
+                .map(|k| {
+                    let open = k.find('{').unwrap_or(0);
+                    let close = k[open..].find('}').unwrap_or(0) + open;
+                    &k[open + 1..close]
+                })
+                .collect();
+            assert!(tags.iter().all(|t| *t == tags[0] && !t.is_empty()), "{key}");
+            assert_eq!(key_of_lock("p", &keys.lock).as_deref(), Some(key));
+        }
+    }
+}

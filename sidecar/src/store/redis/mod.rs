@@ -1,0 +1,617 @@
+//! The Redis store: the scripts of `scripts.rs` over the keys of `keys.rs`, on a standalone
+//! server, a Sentinel-managed master or a Cluster, plus this process's notification inbox.
+//!
+//! Connections reconnect by themselves (redis-rs `ConnectionManager`, the cluster client,
+//! re-resolving the Sentinel master after an error); every operation is bounded by the
+//! store timeout. Redis errors become [`StoreError`]s in one place, [`classify`].
+//!
+//! Wake-ups: every sidecar process subscribes to one channel, its inbox; scripts that hand
+//! a key to a queued waiter PUBLISH the waiter's owner token there. Plain PUBLISH reaches
+//! subscribers on any Cluster node, so one subscription per process suffices whatever the
+//! topology. Lost messages are covered by the waiters' re-check interval, and every
+//! (re)subscription wakes all local waiters to re-check at once.
+
+mod keys;
+mod scripts;
+
+use super::{
+    ClaimArgs, ClaimReply, ClaimStep, CompletedInfo, Grant, HolderInfo, KeyInfo, KeyState,
+    LeaveStep, Store, StoreError, StoreResult, Stored, millis,
+};
+use crate::config::{RedisConfig, RedisTopology, redact_url};
+use crate::waiters::Waiters;
+use bytes::Bytes;
+use futures_util::StreamExt;
+use idemgate_wire::{Mode, OwnerOutcome, StoredResponse};
+use keys::LockKeys;
+use redis::aio::{ConnectionManager, ConnectionManagerConfig};
+use redis::cluster_async::ClusterConnection;
+use redis::sentinel::{SentinelClient, SentinelNodeConnectionInfo, SentinelServerType};
+use redis::{
+    ErrorKind, FromRedisValue, IntoConnectionInfo, RedisError, RetryMethod, ScriptInvocation, Value,
+};
+use std::sync::Arc;
+use std::time::Duration;
+use tokio::sync::{Mutex, RwLock};
+use tokio::task::JoinHandle;
+
+/// Converts a Redis error, deciding once whether retrying can help.
+fn classify(err: RedisError) -> StoreError {
+    let permanent = matches!(err.retry_method(), RetryMethod::NoRetry)
+        || err.kind() == ErrorKind::AuthenticationFailed;
+    if permanent {
+        StoreError::Permanent(err.to_string())
+    } else {
+        StoreError::Transient(err.to_string())
+    }
+}
+
+fn unexpected(what: &str) -> StoreError {
+    StoreError::Permanent(format!("unexpected reply from Redis: {what}"))
+}
+
+/// One logical connection, whatever the topology; cheap to clone per call.
+enum Conn {
+    Single(ConnectionManager),
+    Cluster(ClusterConnection),
+    Sentinel(Box<SentinelConn>),
+}
+
+/// The master behind Sentinels: resolved lazily and again after any transient error, so a
+/// failover is followed without restarting.
+struct SentinelConn {
+    sentinel: Mutex<SentinelClient>,
+    current: RwLock<Option<ConnectionManager>>,
+    config: ConnectionManagerConfig,
+}
+
+impl SentinelConn {
+    async fn get(&self) -> Result<ConnectionManager, RedisError> {
+        if let Some(conn) = self.current.read().await.as_ref() {
+            return Ok(conn.clone());
+        }
+        let mut current = self.current.write().await;
+        if let Some(conn) = current.as_ref() {
+            return Ok(conn.clone());
+        }
+        let client = self.sentinel.lock().await.async_get_client().await?;
+        let conn = ConnectionManager::new_lazy_with_config(client, self.config.clone())?;
+        *current = Some(conn.clone());
+        Ok(conn)
+    }
+
+    async fn forget(&self) {
+        *self.current.write().await = None;
+    }
+}
+
+pub(crate) struct RedisStore {
+    conn: Conn,
+    prefix: String,
+    inbox_prefix: String,
+    inbox: String,
+    waiters: Arc<Waiters>,
+    fence_ttl_ms: u64,
+    timeout: Duration,
+    subscriber: JoinHandle<()>,
+}
+
+impl Drop for RedisStore {
+    fn drop(&mut self) {
+        self.subscriber.abort();
+    }
+}
+
+impl RedisStore {
+    /// Connects (lazily where the client allows it) and starts the inbox subscription.
+    ///
+    /// # Errors
+    /// A URL that does not parse, or a Cluster whose seed nodes are all unreachable.
+    pub(crate) async fn connect(
+        cfg: &RedisConfig,
+        waiters: Arc<Waiters>,
+        fence_ttl: Duration,
+        timeout: Duration,
+    ) -> StoreResult<Self> {
+        let manager_config = ConnectionManagerConfig::new()
+            .set_connection_timeout(Some(timeout))
+            .set_response_timeout(Some(timeout))
+            .set_number_of_retries(1)
+            .set_max_delay(Duration::from_millis(500));
+        let first_url = cfg
+            .urls
+            .first()
+            .ok_or_else(|| StoreError::Permanent("no Redis URL".into()))?;
+        let conn = match &cfg.topology {
+            RedisTopology::Standalone => {
+                let client = redis::Client::open(first_url.as_str()).map_err(classify)?;
+                Conn::Single(
+                    ConnectionManager::new_lazy_with_config(client, manager_config)
+                        .map_err(classify)?,
+                )
+            }
+            RedisTopology::Cluster => {
+                let client = redis::cluster::ClusterClientBuilder::new(cfg.urls.iter().cloned())
+                    .connection_timeout(timeout)
+                    .response_timeout(timeout)
+                    .retries(2)
+                    .build()
+                    .map_err(classify)?;
+                Conn::Cluster(client.get_async_connection().await.map_err(classify)?)
+            }
+            RedisTopology::Sentinel { master } => Conn::Sentinel(Box::new(SentinelConn {
+                sentinel: Mutex::new(sentinel_client(cfg, master)?),
+                current: RwLock::new(None),
+                config: manager_config,
+            })),
+        };
+        let inbox = crate::locks::random_token();
+        let inbox_prefix = keys::inbox_prefix(&cfg.prefix);
+        let (subscribed_tx, subscribed_rx) = tokio::sync::oneshot::channel();
+        let subscriber = tokio::spawn(subscribe_inbox(
+            cfg.clone(),
+            format!("{inbox_prefix}{inbox}"),
+            Arc::clone(&waiters),
+            subscribed_tx,
+        ));
+        // Wait (bounded) for the first subscription so the first hand-offs are prompt; if
+        // Redis is down the store still starts and reports not ready until it is back.
+        let _ = tokio::time::timeout(timeout, subscribed_rx).await;
+        Ok(RedisStore {
+            conn,
+            prefix: cfg.prefix.clone(),
+            inbox_prefix,
+            inbox,
+            waiters,
+            fence_ttl_ms: millis(fence_ttl),
+            timeout,
+            subscriber,
+        })
+    }
+
+    fn keys(&self, key: &str) -> LockKeys {
+        LockKeys::new(&self.prefix, key)
+    }
+
+    /// Runs a script invocation on the current connection, bounded by the store timeout.
+    async fn eval<T: FromRedisValue>(&self, inv: &ScriptInvocation<'_>) -> StoreResult<T> {
+        let run = async {
+            match &self.conn {
+                Conn::Single(c) => inv.invoke_async(&mut c.clone()).await,
+                Conn::Cluster(c) => inv.invoke_async(&mut c.clone()).await,
+                Conn::Sentinel(s) => {
+                    let result = match s.get().await {
+                        Ok(mut c) => inv.invoke_async(&mut c).await,
+                        Err(e) => Err(e),
+                    };
+                    if result.as_ref().is_err_and(|e| !e.is_unrecoverable_error()) {
+                        s.forget().await;
+                    }
+                    result
+                }
+            }
+        };
+        match tokio::time::timeout(self.timeout, run).await {
+            Ok(result) => result.map_err(classify),
+            Err(_) => Err(StoreError::Transient(format!(
+                "Redis did not answer within {:?}",
+                self.timeout
+            ))),
+        }
+    }
+
+    async fn query<T: FromRedisValue>(&self, cmd: &redis::Cmd) -> StoreResult<T> {
+        let run = async {
+            match &self.conn {
+                Conn::Single(c) => cmd.query_async(&mut c.clone()).await,
+                Conn::Cluster(c) => cmd.query_async(&mut c.clone()).await,
+                Conn::Sentinel(s) => match s.get().await {
+                    Ok(mut c) => cmd.query_async(&mut c).await,
+                    Err(e) => Err(e),
+                },
+            }
+        };
+        match tokio::time::timeout(self.timeout, run).await {
+            Ok(result) => result.map_err(classify),
+            Err(_) => Err(StoreError::Transient("Redis timed out".into())),
+        }
+    }
+
+    async fn release_script(
+        &self,
+        script: &redis::Script,
+        key: &str,
+        owner: Option<&str>,
+    ) -> StoreResult<Value> {
+        let k = self.keys(key);
+        let mut inv = script.prepare_invoke();
+        inv.key(&k.lock).key(&k.queue).key(&k.waiters).key(&k.fence);
+        if let Some(owner) = owner {
+            inv.arg(owner);
+        }
+        inv.arg(self.fence_ttl_ms).arg(&self.inbox_prefix);
+        self.eval(&inv).await
+    }
+}
+
+fn sentinel_client(cfg: &RedisConfig, master: &str) -> StoreResult<SentinelClient> {
+    let first = cfg
+        .urls
+        .first()
+        .ok_or_else(|| StoreError::Permanent("no Sentinel URL".into()))?;
+    let info = first.as_str().into_connection_info().map_err(classify)?;
+    let mut node = SentinelNodeConnectionInfo::default()
+        .set_redis_connection_info(info.redis_settings().clone());
+    if first.starts_with("rediss://") {
+        node = node.set_tls_mode(redis::TlsMode::Secure);
+    }
+    SentinelClient::build(
+        cfg.urls.iter().map(String::as_str).collect(),
+        master,
+        Some(node),
+        SentinelServerType::Master,
+    )
+    .map_err(classify)
+}
+
+/// A plain client to one node that receives PUBLISHed messages (any Cluster node does).
+async fn pubsub_client(cfg: &RedisConfig, attempt: usize) -> Result<redis::Client, RedisError> {
+    match &cfg.topology {
+        RedisTopology::Sentinel { master } => {
+            let mut sentinel = sentinel_client(cfg, master)
+                .map_err(|e| RedisError::from((ErrorKind::Client, "sentinel", e.to_string())))?;
+            sentinel.async_get_client().await
+        }
+        _ => {
+            let n = cfg.urls.len().max(1);
+            let url = cfg.urls.get(attempt % n).map_or("", String::as_str);
+            redis::Client::open(url)
+        }
+    }
+}
+
+/// Keeps this process subscribed to its inbox, forever (aborted with the store).
+async fn subscribe_inbox(
+    cfg: RedisConfig,
+    channel: String,
+    waiters: Arc<Waiters>,
+    subscribed: tokio::sync::oneshot::Sender<()>,
+) {
+    let mut subscribed = Some(subscribed);
+    let mut attempt = 0usize;
+    loop {
+        let result = async {
+            let client = pubsub_client(&cfg, attempt).await?;
+            let mut pubsub = client.get_async_pubsub().await?;
+            pubsub.subscribe(&channel).await?;
+            Ok::<_, RedisError>(pubsub)
+        }
+        .await;
+        match result {
+            Ok(mut pubsub) => {
+                attempt = 0;
+                if let Some(tx) = subscribed.take() {
+                    let _ = tx.send(());
+                }
+                // Anything published while we were not subscribed is lost: re-check all.
+                waiters.wake_all();
+                let mut messages = pubsub.on_message();
+                while let Some(msg) = messages.next().await {
+                    if let Ok(owner) = std::str::from_utf8(msg.get_payload_bytes()) {
+                        waiters.wake(owner);
+                    }
+                }
+                tracing::warn!("Redis inbox subscription lost; resubscribing");
+            }
+            Err(err) => {
+                let url = cfg.urls.get(attempt % cfg.urls.len().max(1));
+                tracing::warn!(
+                    url = %url.map(|u| redact_url(u)).unwrap_or_default(),
+                    error = %err,
+                    "cannot subscribe to the Redis inbox; retrying"
+                );
+                attempt = attempt.wrapping_add(1);
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
+// === decoding script replies ===
+
+fn text(v: Option<&Value>) -> Option<String> {
+    match v? {
+        Value::BulkString(b) => String::from_utf8(b.clone()).ok(),
+        Value::SimpleString(s) => Some(s.clone()),
+        Value::Int(i) => Some(i.to_string()),
+        _ => None,
+    }
+}
+
+fn number(v: Option<&Value>) -> StoreResult<u64> {
+    match v {
+        Some(Value::Int(i)) => u64::try_from(*i).map_err(|_| unexpected("negative number")),
+        other => text(other)
+            .and_then(|s| s.parse().ok())
+            .ok_or_else(|| unexpected("number expected")),
+    }
+}
+
+fn count(v: Option<&Value>) -> StoreResult<u32> {
+    number(v).map(|n| u32::try_from(n).unwrap_or(u32::MAX))
+}
+
+fn grant_at(items: &[Value], at: usize) -> StoreResult<Grant> {
+    Ok(Grant {
+        fence: number(items.get(at))?,
+        lease_ms: number(items.get(at + 1))?,
+        granted_at_us: number(items.get(at + 2))?,
+    })
+}
+
+fn decode_claim(items: &[Value]) -> StoreResult<ClaimReply> {
+    let tag = text(items.first()).ok_or_else(|| unexpected("claim outcome"))?;
+    let lease_expired = number(items.get(1))? == 1;
+    let step = match tag.as_str() {
+        "granted" => ClaimStep::Granted(grant_at(items, 2)?),
+        "completed" => {
+            let status =
+                u16::try_from(number(items.get(2))?).map_err(|_| unexpected("stored status"))?;
+            let headers: Vec<(String, String)> = text(items.get(3))
+                .and_then(|h| serde_json::from_str(&h).ok())
+                .ok_or_else(|| unexpected("stored headers"))?;
+            let body = match items.get(4) {
+                Some(Value::BulkString(b)) => Bytes::from(b.clone()),
+                _ => return Err(unexpected("stored body")),
+            };
+            ClaimStep::Completed(Stored {
+                response: StoredResponse { status, headers },
+                body,
+            })
+        }
+        "mismatch" => ClaimStep::Mismatch,
+        "busy" => ClaimStep::Busy {
+            retry_after_ms: number(items.get(2))?,
+            queue_len: count(items.get(3))?,
+        },
+        "queue_full" => ClaimStep::QueueFull {
+            retry_after_ms: number(items.get(2))?,
+            queue_len: count(items.get(3))?,
+        },
+        "queued" => ClaimStep::Queued {
+            position: count(items.get(2))?,
+            queue_len: count(items.get(3))?,
+            holder_ttl_ms: number(items.get(4))?,
+        },
+        other => return Err(unexpected(other)),
+    };
+    Ok(ClaimReply {
+        step,
+        lease_expired,
+    })
+}
+
+fn owner_outcome(reply: &str) -> StoreResult<OwnerOutcome> {
+    match reply {
+        "released" => Ok(OwnerOutcome::Released),
+        "stale" => Ok(OwnerOutcome::Stale),
+        other => Err(unexpected(other)),
+    }
+}
+
+impl Store for RedisStore {
+    fn waiters(&self) -> &Arc<Waiters> {
+        &self.waiters
+    }
+
+    async fn claim(&self, args: &ClaimArgs<'_>) -> StoreResult<ClaimReply> {
+        let k = self.keys(args.key);
+        let (wait_ms, max_queue) = args
+            .queue
+            .map_or((0, 0), |q| (millis(q.wait).max(1), q.max_queue));
+        let mode = match args.mode {
+            Mode::Idempotency => "idempotency",
+            Mode::Lock => "lock",
+        };
+        let mut inv = scripts::CLAIM.prepare_invoke();
+        inv.key(&k.lock)
+            .key(&k.queue)
+            .key(&k.waiters)
+            .key(&k.fence)
+            .key(&k.response)
+            .arg(args.owner)
+            .arg(args.fingerprint.unwrap_or(""))
+            .arg(mode)
+            .arg(millis(args.lease))
+            .arg(wait_ms)
+            .arg(max_queue)
+            .arg(self.fence_ttl_ms)
+            .arg(&self.inbox_prefix)
+            .arg(&self.inbox);
+        let items: Vec<Value> = self.eval(&inv).await?;
+        decode_claim(&items)
+    }
+
+    async fn leave(
+        &self,
+        key: &str,
+        owner: &str,
+        release_if_granted: bool,
+    ) -> StoreResult<LeaveStep> {
+        let k = self.keys(key);
+        let mut inv = scripts::LEAVE.prepare_invoke();
+        inv.key(&k.lock)
+            .key(&k.queue)
+            .key(&k.waiters)
+            .key(&k.fence)
+            .arg(owner)
+            .arg(if release_if_granted { "1" } else { "0" })
+            .arg(self.fence_ttl_ms)
+            .arg(&self.inbox_prefix);
+        let items: Vec<Value> = self.eval(&inv).await?;
+        match text(items.first()).as_deref() {
+            Some("granted") => Ok(LeaveStep::Granted(grant_at(&items, 1)?)),
+            Some("left") => Ok(LeaveStep::Left {
+                retry_after_ms: number(items.get(1))?,
+                queue_len: count(items.get(2))?,
+            }),
+            _ => Err(unexpected("leave outcome")),
+        }
+    }
+
+    async fn complete(
+        &self,
+        key: &str,
+        owner: &str,
+        retention: Duration,
+        response: Option<Stored>,
+    ) -> StoreResult<OwnerOutcome> {
+        let k = self.keys(key);
+        let (store, status, headers, body) = match response {
+            Some(stored) => (
+                "1",
+                stored.response.status,
+                serde_json::to_string(&stored.response.headers)
+                    .map_err(|e| StoreError::Permanent(e.to_string()))?,
+                stored.body,
+            ),
+            None => ("0", 0, String::new(), Bytes::new()),
+        };
+        let mut inv = scripts::COMPLETE.prepare_invoke();
+        inv.key(&k.lock)
+            .key(&k.queue)
+            .key(&k.waiters)
+            .key(&k.fence)
+            .key(&k.response)
+            .arg(owner)
+            .arg(millis(retention).max(1))
+            .arg(store)
+            .arg(status)
+            .arg(headers)
+            .arg(body.as_ref())
+            .arg(self.fence_ttl_ms)
+            .arg(&self.inbox_prefix);
+        let reply: String = self.eval(&inv).await?;
+        owner_outcome(&reply)
+    }
+
+    async fn abort(&self, key: &str, owner: &str) -> StoreResult<OwnerOutcome> {
+        let reply = self
+            .release_script(&scripts::ABORT, key, Some(owner))
+            .await?;
+        owner_outcome(&text(Some(&reply)).unwrap_or_default())
+    }
+
+    async fn renew(&self, key: &str, owner: &str, lease: Duration) -> StoreResult<OwnerOutcome> {
+        let k = self.keys(key);
+        let mut inv = scripts::RENEW.prepare_invoke();
+        inv.key(&k.lock).arg(owner).arg(millis(lease));
+        let renewed: i64 = self.eval(&inv).await?;
+        Ok(if renewed == 1 {
+            OwnerOutcome::Renewed {
+                lease_ms: millis(lease),
+            }
+        } else {
+            OwnerOutcome::Stale
+        })
+    }
+
+    async fn inspect(&self, key: &str) -> StoreResult<KeyInfo> {
+        let k = self.keys(key);
+        let mut inv = scripts::INSPECT.prepare_invoke();
+        inv.key(&k.lock)
+            .key(&k.queue)
+            .key(&k.fence)
+            .key(&k.response);
+        let items: Vec<Value> = self.eval(&inv).await?;
+        let held = number(items.first())? == 1;
+        let now_us = number(items.get(8))?;
+        let status = match items.get(6) {
+            Some(Value::Nil) | None => None,
+            other => Some(u16::try_from(number(other)?).map_err(|_| unexpected("status"))?),
+        };
+        let holder = if held {
+            Some(HolderInfo {
+                fence: number(items.get(1))?,
+                age_ms: now_us.saturating_sub(number(items.get(2))?) / 1000,
+                lease_remaining_ms: number(items.get(3))?,
+            })
+        } else {
+            None
+        };
+        Ok(KeyInfo {
+            key: key.to_owned(),
+            state: match (held, status) {
+                (true, _) => KeyState::Held,
+                (false, Some(_)) => KeyState::Completed,
+                (false, None) => KeyState::Free,
+            },
+            last_fence: number(items.get(5))?,
+            holder,
+            queue_len: count(items.get(4))?,
+            completed: status.map(|status| CompletedInfo {
+                status,
+                retention_remaining_ms: number(items.get(7)).unwrap_or(0),
+            }),
+        })
+    }
+
+    async fn list_held(&self, limit: usize) -> StoreResult<(Vec<String>, bool)> {
+        // SCAN is per node; a Cluster would need one scan per primary (not supported here).
+        if matches!(self.conn, Conn::Cluster(_)) {
+            return Err(StoreError::Permanent(
+                "listing keys is not supported on Redis Cluster; inspect keys one by one".into(),
+            ));
+        }
+        let pattern = keys::lock_pattern(&self.prefix);
+        let mut found = Vec::new();
+        let mut cursor = 0u64;
+        // Bounded: at most 1000 SCAN round trips however large the keyspace.
+        for _ in 0..1000 {
+            let (next, batch): (u64, Vec<String>) = self
+                .query(
+                    redis::cmd("SCAN")
+                        .arg(cursor)
+                        .arg("MATCH")
+                        .arg(&pattern)
+                        .arg("COUNT")
+                        .arg(1000),
+                )
+                .await?;
+            found.extend(
+                batch
+                    .iter()
+                    .filter_map(|k| keys::key_of_lock(&self.prefix, k)),
+            );
+            if found.len() > limit {
+                found.truncate(limit);
+                return Ok((found, true));
+            }
+            cursor = next;
+            if cursor == 0 {
+                break;
+            }
+        }
+        let more = cursor != 0;
+        Ok((found, more))
+    }
+
+    async fn force_release(&self, key: &str) -> StoreResult<Option<u64>> {
+        let reply = self
+            .release_script(&scripts::FORCE_RELEASE, key, None)
+            .await?;
+        match reply {
+            Value::Nil => Ok(None),
+            other => Ok(Some(number(Some(&other))?)),
+        }
+    }
+
+    async fn ping(&self) -> StoreResult<()> {
+        let pong: String = self.query(&redis::cmd("PING")).await?;
+        if pong == "PONG" {
+            Ok(())
+        } else {
+            Err(unexpected("PING"))
+        }
+    }
+}

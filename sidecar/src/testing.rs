@@ -1,0 +1,334 @@
+//! Real Redis for tests (feature `testing`): a `redis-server` on a free loopback port, or a
+//! three-node Redis Cluster, started and stopped by the test — never the default port.
+//!
+//! ```no_run
+//! # async fn demo() -> Result<(), Box<dyn std::error::Error>> {
+//! use idemgate_sidecar::testing::RedisServer;
+//! use idemgate_sidecar::{Config, Sidecar};
+//! let redis = RedisServer::start()?;
+//! let sidecar = Sidecar::spawn(Config::loopback(redis.store_config())).await?;
+//! // ... drive sidecar.url() ...
+//! sidecar.shutdown().await?;
+//! # Ok(()) }
+//! ```
+//!
+//! Needs `redis-server` (and `redis-cli` for the Cluster) on PATH; `cargo xtask test`
+//! installs them.
+
+use crate::config::{RedisConfig, RedisTopology, StoreConfig};
+use std::io::{self, Read, Write};
+use std::net::{TcpListener, TcpStream};
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+/// How long a starting server gets before the test fails.
+const START_TIMEOUT: Duration = Duration::from_secs(15);
+
+/// A `redis-server` process owned by a test; killed on drop.
+pub struct RedisServer {
+    port: u16,
+    dir: PathBuf,
+    extra: Vec<String>,
+    child: Option<Child>,
+}
+
+impl RedisServer {
+    /// Starts a throw-away standalone server (no persistence) on a free loopback port.
+    ///
+    /// # Errors
+    /// `redis-server` is missing or does not come up.
+    pub fn start() -> io::Result<Self> {
+        Self::start_with(&[])
+    }
+
+    /// Like [`RedisServer::start`], with extra `redis-server` arguments
+    /// (e.g. `["--requirepass", "secret"]`).
+    ///
+    /// # Errors
+    /// `redis-server` is missing or does not come up.
+    pub fn start_with(extra: &[&str]) -> io::Result<Self> {
+        let mut last_err = None;
+        // A port found free can be taken before redis binds it: try a few.
+        for _ in 0..5 {
+            let port = free_port(false)?;
+            let mut server = RedisServer {
+                port,
+                dir: scratch_dir(port)?,
+                extra: extra.iter().map(|s| (*s).to_owned()).collect(),
+                child: None,
+            };
+            match server.spawn() {
+                Ok(()) => return Ok(server),
+                Err(err) => last_err = Some(err),
+            }
+        }
+        Err(last_err.unwrap_or_else(|| io::Error::other("redis-server did not start")))
+    }
+
+    fn spawn(&mut self) -> io::Result<()> {
+        let port = self.port.to_string();
+        let dir = self.dir.to_string_lossy().into_owned();
+        let mut args = vec![
+            "--port",
+            &port,
+            "--bind",
+            "127.0.0.1",
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+            "--dir",
+            &dir,
+            "--protected-mode",
+            "no",
+        ];
+        args.extend(self.extra.iter().map(String::as_str));
+        let child = Command::new("redis-server")
+            .args(&args)
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .map_err(|e| {
+                io::Error::new(
+                    e.kind(),
+                    format!("cannot run redis-server ({e}); install it (cargo xtask test does)"),
+                )
+            })?;
+        self.child = Some(child);
+        if let Err(err) = wait_ready(self.port, self.password()) {
+            self.stop();
+            return Err(err);
+        }
+        Ok(())
+    }
+
+    fn password(&self) -> Option<&str> {
+        let i = self.extra.iter().position(|a| a == "--requirepass")?;
+        self.extra.get(i + 1).map(String::as_str)
+    }
+
+    pub fn port(&self) -> u16 {
+        self.port
+    }
+
+    /// `redis://127.0.0.1:<port>` (with the password when one was set).
+    pub fn url(&self) -> String {
+        match self.password() {
+            Some(pw) => format!("redis://:{pw}@127.0.0.1:{}", self.port),
+            None => format!("redis://127.0.0.1:{}", self.port),
+        }
+    }
+
+    /// A standalone Redis store configuration for this server.
+    pub fn store_config(&self) -> StoreConfig {
+        self.store_config_with_prefix("idemgate")
+    }
+
+    pub fn store_config_with_prefix(&self, prefix: &str) -> StoreConfig {
+        StoreConfig::Redis(RedisConfig {
+            urls: vec![self.url()],
+            topology: RedisTopology::Standalone,
+            prefix: prefix.to_owned(),
+        })
+    }
+
+    /// Kills the server (its data is gone; the port stays reserved for [`Self::restart`]).
+    pub fn stop(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+
+    /// Starts a fresh, empty server on the same port.
+    ///
+    /// # Errors
+    /// The server does not come up again.
+    pub fn restart(&mut self) -> io::Result<()> {
+        self.stop();
+        let deadline = Instant::now() + START_TIMEOUT;
+        loop {
+            match self.spawn() {
+                Ok(()) => return Ok(()),
+                Err(err) if Instant::now() > deadline => return Err(err),
+                Err(_) => std::thread::sleep(Duration::from_millis(100)),
+            }
+        }
+    }
+
+    /// Runs one command through `redis-cli` and returns its output (for assertions).
+    ///
+    /// # Errors
+    /// `redis-cli` is missing or fails.
+    pub fn cli(&self, args: &[&str]) -> io::Result<String> {
+        redis_cli(self.port, self.password(), args)
+    }
+}
+
+impl Drop for RedisServer {
+    fn drop(&mut self) {
+        self.stop();
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+/// Three `redis-server --cluster-enabled yes` nodes joined with `redis-cli --cluster create`.
+pub struct RedisCluster {
+    nodes: Vec<RedisServer>,
+}
+
+impl RedisCluster {
+    /// Starts three primaries (no replicas) and waits until the cluster is `ok`.
+    ///
+    /// # Errors
+    /// A node does not start or the cluster does not form.
+    pub fn start() -> io::Result<Self> {
+        let mut nodes = Vec::new();
+        for _ in 0..3 {
+            nodes.push(Self::start_node()?);
+        }
+        let addrs: Vec<String> = nodes
+            .iter()
+            .map(|n| format!("127.0.0.1:{}", n.port))
+            .collect();
+        let mut args = vec!["--cluster", "create"];
+        args.extend(addrs.iter().map(String::as_str));
+        args.extend(["--cluster-replicas", "0", "--cluster-yes"]);
+        let out = Command::new("redis-cli").args(&args).output()?;
+        if !out.status.success() {
+            return Err(io::Error::other(format!(
+                "redis-cli --cluster create failed: {}",
+                String::from_utf8_lossy(&out.stdout)
+            )));
+        }
+        let deadline = Instant::now() + START_TIMEOUT;
+        for node in &nodes {
+            while !node
+                .cli(&["cluster", "info"])
+                .is_ok_and(|info| info.contains("cluster_state:ok"))
+            {
+                if Instant::now() > deadline {
+                    return Err(io::Error::other("the cluster did not reach state ok"));
+                }
+                std::thread::sleep(Duration::from_millis(100));
+            }
+        }
+        Ok(RedisCluster { nodes })
+    }
+
+    fn start_node() -> io::Result<RedisServer> {
+        let mut last_err = None;
+        for _ in 0..5 {
+            // The cluster bus listens on port + 10000: both must be free.
+            let port = free_port(true)?;
+            let dir = scratch_dir(port)?;
+            let conf = dir.join("nodes.conf").to_string_lossy().into_owned();
+            let mut node = RedisServer {
+                port,
+                dir,
+                extra: vec![
+                    "--cluster-enabled".into(),
+                    "yes".into(),
+                    "--cluster-config-file".into(),
+                    conf,
+                    "--cluster-node-timeout".into(),
+                    "2000".into(),
+                ],
+                child: None,
+            };
+            match node.spawn() {
+                Ok(()) => return Ok(node),
+                Err(err) => last_err = Some(err),
+            }
+        }
+        Err(last_err.unwrap_or_else(|| io::Error::other("cluster node did not start")))
+    }
+
+    pub fn urls(&self) -> Vec<String> {
+        self.nodes.iter().map(RedisServer::url).collect()
+    }
+
+    pub fn nodes(&self) -> &[RedisServer] {
+        &self.nodes
+    }
+
+    /// A Cluster store configuration with every node as a seed.
+    pub fn store_config(&self) -> StoreConfig {
+        StoreConfig::Redis(RedisConfig {
+            urls: self.urls(),
+            topology: RedisTopology::Cluster,
+            prefix: "idemgate".to_owned(),
+        })
+    }
+}
+
+fn free_port(with_bus: bool) -> io::Result<u16> {
+    for _ in 0..50 {
+        let port = TcpListener::bind("127.0.0.1:0")?.local_addr()?.port();
+        if port == 6379 || (with_bus && port > 55_535) {
+            continue;
+        }
+        if with_bus && TcpListener::bind(("127.0.0.1", port + 10_000)).is_err() {
+            continue;
+        }
+        return Ok(port);
+    }
+    Err(io::Error::other("no free loopback port"))
+}
+
+fn scratch_dir(port: u16) -> io::Result<PathBuf> {
+    let dir = std::env::temp_dir().join(format!("idemgate-redis-{}-{port}", std::process::id()));
+    std::fs::create_dir_all(&dir)?;
+    Ok(dir)
+}
+
+/// Waits until the server answers PING (a raw RESP exchange: no client needed).
+fn wait_ready(port: u16, password: Option<&str>) -> io::Result<()> {
+    let deadline = Instant::now() + START_TIMEOUT;
+    loop {
+        let attempt = (|| -> io::Result<bool> {
+            let mut stream = TcpStream::connect(("127.0.0.1", port))?;
+            stream.set_read_timeout(Some(Duration::from_secs(1)))?;
+            if let Some(pw) = password {
+                write!(stream, "*2\r\n$4\r\nAUTH\r\n${}\r\n{pw}\r\n", pw.len())?;
+            }
+            stream.write_all(b"PING\r\n")?;
+            let mut buf = [0u8; 64];
+            let mut got = Vec::new();
+            while !got.ends_with(b"PONG\r\n") && got.len() < 64 {
+                let n = stream.read(&mut buf)?;
+                if n == 0 {
+                    break;
+                }
+                got.extend_from_slice(buf.get(..n).unwrap_or_default());
+            }
+            Ok(got.ends_with(b"PONG\r\n"))
+        })();
+        if attempt.is_ok_and(|ok| ok) {
+            return Ok(());
+        }
+        if Instant::now() > deadline {
+            return Err(io::Error::other(format!(
+                "redis-server on port {port} did not answer PING"
+            )));
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+fn redis_cli(port: u16, password: Option<&str>, args: &[&str]) -> io::Result<String> {
+    let port = port.to_string();
+    let mut cmd = Command::new("redis-cli");
+    cmd.args(["-h", "127.0.0.1", "-p", &port]);
+    if let Some(pw) = password {
+        cmd.args(["--no-auth-warning", "-a", pw]);
+    }
+    let out = cmd.args(args).output()?;
+    if !out.status.success() {
+        return Err(io::Error::other(
+            String::from_utf8_lossy(&out.stderr).into_owned(),
+        ));
+    }
+    Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+}

@@ -1,0 +1,60 @@
+//! A three-node Redis Cluster: keys spread over slots, every script stays in one slot.
+
+use crate::util::{Harness, claim_req, granted, waiting};
+use idemgate_sidecar::testing::RedisCluster;
+use idemgate_wire::{ClaimOutcome, Mode, OwnerOutcome, StoredResponse};
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn claims_queues_and_replays_work_on_a_cluster() {
+    let cluster = RedisCluster::start().unwrap();
+    let h = Harness::on_store(cluster.store_config(), None, |_| {}).await;
+    let c = &h.client;
+    // Many keys land on all three nodes.
+    for i in 0..30 {
+        let key = format!("cluster-key-{i}");
+        let req = claim_req(&key, Mode::Idempotency, 60_000);
+        let (owner, _) = granted(&c.claim(&req).await.0);
+        assert!(matches!(c.claim(&req).await.0, ClaimOutcome::Busy { .. }));
+        let response = StoredResponse {
+            status: 200,
+            headers: vec![],
+        };
+        let body = format!("body-{i}");
+        assert_eq!(
+            c.complete(&key, &owner, 60_000, Some((response, body.as_bytes())))
+                .await,
+            OwnerOutcome::Released
+        );
+        match c.claim(&req).await {
+            (ClaimOutcome::Completed { .. }, payload) => assert_eq!(&payload[..], body.as_bytes()),
+            other => panic!("unexpected {other:?}"),
+        }
+    }
+    for node in cluster.nodes() {
+        let keys: u64 = node.cli(&["dbsize"]).unwrap().trim().parse().unwrap();
+        assert!(keys > 0, "every node holds some keys");
+    }
+    // Queued hand-off (pub/sub notification across the cluster bus).
+    let key = "cluster-queue";
+    let (holder, fence) = granted(&c.claim(&claim_req(key, Mode::Lock, 60_000)).await.0);
+    let mut waiters = Vec::new();
+    for i in 0..10 {
+        let client = c.clone();
+        waiters.push(tokio::spawn(async move {
+            client
+                .claim(&waiting(claim_req(key, Mode::Lock, 10_000), 30_000, 100))
+                .await
+                .0
+        }));
+        c.wait_for_key(key, "waiters to queue", |info| info.queue_len == i + 1)
+            .await;
+    }
+    c.complete(key, &holder, 1000, None).await;
+    let mut last = fence;
+    for waiter in waiters {
+        let (owner, next) = granted(&waiter.await.unwrap());
+        assert!(next > last);
+        last = next;
+        c.complete(key, &owner, 1000, None).await;
+    }
+}

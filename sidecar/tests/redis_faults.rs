@@ -1,0 +1,104 @@
+//! Redis-specific behaviour: outages, recovery, credentials in the URL, key layout.
+
+use crate::util::{Harness, claim_req, granted};
+use hyper::StatusCode;
+use idemgate_sidecar::testing::RedisServer;
+use idemgate_wire::{ClaimOutcome, Mode, OwnerOutcome, paths, problem_types};
+use std::time::Duration;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_outage_answers_503_without_false_grants_and_recovers() {
+    let redis = RedisServer::start().unwrap();
+    let store = redis.store_config();
+    let mut h = Harness::on_store(store, Some(redis), |c| {
+        c.store_timeout = Duration::from_millis(500);
+    })
+    .await;
+    let c = h.client.clone();
+    let (holder, fence_before) = granted(&c.claim(&claim_req("k-out", Mode::Lock, 60_000)).await.0);
+
+    h.redis.as_mut().unwrap().stop();
+    for _ in 0..5 {
+        let reply = c
+            .post(paths::CLAIM, &claim_req("k-out", Mode::Lock, 60_000), &[])
+            .await;
+        assert_eq!(reply.status, StatusCode::SERVICE_UNAVAILABLE);
+        assert_eq!(reply.problem().type_uri, problem_types::STORE_UNAVAILABLE);
+        assert!(reply.headers.contains_key("retry-after"));
+    }
+    assert_eq!(
+        c.get("/readyz").await.status,
+        StatusCode::SERVICE_UNAVAILABLE
+    );
+    assert!(
+        c.metric("idemgate_sidecar_store_errors_total{kind=\"transient\"}")
+            .await
+            >= 5.0
+    );
+
+    // Back (empty: no persistence): the same sidecar recovers by itself.
+    h.redis.as_mut().unwrap().restart().unwrap();
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+    while c.get("/readyz").await.status != StatusCode::OK {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "sidecar did not recover"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let (_, fence_after) = granted(&c.claim(&claim_req("k-out", Mode::Lock, 60_000)).await.0);
+    // The fence counter was lost with Redis's data, yet fences never go back.
+    assert!(fence_after > fence_before);
+    assert_eq!(
+        c.complete("k-out", &holder, 1000, None).await,
+        OwnerOutcome::Stale
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn password_in_the_url_is_used() {
+    let redis = RedisServer::start_with(&["--requirepass", "pw-123"]).unwrap();
+    let store = redis.store_config_with_prefix("custom.prefix");
+    let h = Harness::on_store(store, Some(redis), |_| {}).await;
+    let (owner, _) = granted(
+        &h.client
+            .claim(&claim_req("k/auth{x}", Mode::Lock, 60_000))
+            .await
+            .0,
+    );
+    let keys = h.redis.as_ref().unwrap().cli(&["--scan"]).unwrap();
+    assert!(
+        keys.contains("custom.prefix:{k/auth%7Bx%7D}:lock"),
+        "{keys}"
+    );
+    let list: serde_json::Value =
+        serde_json::from_slice(&h.client.get("/admin/v1/keys").await.body).unwrap();
+    assert_eq!(list["keys"][0], "k/auth{x}");
+    assert_eq!(
+        h.client.complete("k/auth{x}", &owner, 1000, None).await,
+        OwnerOutcome::Released
+    );
+    // A wrong password: the sidecar runs but is not ready and answers 503.
+    let wrong = {
+        let mut url = h.redis.as_ref().unwrap().url();
+        url = url.replace("pw-123", "nope");
+        idemgate_sidecar::StoreConfig::Redis(idemgate_sidecar::RedisConfig {
+            urls: vec![url],
+            topology: idemgate_sidecar::RedisTopology::Standalone,
+            prefix: "idemgate".into(),
+        })
+    };
+    let bad = Harness::on_store(wrong, None, |c| {
+        c.store_timeout = Duration::from_millis(500)
+    })
+    .await;
+    let reply = bad
+        .client
+        .post(paths::CLAIM, &claim_req("k", Mode::Lock, 1000), &[])
+        .await;
+    assert_eq!(reply.status, StatusCode::SERVICE_UNAVAILABLE);
+    assert!(!matches!(
+        serde_json::from_slice::<ClaimOutcome>(&reply.body),
+        Ok(ClaimOutcome::Granted { .. })
+    ));
+}

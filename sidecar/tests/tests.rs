@@ -1,0 +1,15 @@
+//! The sidecar's integration tests: black-box over real sockets against in-process
+//! sidecars; Redis-backed ones start their own `redis-server` on a free loopback port.
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::panic,
+    clippy::indexing_slicing
+)]
+
+mod util;
+
+mod cluster;
+mod http_api;
+mod redis_faults;
+mod suite;

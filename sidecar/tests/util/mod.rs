@@ -1,0 +1,261 @@
+//! Test fixtures: a sidecar on an ephemeral loopback port over a chosen store (with its
+//! own redis-server when Redis), and a small client speaking the framed protocol over
+//! HTTP/1.1 or h2c.
+
+use bytes::Bytes;
+use http_body_util::{BodyExt, Full};
+use hyper::{HeaderMap, Method, Request, StatusCode};
+use hyper_util::client::legacy::Client as HyperClient;
+use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::rt::TokioExecutor;
+use idemgate_sidecar::testing::RedisServer;
+use idemgate_sidecar::{Config, KeyInfo, Sidecar, StoreConfig};
+use idemgate_wire::{
+    AbortRequest, ClaimOutcome, ClaimRequest, CompleteRequest, Mode, OwnerOutcome, RenewRequest,
+    StoredResponse, WaitPolicy, paths,
+};
+use std::time::Duration;
+
+/// A running sidecar, its client, and the Redis it owns (if any).
+pub struct Harness {
+    pub sidecar: Sidecar,
+    pub client: Client,
+    pub redis: Option<RedisServer>,
+}
+
+#[derive(Clone, Copy, Debug)]
+pub enum Backend {
+    Memory,
+    Redis,
+}
+
+impl Harness {
+    pub async fn start(backend: Backend) -> Harness {
+        Self::start_with(backend, |_| {}).await
+    }
+
+    pub async fn start_with(backend: Backend, tweak: impl FnOnce(&mut Config)) -> Harness {
+        let redis = match backend {
+            Backend::Memory => None,
+            Backend::Redis => Some(RedisServer::start().expect("redis-server starts")),
+        };
+        let store = redis
+            .as_ref()
+            .map_or(StoreConfig::Memory, RedisServer::store_config);
+        Self::on_store(store, redis, tweak).await
+    }
+
+    pub async fn on_store(
+        store: StoreConfig,
+        redis: Option<RedisServer>,
+        tweak: impl FnOnce(&mut Config),
+    ) -> Harness {
+        let mut config = Config::loopback(store);
+        // Lost notifications must not hide in tests: a slow re-check would show as slowness.
+        config.recheck = Duration::from_millis(500);
+        tweak(&mut config);
+        let sidecar = Sidecar::spawn(config).await.expect("sidecar starts");
+        let client = Client::h2c(&sidecar.url());
+        Harness {
+            sidecar,
+            client,
+            redis,
+        }
+    }
+}
+
+pub fn claim_req(key: &str, mode: Mode, lease_ms: u64) -> ClaimRequest {
+    ClaimRequest {
+        key: key.to_owned(),
+        mode,
+        lease_ms,
+        fingerprint: None,
+        wait: None,
+    }
+}
+
+pub fn waiting(mut req: ClaimRequest, budget_ms: u64, max_queue: u32) -> ClaimRequest {
+    req.wait = Some(WaitPolicy {
+        budget_ms,
+        per_waiter_ms: 0,
+        max_budget_ms: 0,
+        max_queue,
+    });
+    req
+}
+
+pub struct Reply {
+    pub status: StatusCode,
+    pub headers: HeaderMap,
+    pub body: Bytes,
+}
+
+impl Reply {
+    pub fn problem(&self) -> idemgate_wire::Problem {
+        assert_eq!(
+            self.headers
+                .get("content-type")
+                .and_then(|v| v.to_str().ok()),
+            Some(idemgate_wire::PROBLEM_CONTENT_TYPE),
+            "status {} body {:?}",
+            self.status,
+            self.body
+        );
+        serde_json::from_slice(&self.body).expect("problem+json body")
+    }
+}
+
+#[derive(Clone)]
+pub struct Client {
+    base: String,
+    inner: HyperClient<HttpConnector, Full<Bytes>>,
+    token: Option<String>,
+}
+
+impl Client {
+    /// HTTP/1.1 with a connection pool.
+    pub fn h1(base: &str) -> Client {
+        Self::build(base, false)
+    }
+
+    /// HTTP/2 with prior knowledge: every request multiplexed on one connection.
+    pub fn h2c(base: &str) -> Client {
+        Self::build(base, true)
+    }
+
+    fn build(base: &str, h2: bool) -> Client {
+        let inner = HyperClient::builder(TokioExecutor::new())
+            .http2_only(h2)
+            .build_http();
+        Client {
+            base: base.to_owned(),
+            inner,
+            token: None,
+        }
+    }
+
+    pub fn with_token(mut self, token: &str) -> Client {
+        self.token = Some(token.to_owned());
+        self
+    }
+
+    pub async fn send(&self, method: Method, path: &str, body: Vec<u8>) -> Reply {
+        let mut req = Request::builder()
+            .method(method)
+            .uri(format!("{}{path}", self.base))
+            .header("content-type", idemgate_wire::CONTENT_TYPE);
+        if let Some(token) = &self.token {
+            req = req.header("authorization", format!("Bearer {token}"));
+        }
+        let req = req.body(Full::new(Bytes::from(body))).expect("request");
+        let response = tokio::time::timeout(Duration::from_secs(60), self.inner.request(req))
+            .await
+            .expect("answer within 60 s")
+            .expect("HTTP exchange");
+        let (parts, body) = response.into_parts();
+        let body = body.collect().await.expect("body").to_bytes();
+        Reply {
+            status: parts.status,
+            headers: parts.headers,
+            body,
+        }
+    }
+
+    pub async fn post<T: serde::Serialize>(&self, path: &str, head: &T, payload: &[u8]) -> Reply {
+        self.send(Method::POST, path, idemgate_wire::encode(head, payload))
+            .await
+    }
+
+    pub async fn get(&self, path: &str) -> Reply {
+        self.send(Method::GET, path, Vec::new()).await
+    }
+
+    fn framed<T: serde::de::DeserializeOwned>(reply: &Reply) -> (T, Bytes) {
+        assert_eq!(
+            reply.status,
+            StatusCode::OK,
+            "body: {}",
+            String::from_utf8_lossy(&reply.body)
+        );
+        let (head, payload) = idemgate_wire::decode::<T>(&reply.body).expect("framed answer");
+        (head, reply.body.slice_ref(payload))
+    }
+
+    pub async fn claim(&self, req: &ClaimRequest) -> (ClaimOutcome, Bytes) {
+        Self::framed(&self.post(paths::CLAIM, req, &[]).await)
+    }
+
+    pub async fn complete(
+        &self,
+        key: &str,
+        owner: &str,
+        retention_ms: u64,
+        response: Option<(StoredResponse, &[u8])>,
+    ) -> OwnerOutcome {
+        let (response, body) = match response {
+            Some((r, b)) => (Some(r), b),
+            None => (None, &[][..]),
+        };
+        let req = CompleteRequest {
+            key: key.to_owned(),
+            owner: owner.to_owned(),
+            retention_ms,
+            response,
+        };
+        Self::framed(&self.post(paths::COMPLETE, &req, body).await).0
+    }
+
+    pub async fn abort(&self, key: &str, owner: &str) -> OwnerOutcome {
+        let req = AbortRequest {
+            key: key.to_owned(),
+            owner: owner.to_owned(),
+        };
+        Self::framed(&self.post(paths::ABORT, &req, &[]).await).0
+    }
+
+    pub async fn renew(&self, key: &str, owner: &str, lease_ms: u64) -> OwnerOutcome {
+        let req = RenewRequest {
+            key: key.to_owned(),
+            owner: owner.to_owned(),
+            lease_ms,
+        };
+        Self::framed(&self.post(paths::RENEW, &req, &[]).await).0
+    }
+
+    pub async fn inspect(&self, key: &str) -> KeyInfo {
+        let reply = self.get(&format!("/admin/v1/keys/{key}")).await;
+        assert_eq!(reply.status, StatusCode::OK);
+        serde_json::from_slice(&reply.body).expect("key info")
+    }
+
+    /// Polls until `check` holds on the key's info (bounded: fails after 20 s).
+    pub async fn wait_for_key(&self, key: &str, what: &str, check: impl Fn(&KeyInfo) -> bool) {
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
+        loop {
+            let info = self.inspect(key).await;
+            if check(&info) {
+                return;
+            }
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "timed out waiting for {what}: {info:?}"
+            );
+            tokio::time::sleep(Duration::from_millis(2)).await;
+        }
+    }
+
+    pub async fn metric(&self, name_and_labels: &str) -> f64 {
+        let text = self.get("/metrics").await.body;
+        String::from_utf8_lossy(&text)
+            .lines()
+            .find_map(|l| l.strip_prefix(name_and_labels)?.trim().parse().ok())
+            .unwrap_or(0.0)
+    }
+}
+
+pub fn granted(outcome: &ClaimOutcome) -> (String, u64) {
+    match outcome {
+        ClaimOutcome::Granted { owner, fence, .. } => (owner.clone(), *fence),
+        other => panic!("expected granted, got {other:?}"),
+    }
+}
