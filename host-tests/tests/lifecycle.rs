@@ -54,6 +54,7 @@ fn missing_artifact_names_the_build_command() {
         .err()
         .unwrap();
     assert!(err.to_string().contains("/nonexistent/x.wasm"), "{err}");
+    assert!(err.to_string().contains("cargo xtask wasm"), "{err}");
 }
 
 #[test]
