@@ -1,0 +1,261 @@
+//! Group `plugin`: what the filter costs per request inside the VM, against the no-op filter
+//! driven through the same host with the same requests.
+//!
+//! Three request kinds, as the plugin issue names them: a request matching no rule, a
+//! duplicate rejected by the local tier (shared data, no callout), and a claim through the
+//! sidecar (claim callout answered `granted`, upstream 201, complete callout answered
+//! `released`). The sidecar's own answers are canned here: the network and the sidecar are
+//! measured by the `sidecar` group; this group isolates the filter and the host.
+//!
+//! Instructions come from `valgrind --tool=callgrind` restricted to [`measured_requests`]
+//! (`--toggle-collect`), so module compilation, VM start and warm-up are excluded and the
+//! count repeats within ~0.5 %. Wall time per request is measured without valgrind.
+
+use anyhow::{Context, Result, bail};
+use idemgate_host::{
+    CalloutOutcome, Clock, Cluster, HeaderMap, PluginSettings, SharedState, StreamEvent,
+    StreamId, StreamInfo, Vm, WasmModule,
+};
+use idemgate_wire::{ClaimOutcome, OwnerOutcome};
+use std::collections::BTreeMap;
+use std::path::Path;
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::time::{Duration, Instant};
+
+/// The sidecar cluster name of [`CONFIG`].
+const SIDECAR: &str = "idemgate_sidecar";
+
+/// The filter's configuration for every kind: `/bots/{id}/start` rejects duplicates of a
+/// running call (lock mode), `/payments` is idempotent; `GET /` matches neither.
+const CONFIG: &str = r#"{
+  "sidecar": {"cluster": "idemgate_sidecar"},
+  "rules": [
+    {"name": "start-bot", "match": {"methods": ["POST"], "path_template": "/bots/{bot_id}/start"},
+     "mode": "lock", "key": {"path_param": "bot_id"}, "on_conflict": "reject"},
+    {"name": "payments", "match": {"methods": ["POST"], "path_prefix": "/payments"},
+     "mode": "idempotency", "scope": {"headers": ["x-user-id"]}}
+  ]
+}"#;
+
+/// Which request is driven.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Kind {
+    NoRule,
+    LocalDuplicate,
+    SidecarClaim,
+}
+
+impl Kind {
+    pub const ALL: [Kind; 3] = [Kind::NoRule, Kind::LocalDuplicate, Kind::SidecarClaim];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Kind::NoRule => "no-rule",
+            Kind::LocalDuplicate => "local-duplicate",
+            Kind::SidecarClaim => "sidecar-claim",
+        }
+    }
+
+    pub fn parse(name: &str) -> Result<Kind> {
+        Kind::ALL
+            .into_iter()
+            .find(|k| k.name() == name)
+            .with_context(|| format!("unknown request kind {name}"))
+    }
+
+    pub fn describe(self) -> &'static str {
+        match self {
+            Kind::NoRule => "request matching no rule",
+            Kind::LocalDuplicate => "duplicate rejected by the local tier (409)",
+            Kind::SidecarClaim => "claim through the sidecar (claim + upstream + complete)",
+        }
+    }
+}
+
+/// One VM with a virtual clock, ready to drive requests of one kind.
+pub struct Driver {
+    vm: Vm,
+    clock: Clock,
+    kind: Kind,
+    seq: u64,
+}
+
+impl Driver {
+    /// Boots `module` (the no-op filter ignores the configuration and only takes
+    /// [`Kind::NoRule`] requests).
+    pub fn boot(module: &Path, kind: Kind) -> Result<Driver> {
+        let module = WasmModule::load(module)?;
+        let clock = Clock::virtual_clock();
+        let shared = Arc::new(SharedState::new(clock.clone(), None, 0));
+        let settings = PluginSettings {
+            name: "idemgate".into(),
+            root_id: "idemgate".into(),
+            vm_id: "idemgate".into(),
+            configuration: CONFIG.as_bytes().to_vec(),
+            ..PluginSettings::default()
+        };
+        let clusters = Arc::new(BTreeMap::from([(SIDECAR.to_owned(), Cluster::named(SIDECAR))]));
+        let vm = Vm::boot(&module, Arc::new(settings), clusters, shared, 0)?;
+        let mut driver = Driver {
+            vm,
+            clock,
+            kind,
+            seq: 0,
+        };
+        if kind == Kind::LocalDuplicate {
+            driver.hold_bot()?;
+        }
+        Ok(driver)
+    }
+
+    /// The first call for bot `b1`: claimed in the local tier, its sidecar claim left
+    /// unanswered, so every later call for `b1` meets a running call.
+    fn hold_bot(&mut self) -> Result<()> {
+        let id = self.vm.new_stream(StreamInfo::default());
+        self.vm.request_headers(id, request("POST", "/bots/b1/start", None), true);
+        if self.vm.take_events(id).iter().any(|e| matches!(e, StreamEvent::LocalReply(_))) {
+            bail!("the holding call was answered locally");
+        }
+        Ok(())
+    }
+
+    /// Runs one request of this driver's kind to its end.
+    pub fn one(&mut self) -> Result<()> {
+        self.seq += 1;
+        match self.kind {
+            Kind::NoRule => self.no_rule(),
+            Kind::LocalDuplicate => self.local_duplicate(),
+            Kind::SidecarClaim => self.sidecar_claim(),
+        }
+    }
+
+    fn no_rule(&mut self) -> Result<()> {
+        let id = self.vm.new_stream(StreamInfo::default());
+        self.vm.request_headers(id, request("GET", "/", None), true);
+        self.respond(id)
+    }
+
+    fn local_duplicate(&mut self) -> Result<()> {
+        let id = self.vm.new_stream(StreamInfo::default());
+        self.vm.request_headers(id, request("POST", "/bots/b1/start", None), true);
+        let events = self.vm.take_events(id);
+        let rejected = events
+            .iter()
+            .any(|e| matches!(e, StreamEvent::LocalReply(r) if r.status == 409));
+        if !rejected || !self.vm.take_new_callouts().is_empty() {
+            bail!("a duplicate was not rejected locally: {events:?}");
+        }
+        self.vm.remove_stream(id);
+        Ok(())
+    }
+
+    fn sidecar_claim(&mut self) -> Result<()> {
+        let key = format!("key-{}", self.seq);
+        let id = self.vm.new_stream(StreamInfo::default());
+        self.vm
+            .request_headers(id, request("POST", "/payments", Some(&key)), true);
+        let granted = ClaimOutcome::Granted {
+            owner: format!("owner-{}", self.seq),
+            fence: self.seq,
+            lease_ms: 30_000,
+            waited_ms: 0,
+        };
+        self.answer_next_callout(&idemgate_wire::encode(&granted, b""))?;
+        if !self
+            .vm
+            .take_events(id)
+            .iter()
+            .any(|e| matches!(e, StreamEvent::UpstreamHeaders { .. }))
+        {
+            bail!("the granted request did not go upstream");
+        }
+        self.vm.response_headers(
+            id,
+            HeaderMap::from([(":status", "201"), ("content-type", "application/json")]),
+            false,
+        );
+        self.vm.response_data(id, br#"{"payment":1}"#, true);
+        let _ = self.vm.take_events(id);
+        self.vm.remove_stream(id);
+        self.answer_next_callout(&idemgate_wire::encode(&OwnerOutcome::Released, b""))
+    }
+
+    /// The filter dispatches sidecar callouts from its root context on a short tick: let
+    /// virtual time pass until one is out, then answer it.
+    fn answer_next_callout(&mut self, body: &[u8]) -> Result<()> {
+        for _ in 0..10 {
+            if let Some(call) = self.vm.take_new_callouts().into_iter().next() {
+                let outcome = CalloutOutcome::response(
+                    200,
+                    HeaderMap::from([("content-type", idemgate_wire::CONTENT_TYPE)]),
+                    body.to_vec(),
+                );
+                if !self.vm.deliver_callout(call.token, outcome) {
+                    bail!("callout {} was not pending", call.token);
+                }
+                return Ok(());
+            }
+            self.advance(Duration::from_millis(1));
+        }
+        bail!("no sidecar callout was dispatched")
+    }
+
+    fn advance(&mut self, by: Duration) {
+        if let Clock::Virtual(ns) = &self.clock {
+            ns.fetch_add(by.as_nanos() as u64, Ordering::SeqCst);
+        }
+        self.vm.fire_due();
+    }
+
+    fn respond(&mut self, id: StreamId) -> Result<()> {
+        let events = self.vm.take_events(id);
+        if !events
+            .iter()
+            .any(|e| matches!(e, StreamEvent::UpstreamHeaders { .. }))
+        {
+            bail!("the request did not go upstream: {events:?}");
+        }
+        self.vm.response_headers(
+            id,
+            HeaderMap::from([(":status", "200"), ("content-length", "0")]),
+            true,
+        );
+        let _ = self.vm.take_events(id);
+        self.vm.remove_stream(id);
+        Ok(())
+    }
+}
+
+fn request(method: &str, path: &str, idempotency_key: Option<&str>) -> HeaderMap {
+    let mut headers = HeaderMap::from([
+        (":authority", "bench"),
+        (":path", path),
+        (":method", method),
+        (":scheme", "http"),
+        ("x-user-id", "u1"),
+        ("x-request-id", "00000000-0000-4000-8000-000000000000"),
+    ]);
+    if let Some(key) = idempotency_key {
+        headers.add("idempotency-key", key);
+    }
+    headers
+}
+
+/// The loop callgrind counts (`--toggle-collect=*measured_requests*`): keep it out of line.
+#[inline(never)]
+pub fn measured_requests(driver: &mut Driver, n: u64) -> Result<()> {
+    for _ in 0..n {
+        driver.one()?;
+    }
+    Ok(())
+}
+
+/// Warms up, then returns the wall time per request of `n` requests.
+pub fn wall_time(module: &Path, kind: Kind, n: u64) -> Result<Duration> {
+    let mut driver = Driver::boot(module, kind)?;
+    measured_requests(&mut driver, n / 10 + 1)?;
+    let started = Instant::now();
+    measured_requests(&mut driver, n)?;
+    Ok(started.elapsed() / n.max(1) as u32)
+}
