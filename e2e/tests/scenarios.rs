@@ -166,10 +166,11 @@ fn queued_lock_holders_run_in_arrival_order() {
                 )
             });
         seen.push((w, token));
+        let key = claim_key(gw.worker(w), token);
         let vm = gw.worker(w).clone();
         let forward = std::thread::spawn(move || vm.forward_callout(token));
-        // Let the sidecar queue it before the next one arrives.
-        std::thread::sleep(std::time::Duration::from_millis(300));
+        // The sidecar queues it before the next one arrives.
+        stack.wait_for_queue(&key, i as u64 + 1);
         waiters.push((s, forward));
     }
     let mut holder = first;
@@ -474,9 +475,10 @@ fn queued_duplicate_gets_the_stored_response() {
     gw.host.advance(std::time::Duration::from_millis(2));
     let (w, token, path) = gw.pending().pop().expect("the duplicate's claim");
     assert_eq!(path, idemgate_wire::paths::CLAIM);
+    let key = claim_key(gw.worker(w), token);
     let vm = gw.worker(w).clone();
     let waiting = std::thread::spawn(move || vm.forward_callout(token));
-    std::thread::sleep(std::time::Duration::from_millis(300));
+    stack.wait_for_queue(&key, 1);
     assert!(
         dup.upstream_headers().is_none() && dup.response_status().is_none(),
         "held, not polled"
