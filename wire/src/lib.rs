@@ -106,9 +106,10 @@ pub struct ClaimRequest {
 }
 
 /// The answer to a claim (always HTTP 200). [`ClaimOutcome::Completed`] carries the stored
-/// body as the frame's payload.
+/// body as the frame's payload. Answers tolerate unknown fields (a newer sidecar may add
+/// some) while requests reject them (a typo must not silently change a claim).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(tag = "outcome", rename_all = "snake_case", deny_unknown_fields)]
+#[serde(tag = "outcome", rename_all = "snake_case")]
 pub enum ClaimOutcome {
     /// The caller holds the key until it completes, aborts or the lease ends.
     Granted {
@@ -184,7 +185,7 @@ pub struct RenewRequest {
 
 /// The answer to complete/abort/renew (always HTTP 200).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(tag = "outcome", rename_all = "snake_case", deny_unknown_fields)]
+#[serde(tag = "outcome", rename_all = "snake_case")]
 pub enum OwnerOutcome {
     /// The key was released (and, for complete, the response stored).
     Released,

@@ -2,6 +2,7 @@
 //! points. Each command installs or builds what it needs on a fresh machine by itself.
 
 mod cmd;
+mod envoy;
 mod toolchain;
 mod wasm;
 
@@ -12,9 +13,11 @@ const USAGE: &str = "\
 usage: cargo xtask <command>
 
 commands:
+  demo    build everything and play the duplicate-call scenarios, directly and through
+          idemgate (sidecar on its memory store, or Redis when REDIS_URL is set)
   wasm    build the filter to target/idemgate.wasm (and the host-test fixtures)
-  test    the whole test suite: fmt, clippy (native and wasm32), unit tests, wasm build,
-          then every test that loads the built wasm
+  test    the whole test suite: fmt, clippy (native and wasm32), Envoy config schema checks,
+          unit tests, wasm build, then every test that loads the built wasm
 ";
 
 fn main() {
@@ -30,6 +33,7 @@ fn run() -> Result<()> {
     match args.first().map(String::as_str) {
         Some("wasm") => wasm::build_all(&root).map(|_| ()),
         Some("test") => test(&root),
+        Some("demo") => demo(&root, &args[1..]),
         Some("-h" | "--help" | "help") | None => {
             print!("{USAGE}");
             Ok(())
@@ -71,6 +75,7 @@ fn test(root: &Path) -> Result<()> {
             ])
             .current_dir(root),
     )?;
+    envoy::check(root)?;
     let route = toolchain::wasm_route()?;
     cmd::step("clippy (wasm32-wasip1)", &mut wasm::clippy(root, route))?;
     cmd::step(
@@ -88,4 +93,39 @@ fn test(root: &Path) -> Result<()> {
     )?;
     println!("xtask test: all steps passed");
     Ok(())
+}
+
+/// Builds the filter and the release binaries, then runs the demo driver, which starts
+/// (and always stops) the sidecar, the demo backend and the gateway.
+fn demo(root: &Path, extra: &[String]) -> Result<()> {
+    let wasm = wasm::build_all(root)?;
+    cmd::step(
+        "build the demo's binaries (release)",
+        cmd::cargo()
+            .args(["build", "--release", "--bins"])
+            .args([
+                "-p",
+                "idemgate-demo",
+                "-p",
+                "idemgate-sidecar",
+                "-p",
+                "idemgate-host",
+            ])
+            .current_dir(root),
+    )?;
+    let bin_dir = root.join("target/release");
+    cmd::step(
+        "demo",
+        std::process::Command::new(bin_dir.join("idemgate-demo"))
+            .arg("--bin-dir")
+            .arg(&bin_dir)
+            .arg("--wasm")
+            .arg(wasm)
+            .arg("--envoy-config")
+            .arg(root.join("envoy/envoy.yaml"))
+            .arg("--log-dir")
+            .arg(root.join("target/demo-logs"))
+            .args(extra)
+            .current_dir(root),
+    )
 }

@@ -1,0 +1,408 @@
+//! The demo backend: three services that break under duplicate or concurrent calls, the
+//! way the services that motivated idemgate did. It is deliberately naive — no locks, no
+//! idempotency — and keeps ground truth about the damage so tests and the demo can count it.
+//!
+//! - `POST /bots/{bot}/start` spawns an engine (~1 s). It checks "already running" before
+//!   spawning, which stops sequential repeats but not a double-click: two calls inside the
+//!   spawn window both start an engine.
+//! - `POST /agents/{agent}/tools` (`{"tool": "..."}`) reads the agent's config, works, writes
+//!   it back with the tool appended: concurrent calls overwrite each other (lost updates).
+//! - `POST /payments` (`{"amount": n}`) charges once per call; the `Idempotency-Key` header is
+//!   only recorded, to count double charges.
+//!
+//! Every mutating call honours a fencing token (`x-fencing-token`): a write carrying a token
+//! lower than one already seen for the same resource is refused with 409, the way a store
+//! that checks fencing tokens refuses a holder whose lease ran out.
+//!
+//! Test knobs: `x-demo-work-ms` overrides the work time, `x-demo-seq` labels a call in the
+//! recorded execution order, `x-demo-status` answers that status without executing.
+
+use axum::extract::{Path, State};
+use axum::http::{HeaderMap, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use serde::{Deserialize, Serialize};
+use std::collections::BTreeMap;
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+/// Header carrying the fencing token idemgate stamps on forwarded requests.
+pub const FENCING_HEADER: &str = "x-fencing-token";
+/// Header naming a call in [`Stats::order`].
+pub const SEQ_HEADER: &str = "x-demo-seq";
+/// Header overriding the work time of one call, in milliseconds.
+pub const WORK_HEADER: &str = "x-demo-work-ms";
+/// Header making the backend answer that status without executing anything.
+pub const STATUS_HEADER: &str = "x-demo-status";
+
+/// How long each service works by default.
+#[derive(Debug, Clone, Copy)]
+pub struct Timings {
+    pub bot_spawn: Duration,
+    pub attach: Duration,
+    pub payment: Duration,
+}
+
+impl Default for Timings {
+    fn default() -> Self {
+        Timings {
+            bot_spawn: Duration::from_millis(1000),
+            attach: Duration::from_millis(50),
+            payment: Duration::from_millis(100),
+        }
+    }
+}
+
+/// Ground truth about what the backend executed.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Stats {
+    /// Calls that ran their work (refused and forced-status calls excluded).
+    pub executions: u64,
+    pub engines_started: u64,
+    /// Engines started for a bot that already had one: the double-click damage.
+    pub duplicate_engines: u64,
+    pub tool_attaches: u64,
+    /// Attaches whose write overwrote another attach made since their read.
+    pub lost_updates: u64,
+    pub charges: u64,
+    /// Charges beyond the first for one (caller, Idempotency-Key).
+    pub double_charges: u64,
+    /// Writes refused because their fencing token was older than one already seen.
+    pub stale_refused: u64,
+    /// Highest number of calls executing at once on one resource (1 = never overlapped).
+    pub max_overlap: u32,
+    /// Per resource, the `x-demo-seq` labels in the order their work started.
+    pub order: BTreeMap<String, Vec<String>>,
+    /// Per resource, the fencing tokens of the writes that went through, in order.
+    pub fences: BTreeMap<String, Vec<u64>>,
+    /// Per resource, when each committed call started and finished its work, in
+    /// microseconds since the backend started: hand-off gaps and overlaps are read off it.
+    pub spans: BTreeMap<String, Vec<(u64, u64)>>,
+    /// Each agent's tools as stored.
+    pub agent_tools: BTreeMap<String, Vec<String>>,
+}
+
+#[derive(Default)]
+struct Ledger {
+    stats: Stats,
+    running_bots: BTreeMap<String, u64>,
+    agent_versions: BTreeMap<String, u64>,
+    charges_per_key: BTreeMap<(String, String), u64>,
+    in_flight: BTreeMap<String, u32>,
+    highest_fence: BTreeMap<String, u64>,
+}
+
+/// The backend's state, shared by its handlers.
+pub struct Backend {
+    timings: Timings,
+    epoch: Instant,
+    ledger: Mutex<Ledger>,
+}
+
+impl Backend {
+    pub fn new(timings: Timings) -> Arc<Self> {
+        Arc::new(Backend {
+            timings,
+            epoch: Instant::now(),
+            ledger: Mutex::new(Ledger::default()),
+        })
+    }
+
+    pub fn stats(&self) -> Stats {
+        self.ledger().stats.clone()
+    }
+
+    pub fn reset(&self) {
+        *self.ledger() = Ledger::default();
+    }
+
+    fn micros(&self, at: Instant) -> u64 {
+        u64::try_from(at.duration_since(self.epoch).as_micros()).unwrap_or(u64::MAX)
+    }
+
+    /// A poisoned lock only means a handler panicked mid-update; the counters are still
+    /// the best ground truth there is, so keep serving them.
+    fn ledger(&self) -> MutexGuard<'_, Ledger> {
+        self.ledger.lock().unwrap_or_else(|p| p.into_inner())
+    }
+}
+
+/// The backend's routes.
+pub fn router(backend: Arc<Backend>) -> Router {
+    Router::new()
+        .route("/bots/{bot}/start", post(start_bot))
+        .route("/agents/{agent}/tools", post(attach_tool))
+        .route("/payments", post(pay))
+        .route("/stats", get(stats))
+        .route("/reset", post(reset))
+        .with_state(backend)
+}
+
+/// Serves the backend on `listener` until `shutdown` resolves.
+pub async fn serve(
+    listener: tokio::net::TcpListener,
+    backend: Arc<Backend>,
+    shutdown: impl std::future::Future<Output = ()> + Send + 'static,
+) -> std::io::Result<()> {
+    axum::serve(listener, router(backend))
+        .with_graceful_shutdown(shutdown)
+        .await
+}
+
+async fn stats(State(backend): State<Arc<Backend>>) -> Json<Stats> {
+    Json(backend.stats())
+}
+
+async fn reset(State(backend): State<Arc<Backend>>) -> StatusCode {
+    backend.reset();
+    StatusCode::NO_CONTENT
+}
+
+/// One call's bookkeeping: overlap and order on entry, released on drop so an aborted
+/// call (client gone, handler future dropped) does not count as running forever.
+struct Execution<'a> {
+    backend: &'a Backend,
+    resource: String,
+    fence: Option<u64>,
+    started: Instant,
+}
+
+impl<'a> Execution<'a> {
+    fn begin(backend: &'a Backend, resource: String, headers: &HeaderMap) -> Self {
+        let fence = header(headers, FENCING_HEADER).and_then(|v| v.parse().ok());
+        let mut ledger = backend.ledger();
+        let running = ledger.in_flight.entry(resource.clone()).or_default();
+        *running += 1;
+        let running = *running;
+        ledger.stats.max_overlap = ledger.stats.max_overlap.max(running);
+        if let Some(seq) = header(headers, SEQ_HEADER) {
+            ledger
+                .stats
+                .order
+                .entry(resource.clone())
+                .or_default()
+                .push(seq);
+        }
+        Execution {
+            backend,
+            resource,
+            fence,
+            started: Instant::now(),
+        }
+    }
+
+    /// Checks the fencing token at write time and counts the execution.
+    fn commit(&self, ledger: &mut Ledger) -> Result<(), StaleFence> {
+        if let Some(fence) = self.fence {
+            let highest = ledger
+                .highest_fence
+                .entry(self.resource.clone())
+                .or_default();
+            if fence < *highest {
+                ledger.stats.stale_refused += 1;
+                return Err(StaleFence {
+                    fence,
+                    highest: *highest,
+                });
+            }
+            *highest = fence;
+            ledger
+                .stats
+                .fences
+                .entry(self.resource.clone())
+                .or_default()
+                .push(fence);
+        }
+        ledger.stats.executions += 1;
+        let span = (
+            self.backend.micros(self.started),
+            self.backend.micros(Instant::now()),
+        );
+        ledger
+            .stats
+            .spans
+            .entry(self.resource.clone())
+            .or_default()
+            .push(span);
+        Ok(())
+    }
+}
+
+/// A write whose fencing token is older than one already written: answered 409.
+struct StaleFence {
+    fence: u64,
+    highest: u64,
+}
+
+impl IntoResponse for StaleFence {
+    fn into_response(self) -> Response {
+        problem(
+            StatusCode::CONFLICT,
+            "stale fencing token",
+            format!(
+                "token {} is older than {} already written",
+                self.fence, self.highest
+            ),
+        )
+    }
+}
+
+impl Drop for Execution<'_> {
+    fn drop(&mut self) {
+        let mut ledger = self.backend.ledger();
+        if let Some(running) = ledger.in_flight.get_mut(&self.resource) {
+            *running = running.saturating_sub(1);
+        }
+    }
+}
+
+fn header(headers: &HeaderMap, name: &str) -> Option<String> {
+    headers
+        .get(name)
+        .and_then(|v| v.to_str().ok())
+        .map(str::to_owned)
+}
+
+fn work_time(headers: &HeaderMap, default: Duration) -> Duration {
+    header(headers, WORK_HEADER)
+        .and_then(|v| v.parse().ok())
+        .map(Duration::from_millis)
+        .unwrap_or(default)
+}
+
+/// `x-demo-status`: answer with that status and execute nothing.
+fn forced_status(headers: &HeaderMap) -> Option<Response> {
+    let status = header(headers, STATUS_HEADER)?.parse().ok()?;
+    let status = StatusCode::from_u16(status).ok()?;
+    Some(problem(status, "forced by x-demo-status", String::new()))
+}
+
+fn problem(status: StatusCode, title: &str, detail: String) -> Response {
+    let body = serde_json::json!({ "title": title, "status": status.as_u16(), "detail": detail });
+    (
+        status,
+        [("content-type", "application/problem+json")],
+        body.to_string(),
+    )
+        .into_response()
+}
+
+async fn start_bot(
+    State(backend): State<Arc<Backend>>,
+    Path(bot): Path<String>,
+    headers: HeaderMap,
+) -> Response {
+    if let Some(forced) = forced_status(&headers) {
+        return forced;
+    }
+    let exec = Execution::begin(&backend, format!("bot:{bot}"), &headers);
+    if backend.ledger().running_bots.contains_key(&bot) {
+        return problem(
+            StatusCode::CONFLICT,
+            "bot already running",
+            format!("bot {bot} has an engine"),
+        );
+    }
+    tokio::time::sleep(work_time(&headers, backend.timings.bot_spawn)).await;
+    let mut ledger = backend.ledger();
+    if let Err(stale) = exec.commit(&mut ledger) {
+        return stale.into_response();
+    }
+    ledger.stats.engines_started += 1;
+    let engines = ledger.running_bots.entry(bot.clone()).or_default();
+    *engines += 1;
+    let engine = *engines;
+    if engine > 1 {
+        ledger.stats.duplicate_engines += 1;
+    }
+    (
+        StatusCode::CREATED,
+        Json(serde_json::json!({ "bot": bot, "engine": engine, "status": "running" })),
+    )
+        .into_response()
+}
+
+#[derive(Deserialize)]
+struct Attach {
+    tool: String,
+}
+
+async fn attach_tool(
+    State(backend): State<Arc<Backend>>,
+    Path(agent): Path<String>,
+    headers: HeaderMap,
+    Json(attach): Json<Attach>,
+) -> Response {
+    if let Some(forced) = forced_status(&headers) {
+        return forced;
+    }
+    let exec = Execution::begin(&backend, format!("agent:{agent}"), &headers);
+    let (mut tools, read_version) = {
+        let ledger = backend.ledger();
+        (
+            ledger
+                .stats
+                .agent_tools
+                .get(&agent)
+                .cloned()
+                .unwrap_or_default(),
+            ledger.agent_versions.get(&agent).copied().unwrap_or(0),
+        )
+    };
+    tokio::time::sleep(work_time(&headers, backend.timings.attach)).await;
+    tools.push(attach.tool);
+    let mut ledger = backend.ledger();
+    if let Err(stale) = exec.commit(&mut ledger) {
+        return stale.into_response();
+    }
+    let version = ledger.agent_versions.entry(agent.clone()).or_default();
+    if *version != read_version {
+        // Someone wrote since our read: this write silently drops their tool.
+        ledger.stats.lost_updates += 1;
+    }
+    *ledger.agent_versions.entry(agent.clone()).or_default() += 1;
+    ledger.stats.tool_attaches += 1;
+    ledger
+        .stats
+        .agent_tools
+        .insert(agent.clone(), tools.clone());
+    Json(serde_json::json!({ "agent": agent, "tools": tools })).into_response()
+}
+
+#[derive(Deserialize)]
+struct Payment {
+    amount: u64,
+}
+
+async fn pay(
+    State(backend): State<Arc<Backend>>,
+    headers: HeaderMap,
+    Json(payment): Json<Payment>,
+) -> Response {
+    if let Some(forced) = forced_status(&headers) {
+        return forced;
+    }
+    let caller = header(&headers, "x-user-id").unwrap_or_default();
+    let key = header(&headers, "idempotency-key").unwrap_or_default();
+    let exec = Execution::begin(&backend, format!("payment:{caller}:{key}"), &headers);
+    tokio::time::sleep(work_time(&headers, backend.timings.payment)).await;
+    let mut ledger = backend.ledger();
+    if let Err(stale) = exec.commit(&mut ledger) {
+        return stale.into_response();
+    }
+    ledger.stats.charges += 1;
+    let id = ledger.stats.charges;
+    if !key.is_empty() {
+        let charges = ledger.charges_per_key.entry((caller, key)).or_default();
+        *charges += 1;
+        if *charges > 1 {
+            ledger.stats.double_charges += 1;
+        }
+    }
+    (
+        StatusCode::CREATED,
+        Json(serde_json::json!({ "payment": id, "amount": payment.amount, "status": "charged" })),
+    )
+        .into_response()
+}

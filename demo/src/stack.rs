@@ -1,0 +1,136 @@
+//! Starting idemgate's processes on free loopback ports — the sidecar, the demo backend and
+//! the harness gateway running `envoy/envoy.yaml` — and stopping every one of them when the
+//! [`Stack`] is dropped (normal exit, error, or Ctrl-C), so nothing is left running.
+
+use anyhow::{Context, Result, bail};
+use std::net::{SocketAddr, TcpListener};
+use std::path::PathBuf;
+use std::process::Stdio;
+use std::time::{Duration, Instant};
+use tokio::process::{Child, Command};
+
+/// Where the binaries and files come from.
+#[derive(Debug, Clone)]
+pub struct StackConfig {
+    /// Directory holding `idemgate-sidecar`, `idemgate-gateway`, `idemgate-demo-backend`.
+    pub bin_dir: PathBuf,
+    /// The filter module the gateway loads.
+    pub wasm: PathBuf,
+    /// The Envoy bootstrap the gateway runs.
+    pub envoy_config: PathBuf,
+    /// Redis for the sidecar; `None` uses its in-memory store.
+    pub redis_url: Option<String>,
+    /// Gateway worker threads (each with its own VM, as Envoy's workers).
+    pub workers: usize,
+    /// Directory for the processes' logs.
+    pub log_dir: PathBuf,
+}
+
+/// The running processes; dropping it kills them.
+pub struct Stack {
+    pub gateway: String,
+    pub backend: String,
+    pub sidecar: String,
+    pub gateway_admin: String,
+    children: Vec<(&'static str, Child)>,
+}
+
+impl Stack {
+    pub async fn start(config: &StackConfig) -> Result<Stack> {
+        std::fs::create_dir_all(&config.log_dir)?;
+        let backend = free_port()?;
+        let sidecar = free_port()?;
+        let gateway = free_port()?;
+        let admin = free_port()?;
+        let mut stack = Stack {
+            gateway: format!("http://{gateway}"),
+            backend: format!("http://{backend}"),
+            sidecar: format!("http://{sidecar}"),
+            gateway_admin: format!("http://{admin}"),
+            children: Vec::new(),
+        };
+
+        let mut backend_cmd = Command::new(config.bin_dir.join("idemgate-demo-backend"));
+        backend_cmd.args(["--listen", &backend.to_string()]);
+        stack.spawn("demo backend", backend_cmd, config)?;
+
+        let mut sidecar_cmd = Command::new(config.bin_dir.join("idemgate-sidecar"));
+        sidecar_cmd.args(["--listen", &sidecar.to_string()]);
+        match &config.redis_url {
+            Some(url) => sidecar_cmd.env("REDIS_URL", url),
+            None => sidecar_cmd.env_remove("REDIS_URL"),
+        };
+        stack.spawn("sidecar", sidecar_cmd, config)?;
+
+        let mut gateway_cmd = Command::new(config.bin_dir.join("idemgate-gateway"));
+        gateway_cmd
+            .arg("--config")
+            .arg(&config.envoy_config)
+            .arg("--wasm-path")
+            .arg(&config.wasm)
+            .args(["--concurrency", &config.workers.to_string()])
+            .args(["--set-port", &format!("ingress={}", gateway.port())])
+            .args(["--set-port", &format!("admin={}", admin.port())])
+            .args(["--set-port", &format!("backend={}", backend.port())])
+            .args([
+                "--set-port",
+                &format!("idemgate_sidecar={}", sidecar.port()),
+            ]);
+        stack.spawn("gateway", gateway_cmd, config)?;
+
+        for (name, addr) in [
+            ("demo backend", backend),
+            ("sidecar", sidecar),
+            ("gateway", gateway),
+        ] {
+            stack.wait_listening(name, addr).await?;
+        }
+        Ok(stack)
+    }
+
+    fn spawn(
+        &mut self,
+        name: &'static str,
+        mut command: Command,
+        config: &StackConfig,
+    ) -> Result<()> {
+        let log_path = config
+            .log_dir
+            .join(format!("{}.log", name.replace(' ', "-")));
+        let log = std::fs::File::create(&log_path)?;
+        let child = command
+            .stdin(Stdio::null())
+            .stdout(log.try_clone()?)
+            .stderr(log)
+            .kill_on_drop(true)
+            .spawn()
+            .with_context(|| {
+                format!("starting the {name} ({:?})", command.as_std().get_program())
+            })?;
+        self.children.push((name, child));
+        Ok(())
+    }
+
+    /// Waits (bounded) until `addr` accepts connections, failing early if the process died.
+    async fn wait_listening(&mut self, name: &str, addr: SocketAddr) -> Result<()> {
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while Instant::now() < deadline {
+            if tokio::net::TcpStream::connect(addr).await.is_ok() {
+                return Ok(());
+            }
+            for (child_name, child) in &mut self.children {
+                if let Some(status) = child.try_wait()? {
+                    bail!("the {child_name} exited early ({status}); see its log");
+                }
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        bail!("the {name} did not listen on {addr} within 30 s")
+    }
+}
+
+/// A loopback port nobody listens on right now. Another process could take it before ours
+/// binds; on a loopback-only test machine that race is rare and fails loudly (bind error).
+fn free_port() -> Result<SocketAddr> {
+    Ok(TcpListener::bind("127.0.0.1:0")?.local_addr()?)
+}
