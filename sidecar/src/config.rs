@@ -364,6 +364,14 @@ mod tests {
     }
 
     #[test]
+    fn flag_defaults_are_the_config_defaults() {
+        let parsed = Config::from_cli(Cli::parse_from(["idemgate-sidecar"]))
+            .map(|c| format!("{c:?}"))
+            .map_err(|e| e.to_string());
+        assert_eq!(parsed, Ok(format!("{:?}", Config::default())));
+    }
+
+    #[test]
     fn several_urls_need_a_topology() {
         let cli = Cli::parse_from(["x", "--redis-url", "redis://a,redis://b"]);
         let err = Config::from_cli(cli).err().map(|e| e.flag);

@@ -10,6 +10,7 @@ use crate::metrics::Metrics;
 use crate::store::{Store, StoreError};
 use axum::Router;
 use axum::body::Body;
+use axum::extract::rejection::PathRejection;
 use axum::extract::{ConnectInfo, MatchedPath, Path, Request, State};
 use axum::http::{HeaderValue, StatusCode, header};
 use axum::middleware::{self, Next};
@@ -378,7 +379,11 @@ async fn list_keys<S: Store>(State(app): AppState<S>, req: Request) -> Answer {
     ))
 }
 
-async fn inspect_key<S: Store>(State(app): AppState<S>, Path(key): Path<String>) -> Answer {
+async fn inspect_key<S: Store>(
+    State(app): AppState<S>,
+    key: Result<Path<String>, PathRejection>,
+) -> Answer {
+    let Path(key) = key.map_err(|e| bad_request(e.body_text()))?;
     app.config.limits.key(&key).map_err(field_problem)?;
     let info = app
         .locks

@@ -1,5 +1,6 @@
-//! Real Redis for tests (feature `testing`): a `redis-server` on a free loopback port, or a
-//! three-node Redis Cluster, started and stopped by the test — never the default port.
+//! Real Redis for tests (feature `testing`): a `redis-server` on a free loopback port, a
+//! master behind a Sentinel, or a three-node Redis Cluster, started and stopped by the
+//! test — never the default port.
 //!
 //! ```no_run
 //! # async fn demo() -> Result<(), Box<dyn std::error::Error>> {
@@ -30,6 +31,8 @@ pub struct RedisServer {
     port: u16,
     dir: PathBuf,
     extra: Vec<String>,
+    /// Runs as a Sentinel with this configuration file instead of a data node.
+    sentinel_conf: Option<PathBuf>,
     child: Option<Child>,
 }
 
@@ -56,6 +59,7 @@ impl RedisServer {
                 port,
                 dir: scratch_dir(port)?,
                 extra: extra.iter().map(|s| (*s).to_owned()).collect(),
+                sentinel_conf: None,
                 child: None,
             };
             match server.spawn() {
@@ -69,21 +73,32 @@ impl RedisServer {
     fn spawn(&mut self) -> io::Result<()> {
         let port = self.port.to_string();
         let dir = self.dir.to_string_lossy().into_owned();
-        let mut args = vec![
-            "--port",
-            &port,
-            "--bind",
-            "127.0.0.1",
-            "--save",
-            "",
-            "--appendonly",
-            "no",
-            "--dir",
-            &dir,
-            "--protected-mode",
-            "no",
-        ];
-        args.extend(self.extra.iter().map(String::as_str));
+        let conf = self
+            .sentinel_conf
+            .as_ref()
+            .map(|c| c.to_string_lossy().into_owned());
+        let args: Vec<&str> = match &conf {
+            // A Sentinel takes everything from its (writable) configuration file.
+            Some(conf) => vec![conf.as_str(), "--sentinel"],
+            None => {
+                let mut args = vec![
+                    "--port",
+                    &port,
+                    "--bind",
+                    "127.0.0.1",
+                    "--save",
+                    "",
+                    "--appendonly",
+                    "no",
+                    "--dir",
+                    &dir,
+                    "--protected-mode",
+                    "no",
+                ];
+                args.extend(self.extra.iter().map(String::as_str));
+                args
+            }
+        };
         let child = Command::new("redis-server")
             .args(&args)
             .stdout(Stdio::null())
@@ -235,6 +250,7 @@ impl RedisCluster {
                     "--cluster-node-timeout".into(),
                     "2000".into(),
                 ],
+                sentinel_conf: None,
                 child: None,
             };
             match node.spawn() {
@@ -258,6 +274,83 @@ impl RedisCluster {
         StoreConfig::Redis(RedisConfig {
             urls: self.urls(),
             topology: RedisTopology::Cluster,
+            prefix: "idemgate".to_owned(),
+        })
+    }
+}
+
+/// A data node watched by one Redis Sentinel, which the sidecar asks for the master.
+pub struct RedisSentinel {
+    master: RedisServer,
+    sentinel: RedisServer,
+}
+
+impl RedisSentinel {
+    /// The master name the Sentinel monitors.
+    pub const MASTER: &'static str = "idemgate";
+
+    /// Starts a master and a Sentinel monitoring it, and waits until the Sentinel knows it.
+    ///
+    /// # Errors
+    /// Either process does not start, or the Sentinel does not report the master.
+    pub fn start() -> io::Result<Self> {
+        let master = RedisServer::start()?;
+        let mut last_err = None;
+        for _ in 0..5 {
+            let port = free_port(false)?;
+            let dir = scratch_dir(port)?;
+            let conf = dir.join("sentinel.conf");
+            std::fs::write(
+                &conf,
+                format!(
+                    "port {port}\nbind 127.0.0.1\nprotected-mode no\ndir {}\n\
+                     sentinel monitor {} 127.0.0.1 {} 1\n\
+                     sentinel down-after-milliseconds {} 2000\n",
+                    dir.display(),
+                    Self::MASTER,
+                    master.port,
+                    Self::MASTER,
+                ),
+            )?;
+            let mut sentinel = RedisServer {
+                port,
+                dir,
+                extra: Vec::new(),
+                sentinel_conf: Some(conf),
+                child: None,
+            };
+            match sentinel.spawn() {
+                Ok(()) => {
+                    let deadline = Instant::now() + START_TIMEOUT;
+                    let expected = master.port.to_string();
+                    while !sentinel
+                        .cli(&["sentinel", "get-master-addr-by-name", Self::MASTER])
+                        .is_ok_and(|out| out.contains(&expected))
+                    {
+                        if Instant::now() > deadline {
+                            return Err(io::Error::other("the Sentinel does not know the master"));
+                        }
+                        std::thread::sleep(Duration::from_millis(50));
+                    }
+                    return Ok(RedisSentinel { master, sentinel });
+                }
+                Err(err) => last_err = Some(err),
+            }
+        }
+        Err(last_err.unwrap_or_else(|| io::Error::other("redis sentinel did not start")))
+    }
+
+    pub fn master(&self) -> &RedisServer {
+        &self.master
+    }
+
+    /// A Sentinel store configuration (the Sentinel's URL, master [`Self::MASTER`]).
+    pub fn store_config(&self) -> StoreConfig {
+        StoreConfig::Redis(RedisConfig {
+            urls: vec![self.sentinel.url()],
+            topology: RedisTopology::Sentinel {
+                master: Self::MASTER.to_owned(),
+            },
             prefix: "idemgate".to_owned(),
         })
     }

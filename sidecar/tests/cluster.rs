@@ -1,7 +1,8 @@
-//! A three-node Redis Cluster: keys spread over slots, every script stays in one slot.
+//! Redis topologies beyond a standalone server: a three-node Cluster (keys spread over
+//! slots, every script stays in one slot) and a master found through a Sentinel.
 
 use crate::util::{Harness, claim_req, granted, waiting};
-use idemgate_sidecar::testing::RedisCluster;
+use idemgate_sidecar::testing::{RedisCluster, RedisSentinel};
 use idemgate_wire::{ClaimOutcome, Mode, OwnerOutcome, StoredResponse};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -57,4 +58,33 @@ async fn claims_queues_and_replays_work_on_a_cluster() {
         last = next;
         c.complete(key, &owner, 1000, None).await;
     }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_master_is_found_through_a_sentinel() {
+    let sentinel = RedisSentinel::start().unwrap();
+    let h = Harness::on_store(sentinel.store_config(), None, |_| {}).await;
+    let c = &h.client;
+    let key = "sentinel-key";
+    let (holder, fence) = granted(&c.claim(&claim_req(key, Mode::Lock, 60_000)).await.0);
+    let client = c.clone();
+    let waiter = tokio::spawn(async move {
+        client
+            .claim(&waiting(claim_req(key, Mode::Lock, 10_000), 30_000, 10))
+            .await
+            .0
+    });
+    c.wait_for_key(key, "the waiter to queue", |info| info.queue_len == 1)
+        .await;
+    assert_eq!(
+        c.complete(key, &holder, 1000, None).await,
+        OwnerOutcome::Released
+    );
+    let (_, next) = granted(&waiter.await.unwrap());
+    assert!(next > fence);
+    let on_master = sentinel.master().cli(&["--scan"]).unwrap();
+    assert!(
+        on_master.contains("idemgate:{sentinel-key}:lock"),
+        "{on_master}"
+    );
 }
