@@ -13,7 +13,9 @@ use wasmtime::{Engine, InstancePre, Linker, Module};
 /// Errors loading a module or booting a VM.
 #[derive(Debug, thiserror::Error)]
 pub enum LoadError {
-    #[error("reading {path}: {source}")]
+    #[error(
+        "reading {path}: {source} (build the modules with `cargo xtask wasm` from the workspace root)"
+    )]
     Read {
         path: PathBuf,
         source: std::io::Error,

@@ -858,6 +858,15 @@ impl Vm {
             .unwrap_or_default()
     }
 
+    /// Whether a stream has events its driver has not taken yet.
+    pub fn has_events(&self, id: StreamId) -> bool {
+        self.store
+            .data()
+            .streams
+            .get(&id)
+            .is_some_and(|s| !s.events.is_empty())
+    }
+
     /// Whether the stream is complete (its log/done/delete ran).
     pub fn is_finished(&self, id: StreamId) -> bool {
         self.store

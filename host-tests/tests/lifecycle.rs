@@ -54,6 +54,7 @@ fn missing_artifact_names_the_build_command() {
         .err()
         .unwrap();
     assert!(err.to_string().contains("/nonexistent/x.wasm"), "{err}");
+    assert!(err.to_string().contains("cargo xtask wasm"), "{err}");
 }
 
 #[test]
@@ -177,4 +178,16 @@ fn other_workers_are_unaffected_by_a_trap() {
     let ok = workers[1].stream();
     ok.send_request(Request::get("/"));
     assert!(ok.upstream_headers().is_some());
+}
+
+#[test]
+fn only_logging_and_wasi_are_allowed_while_the_vm_starts() {
+    let host = TestHost::new();
+    let err = host.fixture("restricted").boot().err().unwrap();
+    assert!(err.to_string().contains("restricted_callback"), "{err}");
+    assert_eq!(
+        host.logs_containing("starting"),
+        vec!["starting"],
+        "logging was allowed"
+    );
 }

@@ -11,7 +11,7 @@ mod stream;
 use crate::abi::LogLevel;
 use crate::plugin::{Clusters, LoadError, WasmModule};
 use crate::shared::{Clock, SharedState, lock};
-use crate::vm::Vm;
+use crate::vm::{StreamId, Vm};
 use bytes::Bytes;
 use config::{EnvoyConfig, ListenerConfig};
 use http_body_util::Full;
@@ -302,18 +302,23 @@ pub(crate) struct ListenerWorker {
     pub(crate) clusters: Clusters,
     pub(crate) stats: Arc<Stats>,
     pub(crate) access_log: bool,
-    streams: RefCell<HashMap<u64, Rc<Notify>>>,
+    /// In-flight streams: their VM stream (if the chain has the wasm filter) and waker.
+    streams: RefCell<HashMap<u64, (Option<StreamId>, Rc<Notify>)>>,
     next_stream: std::cell::Cell<u64>,
     timers: Notify,
+    /// The deadline the timer task is sleeping towards.
+    planned_deadline: std::cell::Cell<Option<u64>>,
 }
 
 impl ListenerWorker {
     /// Registers a stream's waker; the guard unregisters it.
-    pub(crate) fn register(self: &Rc<Self>) -> (Rc<Notify>, StreamSlot) {
+    pub(crate) fn register(self: &Rc<Self>, stream: Option<StreamId>) -> (Rc<Notify>, StreamSlot) {
         let key = self.next_stream.get() + 1;
         self.next_stream.set(key);
         let notify = Rc::new(Notify::new());
-        self.streams.borrow_mut().insert(key, Rc::clone(&notify));
+        self.streams
+            .borrow_mut()
+            .insert(key, (stream, Rc::clone(&notify)));
         (
             notify,
             StreamSlot {
@@ -323,12 +328,12 @@ impl ListenerWorker {
         )
     }
 
-    /// After any VM call: send new callouts, re-plan timers, wake streams.
+    /// After any VM call: send new callouts, re-plan timers, wake the streams that got work.
     pub(crate) fn after_vm_call(self: &Rc<Self>) {
-        let callouts = match &self.vm {
-            Some(vm) => vm.borrow_mut().take_new_callouts(),
-            None => Vec::new(),
+        let Some(vm) = &self.vm else {
+            return;
         };
+        let callouts = vm.borrow_mut().take_new_callouts();
         for request in callouts {
             let this = Rc::clone(self);
             let cluster = self
@@ -344,9 +349,14 @@ impl ListenerWorker {
                 this.after_vm_call();
             });
         }
-        self.timers.notify_one();
-        for notify in self.streams.borrow().values() {
-            notify.notify_one();
+        let vm = vm.borrow();
+        if vm.next_deadline_ns() != self.planned_deadline.get() {
+            self.timers.notify_one();
+        }
+        for (stream, notify) in self.streams.borrow().values() {
+            if stream.is_some_and(|id| vm.has_events(id)) {
+                notify.notify_one();
+            }
         }
     }
 
@@ -360,7 +370,9 @@ impl ListenerWorker {
             let wait = {
                 let vm = vm.borrow();
                 let now = vm.shared().clock().monotonic_ns();
-                vm.next_deadline_ns()
+                let deadline = vm.next_deadline_ns();
+                self.planned_deadline.set(deadline);
+                deadline
                     .map(|d| Duration::from_nanos(d.saturating_sub(now)))
                     .unwrap_or(Duration::from_secs(3600))
             };
@@ -437,6 +449,7 @@ fn run_worker(
                 streams: RefCell::new(HashMap::new()),
                 next_stream: std::cell::Cell::new(0),
                 timers: Notify::new(),
+                planned_deadline: std::cell::Cell::new(None),
             });
             let socket = match tokio::net::TcpListener::from_std(socket) {
                 Ok(s) => s,

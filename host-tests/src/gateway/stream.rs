@@ -384,7 +384,10 @@ async fn drive(
             finished: false,
         },
     };
-    let (wake, _slot) = listener.register();
+    let (wake, _slot) = listener.register(match &chain {
+        Chain::Wasm(id) => Some(*id),
+        Chain::Direct { .. } => None,
+    });
     let mut driver = Driver {
         listener: Rc::clone(&listener),
         chain,
