@@ -570,3 +570,56 @@ fn live_gateway_concurrent_duplicates_make_one_backend_call_and_all_get_its_resp
     assert_eq!(replayed, 15);
     gateway.shutdown();
 }
+
+#[test]
+fn the_shipped_envoy_config_configures_the_filter() {
+    // Only the plugin configuration is taken from envoy/envoy.yaml (the harness's Envoy
+    // config subset is not the point here).
+    let root = idemgate_host::target_dir().join("..");
+    let text = std::fs::read_to_string(root.join("envoy/envoy.yaml")).unwrap();
+    let envoy: serde_yaml::Value = serde_yaml::from_str(&text).unwrap();
+    let filter = &envoy["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
+        ["http_filters"][0]["typed_config"]["config"];
+    let configuration = filter["configuration"]["value"]
+        .as_str()
+        .expect("a StringValue configuration");
+    let vm_id = filter["vm_config"]["vm_id"].as_str().unwrap_or_default();
+    let host = idemgate_host::testing::TestHost::new().cluster("idemgate_sidecar");
+    let vm = host
+        .plugin("target/idemgate.wasm")
+        .vm_id(vm_id)
+        .config(configuration)
+        .boot()
+        .unwrap_or_else(|e| {
+            panic!(
+                "{e}: {:?}",
+                host.logs()
+                    .into_iter()
+                    .map(|l| l.message)
+                    .collect::<Vec<_>>()
+            )
+        });
+    let s = vm.stream();
+    s.send_request(
+        Request::post("/payments")
+            .header("x-user-id", "u")
+            .body("{}"),
+    );
+    assert_eq!(
+        s.response_status(),
+        Some(400),
+        "payments need an idempotency key"
+    );
+    let tools = vm.stream();
+    tools.send_request(
+        Request::post("/agents/a1/tools")
+            .header("x-user-id", "u")
+            .body("{}"),
+    );
+    vm.host().advance(std::time::Duration::from_millis(2));
+    assert_eq!(
+        vm.pending_callouts().len(),
+        1,
+        "the agent lock is claimed at the sidecar"
+    );
+}
