@@ -965,60 +965,52 @@ impl Vm {
             s.in_callback = Some((dir, phase));
             s.local_reply_in_call = false;
         }
-        let (name, called) = match (dir, phase) {
-            (Direction::Request, Phase::Headers) => (
-                "proxy_on_request_headers",
-                self.call(
-                    ctx as u32,
-                    "proxy_on_request_headers",
-                    |e| e.request_headers.clone(),
-                    (ctx, a, b),
-                ),
+        let request = dir == Direction::Request;
+        let name = match (dir, phase) {
+            (Direction::Request, Phase::Headers) => "proxy_on_request_headers",
+            (Direction::Request, Phase::Body) => "proxy_on_request_body",
+            (Direction::Request, Phase::Trailers) => "proxy_on_request_trailers",
+            (Direction::Response, Phase::Headers) => "proxy_on_response_headers",
+            (Direction::Response, Phase::Body) => "proxy_on_response_body",
+            (Direction::Response, Phase::Trailers) => "proxy_on_response_trailers",
+        };
+        let context = ctx as u32;
+        let called = match phase {
+            Phase::Headers => self.call(
+                context,
+                name,
+                |e| {
+                    if request {
+                        e.request_headers.clone()
+                    } else {
+                        e.response_headers.clone()
+                    }
+                },
+                (ctx, a, b),
             ),
-            (Direction::Request, Phase::Body) => (
-                "proxy_on_request_body",
-                self.call(
-                    ctx as u32,
-                    "proxy_on_request_body",
-                    |e| e.request_body.clone(),
-                    (ctx, a, b),
-                ),
+            Phase::Body => self.call(
+                context,
+                name,
+                |e| {
+                    if request {
+                        e.request_body.clone()
+                    } else {
+                        e.response_body.clone()
+                    }
+                },
+                (ctx, a, b),
             ),
-            (Direction::Request, Phase::Trailers) => (
-                "proxy_on_request_trailers",
-                self.call(
-                    ctx as u32,
-                    "proxy_on_request_trailers",
-                    |e| e.request_trailers.clone(),
-                    (ctx, a),
-                ),
-            ),
-            (Direction::Response, Phase::Headers) => (
-                "proxy_on_response_headers",
-                self.call(
-                    ctx as u32,
-                    "proxy_on_response_headers",
-                    |e| e.response_headers.clone(),
-                    (ctx, a, b),
-                ),
-            ),
-            (Direction::Response, Phase::Body) => (
-                "proxy_on_response_body",
-                self.call(
-                    ctx as u32,
-                    "proxy_on_response_body",
-                    |e| e.response_body.clone(),
-                    (ctx, a, b),
-                ),
-            ),
-            (Direction::Response, Phase::Trailers) => (
-                "proxy_on_response_trailers",
-                self.call(
-                    ctx as u32,
-                    "proxy_on_response_trailers",
-                    |e| e.response_trailers.clone(),
-                    (ctx, a),
-                ),
+            Phase::Trailers => self.call(
+                context,
+                name,
+                |e| {
+                    if request {
+                        e.request_trailers.clone()
+                    } else {
+                        e.response_trailers.clone()
+                    }
+                },
+                (ctx, a),
             ),
         };
         let local_reply = self.stream_mut(id).is_some_and(|s| {
