@@ -811,33 +811,22 @@ impl Vm {
         }
     }
 
-    pub fn request_headers(&mut self, id: StreamId, headers: HeaderMap, end_stream: bool) {
-        self.on_headers(id, Direction::Request, headers, end_stream, false);
+    /// Headers from the client (`Request`, Envoy `decodeHeaders`) or the upstream
+    /// (`Response`, `encodeHeaders`).
+    pub fn headers(&mut self, id: StreamId, dir: Direction, headers: HeaderMap, end_stream: bool) {
+        self.on_headers(id, dir, headers, end_stream, false);
         self.drain();
     }
 
-    pub fn request_data(&mut self, id: StreamId, data: &[u8], end_stream: bool) {
-        self.on_data(id, Direction::Request, data, end_stream, false);
+    /// A data frame (`decodeData` / `encodeData`).
+    pub fn data(&mut self, id: StreamId, dir: Direction, data: &[u8], end_stream: bool) {
+        self.on_data(id, dir, data, end_stream, false);
         self.drain();
     }
 
-    pub fn request_trailers(&mut self, id: StreamId, trailers: HeaderMap) {
-        self.on_trailers(id, Direction::Request, trailers);
-        self.drain();
-    }
-
-    pub fn response_headers(&mut self, id: StreamId, headers: HeaderMap, end_stream: bool) {
-        self.on_headers(id, Direction::Response, headers, end_stream, false);
-        self.drain();
-    }
-
-    pub fn response_data(&mut self, id: StreamId, data: &[u8], end_stream: bool) {
-        self.on_data(id, Direction::Response, data, end_stream, false);
-        self.drain();
-    }
-
-    pub fn response_trailers(&mut self, id: StreamId, trailers: HeaderMap) {
-        self.on_trailers(id, Direction::Response, trailers);
+    /// Trailers, which end the direction (`decodeTrailers` / `encodeTrailers`).
+    pub fn trailers(&mut self, id: StreamId, dir: Direction, trailers: HeaderMap) {
+        self.on_trailers(id, dir, trailers);
         self.drain();
     }
 
