@@ -166,10 +166,11 @@ fn queued_lock_holders_run_in_arrival_order() {
                 )
             });
         seen.push((w, token));
+        let key = claim_key(gw.worker(w), token);
         let vm = gw.worker(w).clone();
         let forward = std::thread::spawn(move || vm.forward_callout(token));
-        // Let the sidecar queue it before the next one arrives.
-        std::thread::sleep(std::time::Duration::from_millis(300));
+        // The sidecar queues it before the next one arrives.
+        stack.wait_for_queue(&key, i as u64 + 1);
         waiters.push((s, forward));
     }
     let mut holder = first;
@@ -474,9 +475,10 @@ fn queued_duplicate_gets_the_stored_response() {
     gw.host.advance(std::time::Duration::from_millis(2));
     let (w, token, path) = gw.pending().pop().expect("the duplicate's claim");
     assert_eq!(path, idemgate_wire::paths::CLAIM);
+    let key = claim_key(gw.worker(w), token);
     let vm = gw.worker(w).clone();
     let waiting = std::thread::spawn(move || vm.forward_callout(token));
-    std::thread::sleep(std::time::Duration::from_millis(300));
+    stack.wait_for_queue(&key, 1);
     assert!(
         dup.upstream_headers().is_none() && dup.response_status().is_none(),
         "held, not polled"
@@ -567,4 +569,57 @@ fn live_gateway_concurrent_duplicates_make_one_backend_call_and_all_get_its_resp
         .count();
     assert_eq!(replayed, 15);
     gateway.shutdown();
+}
+
+#[test]
+fn the_shipped_envoy_config_configures_the_filter() {
+    // Only the plugin configuration is taken from envoy/envoy.yaml (the harness's Envoy
+    // config subset is not the point here).
+    let root = idemgate_host::target_dir().join("..");
+    let text = std::fs::read_to_string(root.join("envoy/envoy.yaml")).unwrap();
+    let envoy: serde_yaml::Value = serde_yaml::from_str(&text).unwrap();
+    let filter = &envoy["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
+        ["http_filters"][0]["typed_config"]["config"];
+    let configuration = filter["configuration"]["value"]
+        .as_str()
+        .expect("a StringValue configuration");
+    let vm_id = filter["vm_config"]["vm_id"].as_str().unwrap_or_default();
+    let host = idemgate_host::testing::TestHost::new().cluster("idemgate_sidecar");
+    let vm = host
+        .plugin("target/idemgate.wasm")
+        .vm_id(vm_id)
+        .config(configuration)
+        .boot()
+        .unwrap_or_else(|e| {
+            panic!(
+                "{e}: {:?}",
+                host.logs()
+                    .into_iter()
+                    .map(|l| l.message)
+                    .collect::<Vec<_>>()
+            )
+        });
+    let s = vm.stream();
+    s.send_request(
+        Request::post("/payments")
+            .header("x-user-id", "u")
+            .body("{}"),
+    );
+    assert_eq!(
+        s.response_status(),
+        Some(400),
+        "payments need an idempotency key"
+    );
+    let tools = vm.stream();
+    tools.send_request(
+        Request::post("/agents/a1/tools")
+            .header("x-user-id", "u")
+            .body("{}"),
+    );
+    vm.host().advance(std::time::Duration::from_millis(2));
+    assert_eq!(
+        vm.pending_callouts().len(),
+        1,
+        "the agent lock is claimed at the sidecar"
+    );
 }

@@ -108,6 +108,15 @@ impl HeaderMap {
         self.entries.retain(|(k, _)| *k != key);
     }
 
+    /// Converts an `http` crate map (names are already lower-case there).
+    pub(crate) fn from_http(headers: &http::HeaderMap) -> Self {
+        let mut map = Self::new();
+        for (k, v) in headers {
+            map.add(k.as_str().as_bytes(), v.as_bytes());
+        }
+        map
+    }
+
     /// Envoy's `byteSize()`: the sum of key and value lengths.
     pub(crate) fn byte_size(&self) -> usize {
         self.entries.iter().map(|(k, v)| k.len() + v.len()).sum()

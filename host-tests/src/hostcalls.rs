@@ -651,219 +651,162 @@ fn status(r: HostResult) -> wasmtime::Result<i32> {
     r.map(|s| s as i32)
 }
 
+/// Links one `env` hostcall: `link!(linker, "name", |c, a: i32, ..| body)`, where `c` is
+/// `&mut Ctx` and `body` yields `wasmtime::Result<i32>`; calls during VM start trap first.
+macro_rules! link {
+    ($l:expr, $name:literal, |$c:ident $(, $arg:tt : $ty:ty)*| $body:expr) => {
+        $l.func_wrap("env", $name, |mut caller: Ctx<'_> $(, $arg: $ty)*| -> wasmtime::Result<i32> {
+            unrestricted(&caller, $name)?;
+            let $c: &mut Ctx<'_> = &mut caller;
+            let _ = &$c;
+            $body
+        })?
+    };
+}
+
 /// Links every `env.proxy_*` function the Rust SDK 0.2.x imports (and `proxy_get_header_map_size`).
 pub(crate) fn add_to_linker(l: &mut Linker<VmState>) -> wasmtime::Result<()> {
-    const ENV: &str = "env";
+    // proxy_log is allowed during VM start (the only one, with WASI).
     l.func_wrap(
-        ENV,
+        "env",
         "proxy_log",
         |mut c: Ctx<'_>, level: i32, p: i32, n: i32| status(log(&mut c, level, p, n)),
     )?;
-    l.func_wrap(ENV, "proxy_get_log_level", |mut c: Ctx<'_>, out: i32| {
+    l.func_wrap("env", "proxy_get_log_level", |mut c: Ctx<'_>, out: i32| {
         let level = c.data().plugin.log_level as u32;
         Ok(write_status(write(&mut c, out, &level.to_le_bytes())))
     })?;
-    l.func_wrap(
-        ENV,
-        "proxy_get_current_time_nanoseconds",
-        |mut c: Ctx<'_>, out: i32| {
-            unrestricted(&c, "proxy_get_current_time_nanoseconds")?;
-            let now = c.data().shared.clock.realtime_ns();
-            Ok(write_status(write(&mut c, out, &now.to_le_bytes())))
-        },
-    )?;
-    l.func_wrap(
-        ENV,
-        "proxy_set_tick_period_milliseconds",
-        |mut c: Ctx<'_>, ms: i32| {
-            unrestricted(&c, "proxy_set_tick_period_milliseconds")?;
-            c.data_mut()
-                .set_tick_period(Duration::from_millis(ms as u32 as u64));
-            Ok(Status::Ok as i32)
-        },
-    )?;
-    l.func_wrap(
-        ENV,
+    link!(l, "proxy_get_current_time_nanoseconds", |c, out: i32| {
+        let now = c.data().shared.clock.realtime_ns();
+        Ok(write_status(write(c, out, &now.to_le_bytes())))
+    });
+    link!(l, "proxy_set_tick_period_milliseconds", |c, ms: i32| {
+        c.data_mut()
+            .set_tick_period(Duration::from_millis(u64::from(ms as u32)));
+        Ok(Status::Ok as i32)
+    });
+    link!(
+        l,
         "proxy_get_buffer_bytes",
-        |mut c: Ctx<'_>, t: i32, s: i32, m: i32, po: i32, lo: i32| {
-            unrestricted(&c, "proxy_get_buffer_bytes")?;
-            status(get_buffer_bytes(&mut c, t, s, m, po, lo))
-        },
-    )?;
-    l.func_wrap(
-        ENV,
+        |c, t: i32, s: i32, m: i32, po: i32, lo: i32| {
+            status(get_buffer_bytes(c, t, s, m, po, lo))
+        }
+    );
+    link!(
+        l,
         "proxy_set_buffer_bytes",
-        |mut c: Ctx<'_>, t: i32, s: i32, n: i32, p: i32, l: i32| {
-            unrestricted(&c, "proxy_set_buffer_bytes")?;
-            status(set_buffer_bytes(&mut c, t, s, n, p, l))
-        },
-    )?;
-    l.func_wrap(
-        ENV,
+        |c, t: i32, s: i32, n: i32, p: i32, len: i32| {
+            status(set_buffer_bytes(c, t, s, n, p, len))
+        }
+    );
+    link!(
+        l,
         "proxy_get_header_map_pairs",
-        |mut c: Ctx<'_>, t: i32, po: i32, lo: i32| {
-            unrestricted(&c, "proxy_get_header_map_pairs")?;
-            status(get_header_map_pairs(&mut c, t, po, lo))
-        },
-    )?;
-    l.func_wrap(
-        ENV,
+        |c, t: i32, po: i32, lo: i32| status(get_header_map_pairs(c, t, po, lo))
+    );
+    link!(
+        l,
         "proxy_set_header_map_pairs",
-        |mut c: Ctx<'_>, t: i32, p: i32, n: i32| {
-            unrestricted(&c, "proxy_set_header_map_pairs")?;
-            status(set_header_map_pairs(&mut c, t, p, n))
-        },
-    )?;
-    l.func_wrap(
-        ENV,
+        |c, t: i32, p: i32, n: i32| status(set_header_map_pairs(c, t, p, n))
+    );
+    link!(
+        l,
         "proxy_get_header_map_value",
-        |mut c: Ctx<'_>, t: i32, kp: i32, kl: i32, po: i32, lo: i32| {
-            unrestricted(&c, "proxy_get_header_map_value")?;
-            status(get_header_map_value(&mut c, t, kp, kl, po, lo))
-        },
-    )?;
-    l.func_wrap(
-        ENV,
+        |c, t: i32, kp: i32, kl: i32, po: i32, lo: i32| {
+            status(get_header_map_value(c, t, kp, kl, po, lo))
+        }
+    );
+    link!(
+        l,
         "proxy_replace_header_map_value",
-        |mut c: Ctx<'_>, t: i32, kp: i32, kl: i32, vp: i32, vl: i32| {
-            unrestricted(&c, "proxy_replace_header_map_value")?;
-            status(mutate_header(
-                &mut c,
-                t,
-                kp,
-                kl,
-                Some((vp, vl)),
-                |m, k, v| m.replace(k, v),
-            ))
-        },
-    )?;
-    l.func_wrap(
-        ENV,
-        "proxy_add_header_map_value",
-        |mut c: Ctx<'_>, t: i32, kp: i32, kl: i32, vp: i32, vl: i32| {
-            unrestricted(&c, "proxy_add_header_map_value")?;
-            status(mutate_header(
-                &mut c,
-                t,
-                kp,
-                kl,
-                Some((vp, vl)),
-                |m, k, v| m.add(k, v),
-            ))
-        },
-    )?;
-    l.func_wrap(
-        ENV,
-        "proxy_remove_header_map_value",
-        |mut c: Ctx<'_>, t: i32, kp: i32, kl: i32| {
-            unrestricted(&c, "proxy_remove_header_map_value")?;
-            status(mutate_header(&mut c, t, kp, kl, None, |m, k, _| {
-                m.remove(k)
+        |c, t: i32, kp: i32, kl: i32, vp: i32, vl: i32| {
+            status(mutate_header(c, t, kp, kl, Some((vp, vl)), |m, k, v| {
+                m.replace(k, v)
             }))
-        },
-    )?;
-    l.func_wrap(
-        ENV,
-        "proxy_get_header_map_size",
-        |mut c: Ctx<'_>, t: i32, out: i32| {
-            unrestricted(&c, "proxy_get_header_map_size")?;
-            status(get_header_map_size(&mut c, t, out))
-        },
-    )?;
-    l.func_wrap(
-        ENV,
+        }
+    );
+    link!(
+        l,
+        "proxy_add_header_map_value",
+        |c, t: i32, kp: i32, kl: i32, vp: i32, vl: i32| {
+            status(mutate_header(c, t, kp, kl, Some((vp, vl)), |m, k, v| {
+                m.add(k, v)
+            }))
+        }
+    );
+    link!(
+        l,
+        "proxy_remove_header_map_value",
+        |c, t: i32, kp: i32, kl: i32| {
+            status(mutate_header(c, t, kp, kl, None, |m, k, _| m.remove(k)))
+        }
+    );
+    link!(l, "proxy_get_header_map_size", |c, t: i32, out: i32| {
+        status(get_header_map_size(c, t, out))
+    });
+    link!(
+        l,
         "proxy_get_property",
-        |mut c: Ctx<'_>, p: i32, n: i32, po: i32, lo: i32| {
-            unrestricted(&c, "proxy_get_property")?;
-            status(get_property(&mut c, p, n, po, lo))
-        },
-    )?;
-    l.func_wrap(
-        ENV,
+        |c, p: i32, n: i32, po: i32, lo: i32| status(get_property(c, p, n, po, lo))
+    );
+    link!(
+        l,
         "proxy_set_property",
-        |mut c: Ctx<'_>, p: i32, n: i32, vp: i32, vl: i32| {
-            unrestricted(&c, "proxy_set_property")?;
-            status(set_property(&mut c, p, n, vp, vl))
-        },
-    )?;
-    l.func_wrap(
-        ENV,
+        |c, p: i32, n: i32, vp: i32, vl: i32| status(set_property(c, p, n, vp, vl))
+    );
+    link!(
+        l,
         "proxy_get_shared_data",
-        |mut c: Ctx<'_>, kp: i32, kl: i32, po: i32, lo: i32, co: i32| {
-            unrestricted(&c, "proxy_get_shared_data")?;
-            status(get_shared_data(&mut c, kp, kl, po, lo, co))
-        },
-    )?;
-    l.func_wrap(
-        ENV,
+        |c, kp: i32, kl: i32, po: i32, lo: i32, co: i32| {
+            status(get_shared_data(c, kp, kl, po, lo, co))
+        }
+    );
+    link!(
+        l,
         "proxy_set_shared_data",
-        |mut c: Ctx<'_>, kp: i32, kl: i32, vp: i32, vl: i32, cas: i32| {
-            unrestricted(&c, "proxy_set_shared_data")?;
-            status(set_shared_data(&mut c, kp, kl, vp, vl, cas))
-        },
-    )?;
-    l.func_wrap(
-        ENV,
+        |c, kp: i32, kl: i32, vp: i32, vl: i32, cas: i32| {
+            status(set_shared_data(c, kp, kl, vp, vl, cas))
+        }
+    );
+    link!(
+        l,
         "proxy_register_shared_queue",
-        |mut c: Ctx<'_>, p: i32, n: i32, out: i32| {
-            unrestricted(&c, "proxy_register_shared_queue")?;
-            status(register_shared_queue(&mut c, p, n, out))
-        },
-    )?;
-    l.func_wrap(
-        ENV,
+        |c, p: i32, n: i32, out: i32| status(register_shared_queue(c, p, n, out))
+    );
+    link!(
+        l,
         "proxy_resolve_shared_queue",
-        |mut c: Ctx<'_>, vp: i32, vl: i32, np: i32, nl: i32, out: i32| {
-            unrestricted(&c, "proxy_resolve_shared_queue")?;
-            status(resolve_shared_queue(&mut c, vp, vl, np, nl, out))
-        },
-    )?;
-    l.func_wrap(
-        ENV,
+        |c, vp: i32, vl: i32, np: i32, nl: i32, out: i32| {
+            status(resolve_shared_queue(c, vp, vl, np, nl, out))
+        }
+    );
+    link!(
+        l,
         "proxy_dequeue_shared_queue",
-        |mut c: Ctx<'_>, t: i32, po: i32, lo: i32| {
-            unrestricted(&c, "proxy_dequeue_shared_queue")?;
-            status(dequeue_shared_queue(&mut c, t, po, lo))
-        },
-    )?;
-    l.func_wrap(
-        ENV,
+        |c, t: i32, po: i32, lo: i32| status(dequeue_shared_queue(c, t, po, lo))
+    );
+    link!(
+        l,
         "proxy_enqueue_shared_queue",
-        |mut c: Ctx<'_>, t: i32, p: i32, n: i32| {
-            unrestricted(&c, "proxy_enqueue_shared_queue")?;
-            status(enqueue_shared_queue(&mut c, t, p, n))
-        },
-    )?;
-    l.func_wrap(ENV, "proxy_continue_stream", |mut c: Ctx<'_>, t: i32| {
-        unrestricted(&c, "proxy_continue_stream")?;
-        status(continue_stream(&mut c, t))
-    })?;
-    l.func_wrap(ENV, "proxy_close_stream", |mut c: Ctx<'_>, t: i32| {
-        unrestricted(&c, "proxy_close_stream")?;
-        status(close_stream(&mut c, t))
-    })?;
-    l.func_wrap(
-        ENV,
+        |c, t: i32, p: i32, n: i32| status(enqueue_shared_queue(c, t, p, n))
+    );
+    link!(l, "proxy_continue_stream", |c, t: i32| status(
+        continue_stream(c, t)
+    ));
+    link!(l, "proxy_close_stream", |c, t: i32| status(close_stream(
+        c, t
+    )));
+    link!(
+        l,
         "proxy_send_local_response",
-        |mut c: Ctx<'_>,
-         code: i32,
-         dp: i32,
-         dl: i32,
-         bp: i32,
-         bl: i32,
-         hp: i32,
-         hl: i32,
-         grpc: i32| {
-            unrestricted(&c, "proxy_send_local_response")?;
-            status(send_local_response(
-                &mut c, code, dp, dl, bp, bl, hp, hl, grpc,
-            ))
-        },
-    )?;
-    l.func_wrap(
-        ENV,
+        |c, code: i32, dp: i32, dl: i32, bp: i32, bl: i32, hp: i32, hl: i32, grpc: i32| {
+            status(send_local_response(c, code, dp, dl, bp, bl, hp, hl, grpc))
+        }
+    );
+    link!(
+        l,
         "proxy_http_call",
-        |mut c: Ctx<'_>,
+        |c,
          up: i32,
          ul: i32,
          hp: i32,
@@ -873,133 +816,79 @@ pub(crate) fn add_to_linker(l: &mut Linker<VmState>) -> wasmtime::Result<()> {
          tp: i32,
          tl: i32,
          timeout: i32,
-         out: i32| {
-            unrestricted(&c, "proxy_http_call")?;
-            status(http_call(
-                &mut c, up, ul, hp, hl, bp, bl, tp, tl, timeout, out,
-            ))
-        },
-    )?;
+         out: i32| status(http_call(c, up, ul, hp, hl, bp, bl, tp, tl, timeout, out))
+    );
     // gRPC: no gRPC clusters are modelled, so every call fails as Envoy does for an unknown
     // cluster (ParseFailure, which the Rust SDK maps to Err); stream operations see no token.
-    l.func_wrap(
-        ENV,
+    link!(
+        l,
         "proxy_grpc_call",
-        |c: Ctx<'_>,
-         _: i32,
-         _: i32,
-         _: i32,
-         _: i32,
-         _: i32,
-         _: i32,
-         _: i32,
-         _: i32,
-         _: i32,
-         _: i32,
-         _: i32,
-         _: i32| {
-            unrestricted(&c, "proxy_grpc_call")?;
-            Ok(Status::ParseFailure as i32)
-        },
-    )?;
-    l.func_wrap(
-        ENV,
+        |c,
+         _a: i32,
+         _b: i32,
+         _d: i32,
+         _e: i32,
+         _f: i32,
+         _g: i32,
+         _h: i32,
+         _i: i32,
+         _j: i32,
+         _k: i32,
+         _m: i32,
+         _n: i32| Ok(Status::ParseFailure as i32)
+    );
+    link!(
+        l,
         "proxy_grpc_stream",
-        |c: Ctx<'_>, _: i32, _: i32, _: i32, _: i32, _: i32, _: i32, _: i32, _: i32, _: i32| {
-            unrestricted(&c, "proxy_grpc_stream")?;
+        |c, _a: i32, _b: i32, _d: i32, _e: i32, _f: i32, _g: i32, _h: i32, _i: i32, _j: i32| {
             Ok(Status::ParseFailure as i32)
-        },
-    )?;
-    l.func_wrap(
-        ENV,
+        }
+    );
+    link!(
+        l,
         "proxy_grpc_send",
-        |c: Ctx<'_>, _: i32, _: i32, _: i32, _: i32| {
-            unrestricted(&c, "proxy_grpc_send")?;
-            Ok(Status::NotFound as i32)
-        },
-    )?;
-    l.func_wrap(ENV, "proxy_grpc_cancel", |c: Ctx<'_>, _: i32| {
-        unrestricted(&c, "proxy_grpc_cancel")?;
-        Ok(Status::NotFound as i32)
-    })?;
-    l.func_wrap(ENV, "proxy_grpc_close", |c: Ctx<'_>, _: i32| {
-        unrestricted(&c, "proxy_grpc_close")?;
-        Ok(Status::NotFound as i32)
-    })?;
-    l.func_wrap(
-        ENV,
-        "proxy_get_status",
-        |mut c: Ctx<'_>, co: i32, po: i32, lo: i32| {
-            unrestricted(&c, "proxy_get_status")?;
-            status(get_status(&mut c, co, po, lo))
-        },
-    )?;
-    l.func_wrap(
-        ENV,
-        "proxy_set_effective_context",
-        |mut c: Ctx<'_>, id: i32| {
-            unrestricted(&c, "proxy_set_effective_context")?;
-            status(set_effective_context(&mut c, id))
-        },
-    )?;
-    l.func_wrap(
-        ENV,
+        |c, _t: i32, _p: i32, _n: i32, _e: i32| Ok(Status::NotFound as i32)
+    );
+    link!(l, "proxy_grpc_cancel", |c, _t: i32| Ok(
+        Status::NotFound as i32
+    ));
+    link!(l, "proxy_grpc_close", |c, _t: i32| Ok(
+        Status::NotFound as i32
+    ));
+    link!(l, "proxy_get_status", |c, co: i32, po: i32, lo: i32| {
+        status(get_status(c, co, po, lo))
+    });
+    link!(l, "proxy_set_effective_context", |c, id: i32| {
+        status(set_effective_context(c, id))
+    });
+    link!(
+        l,
         "proxy_call_foreign_function",
-        |c: Ctx<'_>, _: i32, _: i32, _: i32, _: i32, _: i32, _: i32| {
-            unrestricted(&c, "proxy_call_foreign_function")?;
-            Ok(Status::NotFound as i32)
-        },
-    )?;
-    l.func_wrap(ENV, "proxy_done", |mut c: Ctx<'_>| {
-        unrestricted(&c, "proxy_done")?;
-        status(done(&mut c))
-    })?;
-    l.func_wrap(
-        ENV,
+        |c, _a: i32, _b: i32, _d: i32, _e: i32, _f: i32, _g: i32| Ok(Status::NotFound as i32)
+    );
+    link!(l, "proxy_done", |c| status(done(c)));
+    link!(
+        l,
         "proxy_define_metric",
-        |mut c: Ctx<'_>, t: i32, p: i32, n: i32, out: i32| {
-            unrestricted(&c, "proxy_define_metric")?;
-            status(define_metric(&mut c, t, p, n, out))
-        },
-    )?;
-    l.func_wrap(
-        ENV,
-        "proxy_increment_metric",
-        |c: Ctx<'_>, id: i32, delta: i64| {
-            unrestricted(&c, "proxy_increment_metric")?;
-            status(Ok(match metric_name(&c, id) {
-                Ok(name) => c.data().shared.increment_metric(&name, delta),
-                Err(s) => s,
-            }))
-        },
-    )?;
-    l.func_wrap(
-        ENV,
-        "proxy_record_metric",
-        |c: Ctx<'_>, id: i32, value: i64| {
-            unrestricted(&c, "proxy_record_metric")?;
-            status(Ok(match metric_name(&c, id) {
-                Ok(name) => c.data().shared.record_metric(&name, value as u64),
-                Err(s) => s,
-            }))
-        },
-    )?;
-    l.func_wrap(
-        ENV,
-        "proxy_get_metric",
-        |mut c: Ctx<'_>, id: i32, out: i32| {
-            unrestricted(&c, "proxy_get_metric")?;
-            let value =
-                match metric_name(&c, id).and_then(|name| c.data().shared.metric_value(&name)) {
-                    Ok(v) => v,
-                    Err(s) => return Ok(s as i32),
-                };
-            Ok(write_status(write(
-                &mut c,
-                out,
-                &(value as u64).to_le_bytes(),
-            )))
-        },
-    )?;
+        |c, t: i32, p: i32, n: i32, out: i32| status(define_metric(c, t, p, n, out))
+    );
+    link!(l, "proxy_increment_metric", |c, id: i32, delta: i64| {
+        Ok(match metric_name(c, id) {
+            Ok(name) => c.data().shared.increment_metric(&name, delta),
+            Err(s) => s,
+        } as i32)
+    });
+    link!(l, "proxy_record_metric", |c, id: i32, value: i64| {
+        Ok(match metric_name(c, id) {
+            Ok(name) => c.data().shared.record_metric(&name, value as u64),
+            Err(s) => s,
+        } as i32)
+    });
+    link!(l, "proxy_get_metric", |c, id: i32, out: i32| {
+        match metric_name(c, id).and_then(|name| c.data().shared.metric_value(&name)) {
+            Ok(value) => Ok(write_status(write(c, out, &(value as u64).to_le_bytes()))),
+            Err(s) => Ok(s as i32),
+        }
+    });
     Ok(())
 }

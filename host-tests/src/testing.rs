@@ -18,6 +18,7 @@
 //! Every driving call ends with the host "settled": each VM's posted events (queue
 //! notifications) have run, as if all worker event loops went idle.
 
+use crate::abi::Direction;
 use crate::headers::HeaderMap;
 use crate::plugin::{Cluster, FailurePolicy, LoadError, PluginSettings, WasmModule};
 use crate::shared::{Clock, LogRecord, Metric, SharedState, lock};
@@ -517,18 +518,18 @@ impl TestStream {
     /// `decodeHeaders`: exactly these headers (no HCM additions).
     pub fn send_request_headers(&self, headers: impl Into<HeaderMap>, end_stream: bool) -> &Self {
         let headers = headers.into();
-        self.step(|vm, id| vm.request_headers(id, headers, end_stream));
+        self.step(|vm, id| vm.headers(id, Direction::Request, headers, end_stream));
         self
     }
 
     pub fn send_request_body(&self, data: impl AsRef<[u8]>, end_stream: bool) -> &Self {
-        self.step(|vm, id| vm.request_data(id, data.as_ref(), end_stream));
+        self.step(|vm, id| vm.data(id, Direction::Request, data.as_ref(), end_stream));
         self
     }
 
     pub fn send_request_trailers(&self, trailers: impl Into<HeaderMap>) -> &Self {
         let trailers = trailers.into();
-        self.step(|vm, id| vm.request_trailers(id, trailers));
+        self.step(|vm, id| vm.trailers(id, Direction::Request, trailers));
         self
     }
 
@@ -548,18 +549,18 @@ impl TestStream {
 
     pub fn send_response_headers(&self, headers: impl Into<HeaderMap>, end_stream: bool) -> &Self {
         let headers = headers.into();
-        self.step(|vm, id| vm.response_headers(id, headers, end_stream));
+        self.step(|vm, id| vm.headers(id, Direction::Response, headers, end_stream));
         self
     }
 
     pub fn send_response_body(&self, data: impl AsRef<[u8]>, end_stream: bool) -> &Self {
-        self.step(|vm, id| vm.response_data(id, data.as_ref(), end_stream));
+        self.step(|vm, id| vm.data(id, Direction::Response, data.as_ref(), end_stream));
         self
     }
 
     pub fn send_response_trailers(&self, trailers: impl Into<HeaderMap>) -> &Self {
         let trailers = trailers.into();
-        self.step(|vm, id| vm.response_trailers(id, trailers));
+        self.step(|vm, id| vm.trailers(id, Direction::Response, trailers));
         self
     }
 

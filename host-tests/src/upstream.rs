@@ -41,8 +41,8 @@ pub(crate) fn to_http_request(
 /// Converts a response head into Envoy's header list (`:status` first).
 pub(crate) fn response_headers(status: http::StatusCode, headers: &http::HeaderMap) -> HeaderMap {
     let mut map = HeaderMap::from([(":status", status.as_u16().to_string())]);
-    for (k, v) in headers {
-        map.add(k.as_str().as_bytes(), v.as_bytes());
+    for (k, v) in HeaderMap::from_http(headers).entries() {
+        map.add(k, v);
     }
     map
 }
@@ -87,7 +87,7 @@ async fn exchange(cluster: &Cluster, request: &CalloutRequest) -> CalloutOutcome
         Ok(collected) => {
             let trailers = collected
                 .trailers()
-                .map(response_headers_only)
+                .map(HeaderMap::from_http)
                 .unwrap_or_default();
             CalloutOutcome::Response {
                 headers: response_headers(parts.status, &parts.headers),
@@ -98,14 +98,6 @@ async fn exchange(cluster: &Cluster, request: &CalloutRequest) -> CalloutOutcome
         // A reset after the response started: Envoy's onFailure → (0, 0, 0).
         Err(_) => CalloutOutcome::Reset,
     }
-}
-
-fn response_headers_only(headers: &http::HeaderMap) -> HeaderMap {
-    let mut map = HeaderMap::new();
-    for (k, v) in headers {
-        map.add(k.as_str().as_bytes(), v.as_bytes());
-    }
-    map
 }
 
 /// Performs the callout; its own `timeout` (if any) yields Envoy's 504.

@@ -811,33 +811,22 @@ impl Vm {
         }
     }
 
-    pub fn request_headers(&mut self, id: StreamId, headers: HeaderMap, end_stream: bool) {
-        self.on_headers(id, Direction::Request, headers, end_stream, false);
+    /// Headers from the client (`Request`, Envoy `decodeHeaders`) or the upstream
+    /// (`Response`, `encodeHeaders`).
+    pub fn headers(&mut self, id: StreamId, dir: Direction, headers: HeaderMap, end_stream: bool) {
+        self.on_headers(id, dir, headers, end_stream, false);
         self.drain();
     }
 
-    pub fn request_data(&mut self, id: StreamId, data: &[u8], end_stream: bool) {
-        self.on_data(id, Direction::Request, data, end_stream, false);
+    /// A data frame (`decodeData` / `encodeData`).
+    pub fn data(&mut self, id: StreamId, dir: Direction, data: &[u8], end_stream: bool) {
+        self.on_data(id, dir, data, end_stream, false);
         self.drain();
     }
 
-    pub fn request_trailers(&mut self, id: StreamId, trailers: HeaderMap) {
-        self.on_trailers(id, Direction::Request, trailers);
-        self.drain();
-    }
-
-    pub fn response_headers(&mut self, id: StreamId, headers: HeaderMap, end_stream: bool) {
-        self.on_headers(id, Direction::Response, headers, end_stream, false);
-        self.drain();
-    }
-
-    pub fn response_data(&mut self, id: StreamId, data: &[u8], end_stream: bool) {
-        self.on_data(id, Direction::Response, data, end_stream, false);
-        self.drain();
-    }
-
-    pub fn response_trailers(&mut self, id: StreamId, trailers: HeaderMap) {
-        self.on_trailers(id, Direction::Response, trailers);
+    /// Trailers, which end the direction (`decodeTrailers` / `encodeTrailers`).
+    pub fn trailers(&mut self, id: StreamId, dir: Direction, trailers: HeaderMap) {
+        self.on_trailers(id, dir, trailers);
         self.drain();
     }
 
@@ -965,60 +954,52 @@ impl Vm {
             s.in_callback = Some((dir, phase));
             s.local_reply_in_call = false;
         }
-        let (name, called) = match (dir, phase) {
-            (Direction::Request, Phase::Headers) => (
-                "proxy_on_request_headers",
-                self.call(
-                    ctx as u32,
-                    "proxy_on_request_headers",
-                    |e| e.request_headers.clone(),
-                    (ctx, a, b),
-                ),
+        let request = dir == Direction::Request;
+        let name = match (dir, phase) {
+            (Direction::Request, Phase::Headers) => "proxy_on_request_headers",
+            (Direction::Request, Phase::Body) => "proxy_on_request_body",
+            (Direction::Request, Phase::Trailers) => "proxy_on_request_trailers",
+            (Direction::Response, Phase::Headers) => "proxy_on_response_headers",
+            (Direction::Response, Phase::Body) => "proxy_on_response_body",
+            (Direction::Response, Phase::Trailers) => "proxy_on_response_trailers",
+        };
+        let context = ctx as u32;
+        let called = match phase {
+            Phase::Headers => self.call(
+                context,
+                name,
+                |e| {
+                    if request {
+                        e.request_headers.clone()
+                    } else {
+                        e.response_headers.clone()
+                    }
+                },
+                (ctx, a, b),
             ),
-            (Direction::Request, Phase::Body) => (
-                "proxy_on_request_body",
-                self.call(
-                    ctx as u32,
-                    "proxy_on_request_body",
-                    |e| e.request_body.clone(),
-                    (ctx, a, b),
-                ),
+            Phase::Body => self.call(
+                context,
+                name,
+                |e| {
+                    if request {
+                        e.request_body.clone()
+                    } else {
+                        e.response_body.clone()
+                    }
+                },
+                (ctx, a, b),
             ),
-            (Direction::Request, Phase::Trailers) => (
-                "proxy_on_request_trailers",
-                self.call(
-                    ctx as u32,
-                    "proxy_on_request_trailers",
-                    |e| e.request_trailers.clone(),
-                    (ctx, a),
-                ),
-            ),
-            (Direction::Response, Phase::Headers) => (
-                "proxy_on_response_headers",
-                self.call(
-                    ctx as u32,
-                    "proxy_on_response_headers",
-                    |e| e.response_headers.clone(),
-                    (ctx, a, b),
-                ),
-            ),
-            (Direction::Response, Phase::Body) => (
-                "proxy_on_response_body",
-                self.call(
-                    ctx as u32,
-                    "proxy_on_response_body",
-                    |e| e.response_body.clone(),
-                    (ctx, a, b),
-                ),
-            ),
-            (Direction::Response, Phase::Trailers) => (
-                "proxy_on_response_trailers",
-                self.call(
-                    ctx as u32,
-                    "proxy_on_response_trailers",
-                    |e| e.response_trailers.clone(),
-                    (ctx, a),
-                ),
+            Phase::Trailers => self.call(
+                context,
+                name,
+                |e| {
+                    if request {
+                        e.request_trailers.clone()
+                    } else {
+                        e.response_trailers.clone()
+                    }
+                },
+                (ctx, a),
             ),
         };
         let local_reply = self.stream_mut(id).is_some_and(|s| {

@@ -204,3 +204,59 @@ fn forwarding_to_a_closed_port_is_a_503() {
         Some("503")
     );
 }
+
+/// A loopback HTTP/2 (prior knowledge) server answering `body` to every request.
+fn h2_server(body: &'static str) -> std::net::SocketAddr {
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    listener.set_nonblocking(true).unwrap();
+    let address = listener.local_addr().unwrap();
+    std::thread::spawn(move || {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        rt.block_on(async move {
+            let listener = tokio::net::TcpListener::from_std(listener).unwrap();
+            while let Ok((stream, _)) = listener.accept().await {
+                tokio::spawn(async move {
+                    let service = hyper::service::service_fn(
+                        move |req: http::Request<hyper::body::Incoming>| async move {
+                            let proto = format!("{:?}", req.version());
+                            let response = http::Response::builder()
+                                .header("x-proto", proto)
+                                .body(http_body_util::Full::new(bytes::Bytes::from_static(
+                                    body.as_bytes(),
+                                )))
+                                .unwrap();
+                            Ok::<_, std::convert::Infallible>(response)
+                        },
+                    );
+                    let _ = hyper::server::conn::http2::Builder::new(
+                        hyper_util::rt::TokioExecutor::new(),
+                    )
+                    .serve_connection(hyper_util::rt::TokioIo::new(stream), service)
+                    .await;
+                });
+            }
+        });
+    });
+    address
+}
+
+#[test]
+fn http2_clusters_get_prior_knowledge_http2_callouts() {
+    let address = h2_server("h2-lock");
+    let cluster = idemgate_host::Cluster {
+        http2: true,
+        ..idemgate_host::Cluster::at("sidecar", address)
+    };
+    let host = TestHost::new().with_cluster(cluster);
+    let vm = host.fixture("probe").boot().unwrap();
+    let stream = vm.stream();
+    stream.send_request(Request::get("/").header("x-probe", "callout"));
+    assert!(vm.forward_callout(4));
+    assert_eq!(
+        stream.upstream_headers().unwrap().get("x-lock").as_deref(),
+        Some("h2-lock")
+    );
+}

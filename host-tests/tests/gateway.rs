@@ -280,3 +280,53 @@ fn h2c_prior_knowledge_clients_are_served() {
         "filter ran"
     );
 }
+
+const SHARED_FILTER: &str = r#"- name: envoy.filters.http.wasm
+            typed_config:
+              "@type": type.googleapis.com/envoy.extensions.filters.http.wasm.v3.Wasm
+              config:
+                name: shared
+                vm_config:
+                  vm_id: shared_vm
+                  code: { local: { filename: target/fixtures/shared.wasm } }
+                configuration:
+                  "@type": type.googleapis.com/google.protobuf.StringValue
+                  value: "tick_ms=20""#;
+
+#[test]
+fn live_workers_tick_and_publish_plugin_metrics_on_the_admin_endpoint() {
+    let running = start(SHARED_FILTER, 2);
+    let shared = std::sync::Arc::clone(running.gateway.shared());
+    eventually("every worker ticking twice", || {
+        let ticks = shared
+            .logs()
+            .iter()
+            .filter(|r| r.message.starts_with("tick n=2"))
+            .count();
+        ticks >= 2
+    });
+    let reply = http(running.main(), "GET", "/", &[("x-op", "enqueue:job-7")], "");
+    assert_eq!(reply.status, 200);
+    eventually("the queue notification", || {
+        shared
+            .logs()
+            .iter()
+            .any(|r| r.message.starts_with("dequeued job-7"))
+    });
+    let admin = running.gateway.admin_address().unwrap();
+    let stats = http(admin, "GET", "/stats", &[], "");
+    assert!(stats.body.contains("shared_requests: 1"), "{}", stats.body);
+    assert!(
+        stats.body.contains("shared_sizes: P50(42)"),
+        "{}",
+        stats.body
+    );
+    let prometheus = http(admin, "GET", "/stats/prometheus", &[], "");
+    assert!(
+        prometheus
+            .body
+            .contains("# TYPE shared_requests counter\nshared_requests 1"),
+        "{}",
+        prometheus.body
+    );
+}

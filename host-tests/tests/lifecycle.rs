@@ -179,3 +179,15 @@ fn other_workers_are_unaffected_by_a_trap() {
     ok.send_request(Request::get("/"));
     assert!(ok.upstream_headers().is_some());
 }
+
+#[test]
+fn only_logging_and_wasi_are_allowed_while_the_vm_starts() {
+    let host = TestHost::new();
+    let err = host.fixture("restricted").boot().err().unwrap();
+    assert!(err.to_string().contains("restricted_callback"), "{err}");
+    assert_eq!(
+        host.logs_containing("starting"),
+        vec!["starting"],
+        "logging was allowed"
+    );
+}

@@ -599,7 +599,8 @@ fn compile_rule(raw: &Value, i: usize, allow_stop: bool) -> Result<Rule, ConfigE
     let scope = Scope {
         headers: header_names(&scope.headers, &at("scope.headers"))?,
         properties: scope.properties,
-        method: scope.method.unwrap_or(true),
+        // A lock protects the resource whatever the method; an idempotency key is per call.
+        method: scope.method.unwrap_or(mode == Mode::Idempotency),
     };
     let fingerprint = compile_fingerprint(
         raw.fingerprint.as_ref(),

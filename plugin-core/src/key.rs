@@ -248,6 +248,18 @@ mod tests {
     }
 
     #[test]
+    fn a_lock_covers_every_method_on_the_resource() {
+        let r =
+            rule(r#""mode":"lock","match":{"path_template":"/a/{id}"},"key":{"path_param":"id"}"#);
+        let put = Req::new("PUT", "/a/1");
+        let delete = Req::new("DELETE", "/a/1");
+        assert_eq!(
+            scoped(&r, &head(&put), &put, b"1"),
+            scoped(&r, &head(&delete), &delete, b"1")
+        );
+    }
+
+    #[test]
     fn scope_separates_callers_methods_and_rules() {
         let r = rule(r#""scope":{"headers":["x-user-id"]}"#);
         let alice = Req::new("POST", "/x").with("x-user-id", "alice");

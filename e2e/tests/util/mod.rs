@@ -46,6 +46,37 @@ impl Stack {
     }
 }
 
+impl Stack {
+    /// Waits (bounded) until `n` claims wait in the sidecar's queue for the stored `key`.
+    pub fn wait_for_queue(&self, key: &str, n: u64) {
+        let deadline = std::time::Instant::now() + Duration::from_secs(20);
+        loop {
+            let reply = http(self.addr, "GET", &format!("/admin/v1/keys/{key}"), &[], "");
+            let info: serde_json::Value = serde_json::from_str(&reply.body).unwrap_or_default();
+            if info["queue_len"].as_u64() == Some(n) {
+                return;
+            }
+            assert!(
+                std::time::Instant::now() < deadline,
+                "queue of {key} never reached {n}: {reply:?}"
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+}
+
+/// The stored key a pending claim callout carries.
+pub fn claim_key(vm: &TestVm, token: u32) -> String {
+    let call = vm
+        .pending_callouts()
+        .into_iter()
+        .find(|c| c.token == token)
+        .expect("pending claim");
+    let (claim, _): (idemgate_wire::ClaimRequest, &[u8]) =
+        idemgate_wire::decode(&call.body).expect("a claim");
+    claim.key
+}
+
 impl Drop for Stack {
     fn drop(&mut self) {
         if let Some(sidecar) = self.sidecar.take() {

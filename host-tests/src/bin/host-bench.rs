@@ -11,7 +11,9 @@ use http_body_util::{BodyExt, Empty, Full};
 use hyper_util::rt::TokioIo;
 use idemgate_host::gateway::config::EnvoyConfig;
 use idemgate_host::gateway::{Gateway, GatewayOptions};
-use idemgate_host::{Clock, HeaderMap, PluginSettings, SharedState, StreamInfo, Vm, WasmModule};
+use idemgate_host::{
+    Clock, Direction, HeaderMap, PluginSettings, SharedState, StreamInfo, Vm, WasmModule,
+};
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -73,8 +75,8 @@ fn host_overhead(o: &Options) -> Result<()> {
     let run = |vm: &mut Vm, n: u64| {
         for _ in 0..n {
             let id = vm.new_stream(StreamInfo::default());
-            vm.request_headers(id, request.clone(), true);
-            vm.response_headers(id, response.clone(), true);
+            vm.headers(id, Direction::Request, request.clone(), true);
+            vm.headers(id, Direction::Response, response.clone(), true);
             let _ = vm.take_events(id);
             vm.remove_stream(id);
         }

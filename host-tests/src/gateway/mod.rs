@@ -293,6 +293,9 @@ struct WorkerContext {
     shutdown: watch::Receiver<bool>,
 }
 
+/// A stream's VM id (when the chain has the wasm filter) and the waker of its driver.
+type StreamWaker = (Option<StreamId>, Rc<Notify>);
+
 /// One listener on one worker: its VM (if the chain has the wasm filter) and the wakers of
 /// the streams in flight, which a callout, timer or queue event may have given work.
 pub(crate) struct ListenerWorker {
@@ -303,7 +306,7 @@ pub(crate) struct ListenerWorker {
     pub(crate) stats: Arc<Stats>,
     pub(crate) access_log: bool,
     /// In-flight streams: their VM stream (if the chain has the wasm filter) and waker.
-    streams: RefCell<HashMap<u64, (Option<StreamId>, Rc<Notify>)>>,
+    streams: RefCell<HashMap<u64, StreamWaker>>,
     next_stream: std::cell::Cell<u64>,
     timers: Notify,
     /// The deadline the timer task is sleeping towards.

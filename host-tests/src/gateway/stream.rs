@@ -3,6 +3,7 @@
 //! response frames back in, client aborts as stream resets, and the access-log line.
 
 use super::ListenerWorker;
+use crate::abi::Direction;
 use crate::headers::HeaderMap;
 use crate::upstream::response_headers;
 use crate::vm::{StreamEvent, StreamId, StreamInfo};
@@ -105,58 +106,79 @@ impl Driver {
         }
     }
 
-    fn request_headers(&mut self, headers: HeaderMap, end_stream: bool) {
-        self.with_vm(|vm, id| vm.request_headers(id, headers.clone(), end_stream));
-        self.direct(
-            StreamEvent::UpstreamHeaders {
+    fn headers(&mut self, dir: Direction, headers: HeaderMap, end_stream: bool) {
+        if matches!(self.chain, Chain::Wasm(_)) {
+            return self.with_vm(|vm, id| vm.headers(id, dir, headers, end_stream));
+        }
+        let event = match dir {
+            Direction::Request => StreamEvent::UpstreamHeaders {
                 headers,
                 end_stream,
             },
-            false,
-        );
-    }
-
-    fn request_data(&mut self, data: Bytes, end_stream: bool) {
-        self.with_vm(|vm, id| vm.request_data(id, &data, end_stream));
-        self.direct(
-            StreamEvent::UpstreamData {
-                data: data.to_vec(),
-                end_stream,
-            },
-            false,
-        );
-    }
-
-    fn request_trailers(&mut self, trailers: HeaderMap) {
-        self.with_vm(|vm, id| vm.request_trailers(id, trailers.clone()));
-        self.direct(StreamEvent::UpstreamTrailers(trailers), false);
-    }
-
-    fn response_headers(&mut self, headers: HeaderMap, end_stream: bool) {
-        self.with_vm(|vm, id| vm.response_headers(id, headers.clone(), end_stream));
-        self.direct(
-            StreamEvent::DownstreamHeaders {
+            Direction::Response => StreamEvent::DownstreamHeaders {
                 headers,
                 end_stream,
             },
-            end_stream,
-        );
+        };
+        self.direct(event, dir == Direction::Response && end_stream);
     }
 
-    fn response_data(&mut self, data: Bytes, end_stream: bool) {
-        self.with_vm(|vm, id| vm.response_data(id, &data, end_stream));
-        self.direct(
-            StreamEvent::DownstreamData {
-                data: data.to_vec(),
-                end_stream,
+    fn data(&mut self, dir: Direction, data: Bytes, end_stream: bool) {
+        if matches!(self.chain, Chain::Wasm(_)) {
+            return self.with_vm(|vm, id| vm.data(id, dir, &data, end_stream));
+        }
+        let data = data.to_vec();
+        let event = match dir {
+            Direction::Request => StreamEvent::UpstreamData { data, end_stream },
+            Direction::Response => StreamEvent::DownstreamData { data, end_stream },
+        };
+        self.direct(event, dir == Direction::Response && end_stream);
+    }
+
+    fn trailers(&mut self, dir: Direction, trailers: HeaderMap) {
+        if matches!(self.chain, Chain::Wasm(_)) {
+            return self.with_vm(|vm, id| vm.trailers(id, dir, trailers));
+        }
+        let event = match dir {
+            Direction::Request => StreamEvent::UpstreamTrailers(trailers),
+            Direction::Response => StreamEvent::DownstreamTrailers(trailers),
+        };
+        self.direct(event, dir == Direction::Response);
+    }
+
+    /// Feeds one frame read from a body (`None` = the body ended); `Err` if the peer failed.
+    fn feed(
+        &mut self,
+        dir: Direction,
+        frame: Option<Result<Frame<Bytes>, hyper::Error>>,
+        body: &mut Option<Incoming>,
+    ) -> Result<usize, hyper::Error> {
+        match frame {
+            Some(Ok(frame)) => match frame.into_data() {
+                Ok(data) => {
+                    let end = body.as_ref().is_some_and(Body::is_end_stream);
+                    if end {
+                        *body = None;
+                    }
+                    let len = data.len();
+                    self.data(dir, data, end);
+                    Ok(len)
+                }
+                Err(frame) => {
+                    *body = None;
+                    if let Ok(trailers) = frame.into_trailers() {
+                        self.trailers(dir, HeaderMap::from_http(&trailers));
+                    }
+                    Ok(0)
+                }
             },
-            end_stream,
-        );
-    }
-
-    fn response_trailers(&mut self, trailers: HeaderMap) {
-        self.with_vm(|vm, id| vm.response_trailers(id, trailers.clone()));
-        self.direct(StreamEvent::DownstreamTrailers(trailers), true);
+            None => {
+                *body = None;
+                self.data(dir, Bytes::new(), true);
+                Ok(0)
+            }
+            Some(Err(e)) => Err(e),
+        }
     }
 
     /// A response Envoy's router generates itself (no route, connect failure, timeout).
@@ -166,9 +188,13 @@ impl Driver {
             ("content-length", body.len().to_string()),
             ("content-type", "text/plain".to_owned()),
         ]);
-        self.response_headers(headers, body.is_empty());
+        self.headers(Direction::Response, headers, body.is_empty());
         if !body.is_empty() {
-            self.response_data(Bytes::copy_from_slice(body.as_bytes()), true);
+            self.data(
+                Direction::Response,
+                Bytes::copy_from_slice(body.as_bytes()),
+                true,
+            );
         }
     }
 
@@ -404,7 +430,7 @@ async fn drive(
     let mut upstream_task: Option<tokio::task::JoinHandle<()>> = None;
     let mut upstream_deadline: Option<tokio::time::Instant> = None;
     let mut upstream_response: Option<Incoming> = None;
-    driver.request_headers(headers.clone(), end_stream);
+    driver.headers(Direction::Request, headers.clone(), end_stream);
 
     for _ in 0..u32::MAX {
         for event in driver.take_events() {
@@ -542,32 +568,9 @@ async fn drive(
         }
         tokio::select! {
             _ = wake.notified() => {}
-            frame = next_frame(&mut request_body) => match frame {
-                Some(Ok(frame)) => match frame.into_data() {
-                    Ok(data) => {
-                        outcome.bytes_received += data.len();
-                        let end = request_body.as_ref().is_some_and(Body::is_end_stream);
-                        if end {
-                            request_body = None;
-                        }
-                        driver.request_data(data, end);
-                    }
-                    Err(frame) => {
-                        request_body = None;
-                        if let Ok(trailers) = frame.into_trailers() {
-                            let mut map = HeaderMap::new();
-                            for (k, v) in &trailers {
-                                map.add(k.as_str().as_bytes(), v.as_bytes());
-                            }
-                            driver.request_trailers(map);
-                        }
-                    }
-                },
-                None => {
-                    request_body = None;
-                    driver.request_data(Bytes::new(), true);
-                }
-                Some(Err(_)) => {
+            frame = next_frame(&mut request_body) => match driver.feed(Direction::Request, frame, &mut request_body) {
+                Ok(n) => outcome.bytes_received += n,
+                Err(_) => {
                     outcome.details = Some("downstream_remote_disconnect".into());
                     driver.reset();
                 }
@@ -584,7 +587,7 @@ async fn drive(
                             headers.remove(hop.as_bytes());
                         }
                         upstream_response = (!end).then_some(body);
-                        driver.response_headers(headers, end);
+                        driver.headers(Direction::Response, headers, end);
                     }
                     Ok(Err(UpstreamFailure::Connect)) | Err(_) => {
                         let cluster = outcome.cluster.as_deref().unwrap_or_default();
@@ -608,38 +611,15 @@ async fn drive(
                 outcome.details = Some("upstream_response_timeout".into());
                 driver.router_reply(504, "upstream request timeout");
             }
-            frame = next_frame(&mut upstream_response) => match frame {
-                Some(Ok(frame)) => match frame.into_data() {
-                    Ok(data) => {
-                        let end = upstream_response.as_ref().is_some_and(Body::is_end_stream);
-                        if end {
-                            upstream_response = None;
-                        }
-                        driver.response_data(data, end);
-                    }
-                    Err(frame) => {
-                        upstream_response = None;
-                        if let Ok(trailers) = frame.into_trailers() {
-                            let mut map = HeaderMap::new();
-                            for (k, v) in &trailers {
-                                map.add(k.as_str().as_bytes(), v.as_bytes());
-                            }
-                            driver.response_trailers(map);
-                        }
-                    }
-                },
-                None => {
-                    upstream_response = None;
-                    driver.response_data(Bytes::new(), true);
-                }
-                Some(Err(_)) => {
+            frame = next_frame(&mut upstream_response) => {
+                if driver.feed(Direction::Response, frame, &mut upstream_response).is_err() {
                     outcome.details = Some("upstream_reset_after_response_started".into());
                     driver.reset();
                     if let Some(tx) = downstream.take() {
                         let _ = tx.send(Err("upstream reset".into()));
                     }
                 }
-            },
+            }
             _ = response_closed(&mut respond) => {
                 outcome.details = Some("downstream_remote_disconnect".into());
                 driver.reset();
