@@ -19,7 +19,11 @@ pub fn instructions(toggle: &str, program: &Path, args: &[String], scratch: &Pat
         .status()
         .context("running valgrind (apt-get install valgrind)")?;
     if !status.success() {
-        bail!("valgrind {} {} failed: {status}", program.display(), args.join(" "));
+        bail!(
+            "valgrind {} {} failed: {status}",
+            program.display(),
+            args.join(" ")
+        );
     }
     let text = std::fs::read_to_string(&out)?;
     let _ = std::fs::remove_file(&out);
@@ -30,7 +34,10 @@ pub fn instructions(toggle: &str, program: &Path, args: &[String], scratch: &Pat
 fn totals(callgrind_out: &str) -> Option<u64> {
     callgrind_out
         .lines()
-        .find_map(|l| l.strip_prefix("totals:").or_else(|| l.strip_prefix("summary:")))
+        .find_map(|l| {
+            l.strip_prefix("totals:")
+                .or_else(|| l.strip_prefix("summary:"))
+        })
         .and_then(|v| v.split_whitespace().next())
         .and_then(|v| v.parse().ok())
 }
@@ -39,7 +46,10 @@ fn totals(callgrind_out: &str) -> Option<u64> {
 mod tests {
     #[test]
     fn reads_totals() {
-        assert_eq!(super::totals("events: Ir\nfn=x\n1 2\ntotals: 12345\n"), Some(12345));
+        assert_eq!(
+            super::totals("events: Ir\nfn=x\n1 2\ntotals: 12345\n"),
+            Some(12345)
+        );
         assert_eq!(super::totals("summary: 7 3\n"), Some(7));
         assert_eq!(super::totals("events: Ir\n"), None);
     }

@@ -40,7 +40,13 @@ pub fn run(wanted: &[String], target: &Path, out: &Path) -> Result<()> {
         let section = report::section(&machine, &group, &format!("benchmarks/{id}.svg"));
         print!("{section}");
         std::fs::write(dir.join(format!("{id}.md")), &section)?;
-        failed.extend(group.checks.iter().filter(|c| !c.held).map(|c| c.what.clone()));
+        failed.extend(
+            group
+                .checks
+                .iter()
+                .filter(|c| !c.held)
+                .map(|c| c.what.clone()),
+        );
     }
     let mut document = String::from(report::INTRO);
     for id in GROUPS {

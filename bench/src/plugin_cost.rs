@@ -13,7 +13,7 @@
 
 use anyhow::{Context, Result, bail};
 use idemgate_host::{
-    CalloutOutcome, Clock, Cluster, HeaderMap, PluginSettings, SharedState, StreamEvent,
+    CalloutOutcome, Clock, Cluster, Direction, HeaderMap, PluginSettings, SharedState, StreamEvent,
     StreamId, StreamInfo, Vm, WasmModule,
 };
 use idemgate_wire::{ClaimOutcome, OwnerOutcome};
@@ -95,7 +95,10 @@ impl Driver {
             configuration: CONFIG.as_bytes().to_vec(),
             ..PluginSettings::default()
         };
-        let clusters = Arc::new(BTreeMap::from([(SIDECAR.to_owned(), Cluster::named(SIDECAR))]));
+        let clusters = Arc::new(BTreeMap::from([(
+            SIDECAR.to_owned(),
+            Cluster::named(SIDECAR),
+        )]));
         let vm = Vm::boot(&module, Arc::new(settings), clusters, shared, 0)?;
         let mut driver = Driver {
             vm,
@@ -113,8 +116,18 @@ impl Driver {
     /// unanswered, so every later call for `b1` meets a running call.
     fn hold_bot(&mut self) -> Result<()> {
         let id = self.vm.new_stream(StreamInfo::default());
-        self.vm.request_headers(id, request("POST", "/bots/b1/start", None), true);
-        if self.vm.take_events(id).iter().any(|e| matches!(e, StreamEvent::LocalReply(_))) {
+        self.vm.headers(
+            id,
+            Direction::Request,
+            request("POST", "/bots/b1/start", None),
+            true,
+        );
+        if self
+            .vm
+            .take_events(id)
+            .iter()
+            .any(|e| matches!(e, StreamEvent::LocalReply(_)))
+        {
             bail!("the holding call was answered locally");
         }
         Ok(())
@@ -132,13 +145,19 @@ impl Driver {
 
     fn no_rule(&mut self) -> Result<()> {
         let id = self.vm.new_stream(StreamInfo::default());
-        self.vm.request_headers(id, request("GET", "/", None), true);
+        self.vm
+            .headers(id, Direction::Request, request("GET", "/", None), true);
         self.respond(id)
     }
 
     fn local_duplicate(&mut self) -> Result<()> {
         let id = self.vm.new_stream(StreamInfo::default());
-        self.vm.request_headers(id, request("POST", "/bots/b1/start", None), true);
+        self.vm.headers(
+            id,
+            Direction::Request,
+            request("POST", "/bots/b1/start", None),
+            true,
+        );
         let events = self.vm.take_events(id);
         let rejected = events
             .iter()
@@ -153,8 +172,12 @@ impl Driver {
     fn sidecar_claim(&mut self) -> Result<()> {
         let key = format!("key-{}", self.seq);
         let id = self.vm.new_stream(StreamInfo::default());
-        self.vm
-            .request_headers(id, request("POST", "/payments", Some(&key)), true);
+        self.vm.headers(
+            id,
+            Direction::Request,
+            request("POST", "/payments", Some(&key)),
+            true,
+        );
         let granted = ClaimOutcome::Granted {
             owner: format!("owner-{}", self.seq),
             fence: self.seq,
@@ -170,12 +193,14 @@ impl Driver {
         {
             bail!("the granted request did not go upstream");
         }
-        self.vm.response_headers(
+        self.vm.headers(
             id,
+            Direction::Response,
             HeaderMap::from([(":status", "201"), ("content-type", "application/json")]),
             false,
         );
-        self.vm.response_data(id, br#"{"payment":1}"#, true);
+        self.vm
+            .data(id, Direction::Response, br#"{"payment":1}"#, true);
         let _ = self.vm.take_events(id);
         self.vm.remove_stream(id);
         self.answer_next_callout(&idemgate_wire::encode(&OwnerOutcome::Released, b""))
@@ -216,8 +241,9 @@ impl Driver {
         {
             bail!("the request did not go upstream: {events:?}");
         }
-        self.vm.response_headers(
+        self.vm.headers(
             id,
+            Direction::Response,
             HeaderMap::from([(":status", "200"), ("content-length", "0")]),
             true,
         );
@@ -237,7 +263,7 @@ fn request(method: &str, path: &str, idempotency_key: Option<&str>) -> HeaderMap
         ("x-request-id", "00000000-0000-4000-8000-000000000000"),
     ]);
     if let Some(key) = idempotency_key {
-        headers.add("idempotency-key", key);
+        headers.add(b"idempotency-key", key.as_bytes());
     }
     headers
 }
