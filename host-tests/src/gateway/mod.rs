@@ -309,6 +309,8 @@ pub(crate) struct ListenerWorker {
     streams: RefCell<HashMap<u64, StreamWaker>>,
     next_stream: std::cell::Cell<u64>,
     timers: Notify,
+    /// Keep-alive connections to clusters (upstream requests and callouts).
+    pub(crate) pool: crate::client::Pool,
     /// The deadline the timer task is sleeping towards.
     planned_deadline: std::cell::Cell<Option<u64>>,
 }
@@ -345,7 +347,7 @@ impl ListenerWorker {
                 .cloned()
                 .unwrap_or_else(|| crate::plugin::Cluster::named(&request.cluster));
             tokio::task::spawn_local(async move {
-                let outcome = crate::upstream::send_callout(&cluster, &request).await;
+                let outcome = crate::upstream::send_callout(&this.pool, &cluster, &request).await;
                 if let Some(vm) = &this.vm {
                     vm.borrow_mut().deliver_callout(request.token, outcome);
                 }
@@ -409,20 +411,6 @@ impl Drop for StreamSlot {
     }
 }
 
-/// hyper's executor for a single-threaded worker: tasks stay on this thread.
-#[derive(Clone, Copy, Debug)]
-pub(crate) struct LocalExec;
-
-impl<F> hyper::rt::Executor<F> for LocalExec
-where
-    F: std::future::Future + 'static,
-    F::Output: 'static,
-{
-    fn execute(&self, future: F) {
-        tokio::task::spawn_local(future);
-    }
-}
-
 fn run_worker(
     context: WorkerContext,
     listeners: Vec<(Arc<ListenerShared>, TcpListener, Option<Vm>)>,
@@ -453,6 +441,7 @@ fn run_worker(
                 next_stream: std::cell::Cell::new(0),
                 timers: Notify::new(),
                 planned_deadline: std::cell::Cell::new(None),
+                pool: crate::client::Pool::default(),
             });
             let socket = match tokio::net::TcpListener::from_std(socket) {
                 Ok(s) => s,
