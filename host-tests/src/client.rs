@@ -82,9 +82,11 @@ async fn connect(cluster: &Cluster, address: SocketAddr) -> Result<Sender, Failu
     let _ = stream.set_nodelay(true);
     let io = TokioIo::new(stream);
     if cluster.http2 {
-        let (sender, conn) = http2::handshake(LocalExec, io)
-            .await
-            .map_err(|_| Failure::Connect)?;
+        let mut builder = http2::Builder::new(LocalExec);
+        if let Some(streams) = cluster.max_concurrent_streams {
+            builder.initial_max_send_streams(streams as usize);
+        }
+        let (sender, conn) = builder.handshake(io).await.map_err(|_| Failure::Connect)?;
         tokio::task::spawn_local(conn);
         Ok(Sender::Http2(sender))
     } else {

@@ -122,6 +122,8 @@ pub struct SharedState {
     data: Mutex<SharedData>,
     queues: Mutex<Queues>,
     metrics: Mutex<BTreeMap<String, Metric>>,
+    /// Requests in flight per cluster (the circuit breakers' `max_requests`).
+    cluster_requests: Mutex<HashMap<String, u32>>,
     logs: Mutex<VecDeque<LogRecord>>,
     /// Only the newest lines are kept (a long-running gateway must not grow without bound).
     log_capacity: usize,
@@ -138,6 +140,7 @@ impl SharedState {
             data: Mutex::default(),
             queues: Mutex::default(),
             metrics: Mutex::default(),
+            cluster_requests: Mutex::default(),
             logs: Mutex::default(),
             log_capacity,
             print_level,
@@ -309,6 +312,33 @@ impl SharedState {
     /// A snapshot of every metric, by name (without Envoy's internal `wasmcustom.` prefix).
     pub fn metrics(&self) -> BTreeMap<String, Metric> {
         lock(&self.metrics).clone()
+    }
+
+    // ---- circuit breakers ----
+
+    /// Counts one more request to `cluster` unless `max` are already in flight.
+    pub(crate) fn try_start_request(&self, cluster: &str, max: u32) -> bool {
+        let mut active = lock(&self.cluster_requests);
+        let count = active.entry(cluster.to_owned()).or_default();
+        if *count >= max {
+            return false;
+        }
+        *count += 1;
+        true
+    }
+
+    pub(crate) fn end_request(&self, cluster: &str) {
+        if let Some(count) = lock(&self.cluster_requests).get_mut(cluster) {
+            *count = count.saturating_sub(1);
+        }
+    }
+
+    /// Requests in flight to `cluster` (routed requests and callouts).
+    pub fn cluster_requests(&self, cluster: &str) -> u32 {
+        lock(&self.cluster_requests)
+            .get(cluster)
+            .copied()
+            .unwrap_or(0)
     }
 
     // ---- logs ----

@@ -585,7 +585,10 @@ impl Vm {
         state.next_callout_serial = 0;
         state.next_metric_serial = [0; 3];
         state.metric_names.clear();
-        state.callouts.clear();
+        // A new VM (reload) means the old root died: its callouts are cancelled.
+        for callout in std::mem::take(&mut state.callouts).into_values() {
+            state.shared.end_request(&callout.request.cluster);
+        }
         state.context_streams.clear();
 
         state.restricted = true;
@@ -1505,6 +1508,7 @@ impl Vm {
         let Some(callout) = state.callouts.remove(&token) else {
             return false;
         };
+        state.shared.end_request(&callout.request.cluster);
         if callout.generation != state.generation || state.failed {
             return true;
         }

@@ -286,3 +286,27 @@ fn a_body_held_by_stop_all_reaches_the_plugin_after_resume() {
     assert_eq!(stream.upstream_body(), b"part1-part2");
     assert!(stream.upstream_complete());
 }
+
+#[test]
+fn a_full_circuit_breaker_fails_the_dispatch_inline() {
+    let cluster = idemgate_host::Cluster {
+        max_requests: 1,
+        ..idemgate_host::Cluster::named("sidecar")
+    };
+    let host = TestHost::new().with_cluster(cluster);
+    let vm = host.fixture("probe").boot().unwrap();
+    vm.stream()
+        .send_request(Request::get("/").header("x-probe", "callout"));
+    vm.stream()
+        .send_request(Request::get("/").header("x-probe", "callout"));
+    assert_eq!(
+        lines(&host, "dispatch failed"),
+        vec!["dispatch failed: InternalFailure"]
+    );
+    assert_eq!(host.shared().cluster_requests("sidecar"), 1);
+    vm.respond_callout(4, 200, HeaderMap::new(), "ok");
+    assert_eq!(host.shared().cluster_requests("sidecar"), 0);
+    vm.stream()
+        .send_request(Request::get("/").header("x-probe", "callout"));
+    assert_eq!(vm.pending_callouts().len(), 1);
+}

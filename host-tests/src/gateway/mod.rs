@@ -203,6 +203,7 @@ impl Gateway {
             }
             let context = WorkerContext {
                 index: worker,
+                shared: Arc::clone(&shared),
                 clusters: Arc::clone(&clusters),
                 stats: Arc::clone(&stats),
                 access_log: options.access_log,
@@ -287,6 +288,7 @@ impl Drop for Gateway {
 /// What a worker thread is given.
 struct WorkerContext {
     index: usize,
+    shared: Arc<SharedState>,
     clusters: Clusters,
     stats: Arc<Stats>,
     access_log: bool,
@@ -303,6 +305,8 @@ pub(crate) struct ListenerWorker {
     pub(crate) vm: Option<RefCell<Vm>>,
     pub(crate) worker: usize,
     pub(crate) clusters: Clusters,
+    /// Process-wide state (circuit-breaker counts live there too).
+    pub(crate) shared: Arc<SharedState>,
     pub(crate) stats: Arc<Stats>,
     pub(crate) access_log: bool,
     /// In-flight streams: their VM stream (if the chain has the wasm filter) and waker.
@@ -435,6 +439,7 @@ fn run_worker(
                 vm: vm.map(RefCell::new),
                 worker: context.index,
                 clusters: Arc::clone(&context.clusters),
+                shared: Arc::clone(&context.shared),
                 stats: Arc::clone(&context.stats),
                 access_log: context.access_log,
                 streams: RefCell::new(HashMap::new()),

@@ -15,6 +15,7 @@ use hyper_util::rt::TokioIo;
 use std::net::SocketAddr;
 use std::pin::Pin;
 use std::rc::Rc;
+use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::Instant;
 use tokio::sync::{mpsc, oneshot};
@@ -344,6 +345,32 @@ async fn until(deadline: Option<tokio::time::Instant>) {
     }
 }
 
+/// One routed request counted against its cluster's `max_requests` until dropped.
+struct RequestGuard {
+    shared: Arc<crate::shared::SharedState>,
+    cluster: String,
+}
+
+impl RequestGuard {
+    fn start(
+        shared: Arc<crate::shared::SharedState>,
+        cluster: &crate::plugin::Cluster,
+    ) -> Option<Self> {
+        shared
+            .try_start_request(&cluster.name, cluster.max_requests)
+            .then(|| Self {
+                shared,
+                cluster: cluster.name.clone(),
+            })
+    }
+}
+
+impl Drop for RequestGuard {
+    fn drop(&mut self) {
+        self.shared.end_request(&self.cluster);
+    }
+}
+
 /// What the access log and stats record about a stream.
 #[derive(Default)]
 struct Outcome {
@@ -396,6 +423,7 @@ async fn drive(
     let mut upstream_task: Option<tokio::task::JoinHandle<()>> = None;
     let mut upstream_deadline: Option<tokio::time::Instant> = None;
     let mut upstream_response: Option<Incoming> = None;
+    let mut in_flight: Option<RequestGuard> = None;
     driver.headers(Direction::Request, headers.clone(), end_stream);
 
     for _ in 0..u32::MAX {
@@ -420,6 +448,19 @@ async fn drive(
                         driver.router_reply(503, "no healthy upstream");
                         continue;
                     };
+                    let Some(guard) = RequestGuard::start(Arc::clone(&listener.shared), &cluster)
+                    else {
+                        listener.stats.add(
+                            format!("cluster.{}.upstream_rq_pending_overflow", cluster.name),
+                            1,
+                        );
+                        outcome.details =
+                            Some("upstream_reset_before_response_started{overflow}".into());
+                        driver.router_reply(503, "upstream connect error or disconnect/reset before headers. reset reason: overflow");
+                        continue;
+                    };
+                    // Held until the stream ends or the upstream request is abandoned.
+                    in_flight.replace(guard);
                     listener
                         .stats
                         .add(format!("cluster.{}.upstream_rq_total", cluster.name), 1);
@@ -479,6 +520,7 @@ async fn drive(
                     }
                 }
                 StreamEvent::UpstreamReset => {
+                    drop(in_flight.take());
                     upstream_body = None;
                     upstream_pending = None;
                     upstream_response = None;
