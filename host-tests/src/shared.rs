@@ -52,6 +52,9 @@ impl Clock {
     }
 }
 
+/// The worker index of a configuration canary VM (booted and discarded at startup).
+pub const CANARY_WORKER: usize = usize::MAX;
+
 /// One captured `proxy_log` / WASI stdout-stderr line.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct LogRecord {
@@ -345,10 +348,11 @@ impl SharedState {
 
     pub(crate) fn log(&self, record: LogRecord) {
         if self.print_level.is_some_and(|min| record.level >= min) {
-            eprintln!(
-                "[wasm {:?} worker {}] {}",
-                record.level, record.worker, record.message
-            );
+            let worker = match record.worker {
+                CANARY_WORKER => "canary".to_owned(),
+                n => format!("worker {n}"),
+            };
+            eprintln!("[wasm {:?} {worker}] {}", record.level, record.message);
         }
         if self.log_capacity == 0 {
             return;
