@@ -156,7 +156,7 @@ impl Gateway {
                         Arc::new(w.settings.clone()),
                         Arc::clone(&clusters),
                         Arc::clone(&shared),
-                        usize::MAX,
+                        crate::shared::CANARY_WORKER,
                     )
                     .map_err(wasm_error)?;
                     Some(module)
