@@ -472,9 +472,9 @@ fn http_call(
     if timeout < 0 {
         return Ok(Status::BadArgument);
     }
-    if !c.data().clusters.contains_key(&cluster) {
+    let Some(max_requests) = c.data().clusters.get(&cluster).map(|k| k.max_requests) else {
         return Ok(Status::BadArgument);
-    }
+    };
     let mut headers = HeaderMap::from_raw(decode_pairs(&headers));
     if [":method", ":path", ":authority"]
         .iter()
@@ -486,7 +486,9 @@ fn http_call(
         headers.replace(b"content-length", body.len().to_string().as_bytes());
     }
     let state = c.data_mut();
-    if state.root.is_none() {
+    // Envoy's async client completes inline (no callback ever comes) when the cluster's
+    // circuit breaker overflows; the host then answers InternalFailure.
+    if state.root.is_none() || !state.shared.try_start_request(&cluster, max_requests) {
         return Ok(Status::InternalFailure);
     }
     let token = state.register_callout(CalloutRequest {

@@ -3,6 +3,7 @@
 //! test API ([`testing`]) or live, by the `idemgate-gateway` ([`gateway`]).
 
 mod abi;
+mod client;
 pub mod gateway;
 mod headers;
 mod hostcalls;
@@ -17,8 +18,7 @@ mod wasi;
 pub use abi::{Direction, LogLevel, MetricKind, Status};
 pub use headers::HeaderMap;
 pub use plugin::{Cluster, Clusters, FailurePolicy, LoadError, PluginSettings, WasmModule};
-pub use shared::{Clock, LogRecord, Metric, SharedState};
-pub use upstream::send_callout;
+pub use shared::{CANARY_WORKER, Clock, LogRecord, Metric, SharedState};
 pub use vm::{
     CallbackRecord, CalloutOutcome, CalloutRequest, LocalReply, StreamEvent, StreamId, StreamInfo,
     Vm,

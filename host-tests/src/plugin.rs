@@ -95,6 +95,13 @@ pub struct Cluster {
     /// `explicit_http_config.http2_protocol_options` (HTTP/2 prior knowledge).
     pub http2: bool,
     pub connect_timeout: Duration,
+    /// `http2_protocol_options.max_concurrent_streams`: streams opened on one connection
+    /// before the server's own limit is known.
+    pub max_concurrent_streams: Option<u32>,
+    /// Circuit breaker `max_requests` (Envoy's default 1024): concurrent requests to the
+    /// cluster from the whole process, callouts included; beyond it callouts fail inline
+    /// (InternalFailure) and routed requests get a 503 overflow.
+    pub max_requests: u32,
 }
 
 impl Cluster {
@@ -104,6 +111,8 @@ impl Cluster {
             address: None,
             http2: false,
             connect_timeout: Duration::from_secs(5),
+            max_concurrent_streams: None,
+            max_requests: 1024,
         }
     }
 

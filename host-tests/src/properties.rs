@@ -47,6 +47,11 @@ fn request(stream: &Stream, field: &[u8], rest: &[&[u8]]) -> Result<Vec<u8>, Sta
         b"referer" => header_value(map, "referer"),
         b"useragent" => header_value(map, "user-agent"),
         b"protocol" => Ok(stream.info.protocol.as_bytes().to_vec()),
+        b"time" => Ok(int(stream.started_ns)),
+        b"duration" => stream
+            .finished_mono_ns
+            .map(|end| int(end.saturating_sub(stream.started_mono_ns)))
+            .ok_or(Status::NotFound),
         b"headers" => headers(map, rest),
         _ => Err(Status::NotFound),
     }

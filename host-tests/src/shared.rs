@@ -52,6 +52,9 @@ impl Clock {
     }
 }
 
+/// The worker index of a configuration canary VM (booted and discarded at startup).
+pub const CANARY_WORKER: usize = usize::MAX;
+
 /// One captured `proxy_log` / WASI stdout-stderr line.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct LogRecord {
@@ -122,6 +125,8 @@ pub struct SharedState {
     data: Mutex<SharedData>,
     queues: Mutex<Queues>,
     metrics: Mutex<BTreeMap<String, Metric>>,
+    /// Requests in flight per cluster (the circuit breakers' `max_requests`).
+    cluster_requests: Mutex<HashMap<String, u32>>,
     logs: Mutex<VecDeque<LogRecord>>,
     /// Only the newest lines are kept (a long-running gateway must not grow without bound).
     log_capacity: usize,
@@ -138,6 +143,7 @@ impl SharedState {
             data: Mutex::default(),
             queues: Mutex::default(),
             metrics: Mutex::default(),
+            cluster_requests: Mutex::default(),
             logs: Mutex::default(),
             log_capacity,
             print_level,
@@ -311,14 +317,42 @@ impl SharedState {
         lock(&self.metrics).clone()
     }
 
+    // ---- circuit breakers ----
+
+    /// Counts one more request to `cluster` unless `max` are already in flight.
+    pub(crate) fn try_start_request(&self, cluster: &str, max: u32) -> bool {
+        let mut active = lock(&self.cluster_requests);
+        let count = active.entry(cluster.to_owned()).or_default();
+        if *count >= max {
+            return false;
+        }
+        *count += 1;
+        true
+    }
+
+    pub(crate) fn end_request(&self, cluster: &str) {
+        if let Some(count) = lock(&self.cluster_requests).get_mut(cluster) {
+            *count = count.saturating_sub(1);
+        }
+    }
+
+    /// Requests in flight to `cluster` (routed requests and callouts).
+    pub fn cluster_requests(&self, cluster: &str) -> u32 {
+        lock(&self.cluster_requests)
+            .get(cluster)
+            .copied()
+            .unwrap_or(0)
+    }
+
     // ---- logs ----
 
     pub(crate) fn log(&self, record: LogRecord) {
         if self.print_level.is_some_and(|min| record.level >= min) {
-            eprintln!(
-                "[wasm {:?} worker {}] {}",
-                record.level, record.worker, record.message
-            );
+            let worker = match record.worker {
+                CANARY_WORKER => "canary".to_owned(),
+                n => format!("worker {n}"),
+            };
+            eprintln!("[wasm {:?} {worker}] {}", record.level, record.message);
         }
         if self.log_capacity == 0 {
             return;

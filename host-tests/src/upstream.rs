@@ -2,19 +2,19 @@
 //! with prior knowledge when the cluster says so) and turns the result into what Envoy would
 //! report: the response, a synthesized 503 (connect failure) / 504 (timeout), or a reset.
 
+use crate::client::{ClientBody, Failure, Pool};
 use crate::headers::HeaderMap;
 use crate::plugin::Cluster;
 use crate::vm::{CalloutOutcome, CalloutRequest};
 use bytes::Bytes;
 use http_body_util::{BodyExt, Full};
-use hyper_util::rt::{TokioExecutor, TokioIo};
 use std::time::Duration;
 
 /// Builds the `http` request for a callout (pseudo-headers become the URI and `host`).
 pub(crate) fn to_http_request(
     request: &CalloutRequest,
     http2: bool,
-) -> Option<http::Request<Full<Bytes>>> {
+) -> Option<http::Request<ClientBody>> {
     let h = &request.headers;
     let method = h.get(":method")?;
     let path = h.get(":path")?;
@@ -33,9 +33,10 @@ pub(crate) fn to_http_request(
             builder = builder.header(k.as_slice(), v.as_slice());
         }
     }
-    builder
-        .body(Full::new(Bytes::from(request.body.clone())))
-        .ok()
+    let body = Full::new(Bytes::from(request.body.clone()))
+        .map_err(|never| match never {})
+        .boxed_unsync();
+    builder.body(body).ok()
 }
 
 /// Converts a response head into Envoy's header list (`:status` first).
@@ -47,40 +48,16 @@ pub(crate) fn response_headers(status: http::StatusCode, headers: &http::HeaderM
     map
 }
 
-async fn exchange(cluster: &Cluster, request: &CalloutRequest) -> CalloutOutcome {
-    let Some(address) = cluster.address else {
-        return CalloutOutcome::connect_failure();
-    };
+async fn exchange(pool: &Pool, cluster: &Cluster, request: &CalloutRequest) -> CalloutOutcome {
     let Some(http_request) = to_http_request(request, cluster.http2) else {
         return CalloutOutcome::connect_failure();
     };
-    let connect = tokio::time::timeout(
-        cluster.connect_timeout,
-        tokio::net::TcpStream::connect(address),
-    )
-    .await;
-    let Ok(Ok(stream)) = connect else {
-        return CalloutOutcome::connect_failure();
-    };
-    let _ = stream.set_nodelay(true);
-    let io = TokioIo::new(stream);
-    let response = if cluster.http2 {
-        let Ok((mut sender, conn)) =
-            hyper::client::conn::http2::handshake(TokioExecutor::new(), io).await
-        else {
-            return CalloutOutcome::connect_failure();
-        };
-        tokio::spawn(conn);
-        sender.send_request(http_request).await
-    } else {
-        let Ok((mut sender, conn)) = hyper::client::conn::http1::handshake(io).await else {
-            return CalloutOutcome::connect_failure();
-        };
-        tokio::spawn(conn);
-        sender.send_request(http_request).await
-    };
-    let Ok(response) = response else {
-        return CalloutOutcome::generated_reset_before_headers();
+    let response = match pool.send(cluster, http_request).await {
+        Ok(response) => response,
+        Err(Failure::Connect) => return CalloutOutcome::connect_failure(),
+        Err(Failure::ResetBeforeHeaders) => {
+            return CalloutOutcome::generated_reset_before_headers();
+        }
     };
     let (parts, body) = response.into_parts();
     match body.collect().await {
@@ -100,13 +77,17 @@ async fn exchange(cluster: &Cluster, request: &CalloutRequest) -> CalloutOutcome
     }
 }
 
-/// Performs the callout; its own `timeout` (if any) yields Envoy's 504.
-pub async fn send_callout(cluster: &Cluster, request: &CalloutRequest) -> CalloutOutcome {
+/// Performs the callout (on a `LocalSet`); its own `timeout` (if any) yields Envoy's 504.
+pub(crate) async fn send_callout(
+    pool: &Pool,
+    cluster: &Cluster,
+    request: &CalloutRequest,
+) -> CalloutOutcome {
     match request.timeout {
-        Some(limit) => tokio::time::timeout(limit, exchange(cluster, request))
+        Some(limit) => tokio::time::timeout(limit, exchange(pool, cluster, request))
             .await
             .unwrap_or_else(|_| CalloutOutcome::timeout()),
-        None => exchange(cluster, request).await,
+        None => exchange(pool, cluster, request).await,
     }
 }
 
@@ -123,8 +104,9 @@ pub(crate) fn send_callout_blocking(
         Ok(rt) => rt,
         Err(_) => return CalloutOutcome::connect_failure(),
     };
-    runtime.block_on(async {
-        tokio::time::timeout(cap, send_callout(cluster, request))
+    let pool = Pool::default();
+    tokio::task::LocalSet::new().block_on(&runtime, async {
+        tokio::time::timeout(cap, send_callout(&pool, cluster, request))
             .await
             .unwrap_or_else(|_| CalloutOutcome::timeout())
     })

@@ -294,6 +294,11 @@ pub(crate) struct Stream {
     pub(crate) filter_state: BTreeMap<Vec<u8>, Vec<u8>>,
     callbacks: Vec<CallbackRecord>,
     pub(crate) response_code: Option<u32>,
+    /// Realtime ns when the stream started (`request.time`).
+    pub(crate) started_ns: u64,
+    /// Monotonic ns at start and, once complete, at the end (`request.duration`).
+    pub(crate) started_mono_ns: u64,
+    pub(crate) finished_mono_ns: Option<u64>,
 }
 
 impl Stream {
@@ -580,7 +585,10 @@ impl Vm {
         state.next_callout_serial = 0;
         state.next_metric_serial = [0; 3];
         state.metric_names.clear();
-        state.callouts.clear();
+        // A new VM (reload) means the old root died: its callouts are cancelled.
+        for callout in std::mem::take(&mut state.callouts).into_values() {
+            state.shared.end_request(&callout.request.cluster);
+        }
         state.context_streams.clear();
 
         state.restricted = true;
@@ -786,6 +794,9 @@ impl Vm {
                 filter_state: BTreeMap::new(),
                 callbacks: Vec::new(),
                 response_code: None,
+                started_ns: state.shared.clock.realtime_ns(),
+                started_mono_ns: now,
+                finished_mono_ns: None,
             },
         );
         if context_id != 0 {
@@ -1419,6 +1430,7 @@ impl Vm {
 
     /// Envoy's stream teardown: access log (`on_log`), then `on_done`, then `on_delete`.
     fn finish(&mut self, id: StreamId) {
+        let now = self.store.data().now_ns();
         let Some(stream) = self.stream_mut(id) else {
             return;
         };
@@ -1426,6 +1438,7 @@ impl Vm {
             return;
         }
         stream.finished = true;
+        stream.finished_mono_ns = Some(now);
         let ctx = stream.context_id;
         if !stream.bypass && self.vm_alive_for(id) && self.ensure_created(id) {
             if let Some(s) = self.stream_mut(id) {
@@ -1495,6 +1508,7 @@ impl Vm {
         let Some(callout) = state.callouts.remove(&token) else {
             return false;
         };
+        state.shared.end_request(&callout.request.cluster);
         if callout.generation != state.generation || state.failed {
             return true;
         }

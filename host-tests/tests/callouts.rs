@@ -260,3 +260,53 @@ fn http2_clusters_get_prior_knowledge_http2_callouts() {
         Some("h2-lock")
     );
 }
+
+#[test]
+fn a_body_held_by_stop_all_reaches_the_plugin_after_resume() {
+    let (host, vm) = probe();
+    let stream = vm.stream();
+    stream.send_request_headers(
+        Request::post("/")
+            .header("x-probe", "callout")
+            .headers_for(1),
+        false,
+    );
+    stream
+        .send_request_body("part1-", false)
+        .send_request_body("part2", true);
+    assert!(
+        lines(&host, "on_request_body").is_empty(),
+        "held while stopped at headers"
+    );
+    vm.respond_callout(4, 200, HeaderMap::new(), "ok");
+    assert_eq!(
+        lines(&host, "on_request_body"),
+        vec!["on_request_body ctx=2 size=11 eos=true"]
+    );
+    assert_eq!(stream.upstream_body(), b"part1-part2");
+    assert!(stream.upstream_complete());
+}
+
+#[test]
+fn a_full_circuit_breaker_fails_the_dispatch_inline() {
+    let cluster = idemgate_host::Cluster {
+        max_requests: 1,
+        ..idemgate_host::Cluster::named("sidecar")
+    };
+    let host = TestHost::new().with_cluster(cluster);
+    let vm = host.fixture("probe").boot().unwrap();
+    vm.stream()
+        .send_request(Request::get("/").header("x-probe", "callout"));
+    vm.stream()
+        .send_request(Request::get("/").header("x-probe", "callout"));
+    assert_eq!(
+        lines(&host, "dispatch failed"),
+        vec!["dispatch failed: InternalFailure"]
+    );
+    assert_eq!(host.shared().cluster_requests("sidecar"), 1);
+    vm.respond_callout(4, 200, HeaderMap::new(), "ok");
+    assert_eq!(host.shared().cluster_requests("sidecar"), 0);
+    vm.stream()
+        .send_request(Request::get("/").header("x-probe", "callout"));
+    assert_eq!(vm.pending_callouts().len(), 1);
+}

@@ -48,6 +48,13 @@ static_resources:
   - name: sidecar
     type: STRICT_DNS
     connect_timeout: 1s
+    circuit_breakers:
+      thresholds:
+      - priority: DEFAULT
+        max_connections: 64
+        max_pending_requests: 10000
+        max_requests: 10000
+        max_retries: 3
     load_assignment:
       cluster_name: sidecar
       endpoints:
@@ -328,5 +335,31 @@ fn live_workers_tick_and_publish_plugin_metrics_on_the_admin_endpoint() {
             .contains("# TYPE shared_requests counter\nshared_requests 1"),
         "{}",
         prometheus.body
+    );
+}
+
+#[test]
+fn http2_cluster_options_and_circuit_breakers_are_understood() {
+    let yaml = envoy_yaml("127.0.0.1:1".parse().unwrap(), "127.0.0.1:2".parse().unwrap(), PROBE_FILTER)
+        .replace(
+            "  - name: sidecar\n    type: STRICT_DNS\n",
+            "  - name: sidecar\n    type: STRICT_DNS\n    typed_extension_protocol_options:\n      envoy.extensions.upstreams.http.v3.HttpProtocolOptions:\n        \"@type\": type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions\n        explicit_http_config:\n          http2_protocol_options:\n            max_concurrent_streams: 100\n",
+        );
+    let config = EnvoyConfig::from_yaml(&yaml, Path::new(".")).unwrap();
+    let sidecar = &config.clusters["sidecar"];
+    assert!(sidecar.http2);
+    assert_eq!(sidecar.max_concurrent_streams, Some(100));
+    assert_eq!(sidecar.max_requests, 10000);
+    assert_eq!(
+        config.clusters["backend"].max_requests, 1024,
+        "Envoy's default"
+    );
+    let high = yaml.replace("priority: DEFAULT", "priority: HIGH");
+    let err = EnvoyConfig::from_yaml(&high, Path::new("."))
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("circuit_breakers.thresholds[0].priority"),
+        "{err}"
     );
 }

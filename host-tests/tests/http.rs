@@ -207,6 +207,10 @@ fn properties_are_served_as_envoy_serializes_them() {
             .iter()
             .any(|p| p.starts_with("property source.port=Some("))
     );
+    assert!(
+        props.contains(&"property request.time=Some(1767225600000000000)".to_owned()),
+        "virtual realtime starts at 2026-01-01: {props:#?}"
+    );
 }
 
 #[test]

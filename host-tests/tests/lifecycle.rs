@@ -191,3 +191,25 @@ fn only_logging_and_wasi_are_allowed_while_the_vm_starts() {
         "logging was allowed"
     );
 }
+
+#[test]
+fn fail_reload_waits_for_its_backoff_between_reloads() {
+    let (host, vm) = probe_with(|b| b.failure_policy(FailurePolicy::FailReload));
+    vm.stream()
+        .send_request(Request::get("/").header("x-probe", "panic"));
+    vm.stream()
+        .send_request(Request::get("/").header("x-probe", "panic"));
+    assert!(vm.is_failed(), "reloaded once, failed again");
+    let within_backoff = vm.stream();
+    within_backoff.send_request(Request::get("/"));
+    assert_eq!(
+        within_backoff.response_status(),
+        Some(503),
+        "fail closed until the backoff ends"
+    );
+    host.advance(std::time::Duration::from_secs(1));
+    let after = vm.stream();
+    after.send_request(Request::get("/"));
+    assert!(after.upstream_headers().is_some());
+    assert_eq!(lines(&host, "on_configure").len(), 3);
+}

@@ -238,6 +238,32 @@ struct RawCluster {
     load_assignment: LoadAssignment,
     #[serde(default)]
     typed_extension_protocol_options: Option<BTreeMap<String, ProtocolOptions>>,
+    #[serde(default)]
+    circuit_breakers: Option<CircuitBreakers>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct CircuitBreakers {
+    thresholds: Vec<Thresholds>,
+}
+
+/// Only `max_requests` changes behaviour here: the gateway never retries (so `max_retries`
+/// always holds) and opens connections instead of queueing for them (so `max_connections` /
+/// `max_pending_requests` are validated but have nothing to bound).
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct Thresholds {
+    #[serde(default)]
+    priority: Option<String>,
+    #[serde(default, rename = "max_connections")]
+    _max_connections: Option<u32>,
+    #[serde(default, rename = "max_pending_requests")]
+    _max_pending_requests: Option<u32>,
+    #[serde(default)]
+    max_requests: Option<u32>,
+    #[serde(default, rename = "max_retries")]
+    _max_retries: Option<u32>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -280,7 +306,14 @@ struct ExplicitHttpConfig {
     #[serde(default)]
     http_protocol_options: Option<EmptyMessage>,
     #[serde(default)]
-    http2_protocol_options: Option<EmptyMessage>,
+    http2_protocol_options: Option<Http2Options>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct Http2Options {
+    #[serde(default)]
+    max_concurrent_streams: Option<u32>,
 }
 
 /// Options messages the gateway accepts only empty (defaults).
@@ -583,6 +616,7 @@ fn cluster(index: usize, raw: RawCluster) -> Result<Cluster, ConfigError> {
         &endpoint.endpoint.address.socket_address,
     )?;
     let mut http2 = false;
+    let mut max_concurrent_streams = None;
     for (key, options) in raw.typed_extension_protocol_options.unwrap_or_default() {
         let opath = format!("{path}.typed_extension_protocol_options.{key}");
         if key != HTTP_OPTIONS_KEY || options.type_url != HTTP_OPTIONS_TYPE {
@@ -596,7 +630,10 @@ fn cluster(index: usize, raw: RawCluster) -> Result<Cluster, ConfigError> {
             explicit.http_protocol_options,
             explicit.http2_protocol_options,
         ) {
-            (None, Some(_)) => true,
+            (None, Some(options)) => {
+                max_concurrent_streams = options.max_concurrent_streams;
+                true
+            }
             (Some(_), None) => false,
             _ => {
                 return Err(invalid(
@@ -605,6 +642,27 @@ fn cluster(index: usize, raw: RawCluster) -> Result<Cluster, ConfigError> {
                 ));
             }
         };
+    }
+    let mut max_requests = 1024;
+    for (t, thresholds) in raw
+        .circuit_breakers
+        .map(|c| c.thresholds)
+        .unwrap_or_default()
+        .into_iter()
+        .enumerate()
+    {
+        match thresholds.priority.as_deref() {
+            None | Some("DEFAULT") => {}
+            Some(other) => {
+                return Err(invalid(
+                    format!("{path}.circuit_breakers.thresholds[{t}].priority"),
+                    format!(
+                        "only DEFAULT is supported (routes have no priority here), not {other}"
+                    ),
+                ));
+            }
+        }
+        max_requests = thresholds.max_requests.unwrap_or(1024);
     }
     let connect_timeout = match raw.connect_timeout {
         Some(t) => duration(&format!("{path}.connect_timeout"), &t)?,
@@ -615,6 +673,8 @@ fn cluster(index: usize, raw: RawCluster) -> Result<Cluster, ConfigError> {
         address: Some(address),
         http2,
         connect_timeout,
+        max_concurrent_streams,
+        max_requests,
     })
 }
 

@@ -156,7 +156,7 @@ impl Gateway {
                         Arc::new(w.settings.clone()),
                         Arc::clone(&clusters),
                         Arc::clone(&shared),
-                        usize::MAX,
+                        crate::shared::CANARY_WORKER,
                     )
                     .map_err(wasm_error)?;
                     Some(module)
@@ -203,6 +203,7 @@ impl Gateway {
             }
             let context = WorkerContext {
                 index: worker,
+                shared: Arc::clone(&shared),
                 clusters: Arc::clone(&clusters),
                 stats: Arc::clone(&stats),
                 access_log: options.access_log,
@@ -287,6 +288,7 @@ impl Drop for Gateway {
 /// What a worker thread is given.
 struct WorkerContext {
     index: usize,
+    shared: Arc<SharedState>,
     clusters: Clusters,
     stats: Arc<Stats>,
     access_log: bool,
@@ -303,12 +305,16 @@ pub(crate) struct ListenerWorker {
     pub(crate) vm: Option<RefCell<Vm>>,
     pub(crate) worker: usize,
     pub(crate) clusters: Clusters,
+    /// Process-wide state (circuit-breaker counts live there too).
+    pub(crate) shared: Arc<SharedState>,
     pub(crate) stats: Arc<Stats>,
     pub(crate) access_log: bool,
     /// In-flight streams: their VM stream (if the chain has the wasm filter) and waker.
     streams: RefCell<HashMap<u64, StreamWaker>>,
     next_stream: std::cell::Cell<u64>,
     timers: Notify,
+    /// Keep-alive connections to clusters (upstream requests and callouts).
+    pub(crate) pool: crate::client::Pool,
     /// The deadline the timer task is sleeping towards.
     planned_deadline: std::cell::Cell<Option<u64>>,
 }
@@ -345,7 +351,7 @@ impl ListenerWorker {
                 .cloned()
                 .unwrap_or_else(|| crate::plugin::Cluster::named(&request.cluster));
             tokio::task::spawn_local(async move {
-                let outcome = crate::upstream::send_callout(&cluster, &request).await;
+                let outcome = crate::upstream::send_callout(&this.pool, &cluster, &request).await;
                 if let Some(vm) = &this.vm {
                     vm.borrow_mut().deliver_callout(request.token, outcome);
                 }
@@ -409,20 +415,6 @@ impl Drop for StreamSlot {
     }
 }
 
-/// hyper's executor for a single-threaded worker: tasks stay on this thread.
-#[derive(Clone, Copy, Debug)]
-pub(crate) struct LocalExec;
-
-impl<F> hyper::rt::Executor<F> for LocalExec
-where
-    F: std::future::Future + 'static,
-    F::Output: 'static,
-{
-    fn execute(&self, future: F) {
-        tokio::task::spawn_local(future);
-    }
-}
-
 fn run_worker(
     context: WorkerContext,
     listeners: Vec<(Arc<ListenerShared>, TcpListener, Option<Vm>)>,
@@ -447,12 +439,14 @@ fn run_worker(
                 vm: vm.map(RefCell::new),
                 worker: context.index,
                 clusters: Arc::clone(&context.clusters),
+                shared: Arc::clone(&context.shared),
                 stats: Arc::clone(&context.stats),
                 access_log: context.access_log,
                 streams: RefCell::new(HashMap::new()),
                 next_stream: std::cell::Cell::new(0),
                 timers: Notify::new(),
                 planned_deadline: std::cell::Cell::new(None),
+                pool: crate::client::Pool::default(),
             });
             let socket = match tokio::net::TcpListener::from_std(socket) {
                 Ok(s) => s,

@@ -4,21 +4,22 @@
 
 use super::ListenerWorker;
 use crate::abi::Direction;
+use crate::client::{BoxError, Failure, LocalExec};
 use crate::headers::HeaderMap;
 use crate::upstream::response_headers;
 use crate::vm::{StreamEvent, StreamId, StreamInfo};
 use bytes::Bytes;
 use http_body_util::BodyExt;
 use hyper::body::{Body, Frame, Incoming};
-use hyper_util::rt::{TokioExecutor, TokioIo};
+use hyper_util::rt::TokioIo;
 use std::net::SocketAddr;
 use std::pin::Pin;
 use std::rc::Rc;
+use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::Instant;
 use tokio::sync::{mpsc, oneshot};
 
-type BoxError = Box<dyn std::error::Error + Send + Sync>;
 type FrameResult = Result<Frame<Bytes>, BoxError>;
 
 /// A body fed frame by frame from a channel (streams both directions without buffering).
@@ -71,7 +72,7 @@ impl Connection {
                 rx.await.map_err(|_| -> BoxError { "stream reset".into() })
             }
         });
-        let _ = hyper_util::server::conn::auto::Builder::new(super::LocalExec)
+        let _ = hyper_util::server::conn::auto::Builder::new(LocalExec)
             .serve_connection(io, service)
             .await;
     }
@@ -301,51 +302,18 @@ fn http_headers(map: &HeaderMap, into: &mut http::HeaderMap) {
     }
 }
 
-enum UpstreamFailure {
-    Connect,
-    ResetBeforeHeaders,
-}
-
-/// Connects to the route's cluster and sends the request; the response (head + streaming
+/// Sends the request upstream through the worker's pool; the response (head + streaming
 /// body) comes back through `done`.
 async fn upstream_exchange(
+    listener: Rc<ListenerWorker>,
     cluster: crate::plugin::Cluster,
     request: http::Request<ChannelBody>,
-    done: oneshot::Sender<Result<http::Response<Incoming>, UpstreamFailure>>,
+    done: oneshot::Sender<Result<http::Response<Incoming>, Failure>>,
 ) {
-    let result = async {
-        let address = cluster.address.ok_or(UpstreamFailure::Connect)?;
-        let stream = tokio::time::timeout(
-            cluster.connect_timeout,
-            tokio::net::TcpStream::connect(address),
-        )
-        .await
-        .map_err(|_| UpstreamFailure::Connect)?
-        .map_err(|_| UpstreamFailure::Connect)?;
-        let _ = stream.set_nodelay(true);
-        let io = TokioIo::new(stream);
-        if cluster.http2 {
-            let (mut sender, conn) =
-                hyper::client::conn::http2::handshake(TokioExecutor::new(), io)
-                    .await
-                    .map_err(|_| UpstreamFailure::Connect)?;
-            tokio::task::spawn_local(conn);
-            sender
-                .send_request(request)
-                .await
-                .map_err(|_| UpstreamFailure::ResetBeforeHeaders)
-        } else {
-            let (mut sender, conn) = hyper::client::conn::http1::handshake(io)
-                .await
-                .map_err(|_| UpstreamFailure::Connect)?;
-            tokio::task::spawn_local(conn);
-            sender
-                .send_request(request)
-                .await
-                .map_err(|_| UpstreamFailure::ResetBeforeHeaders)
-        }
-    }
-    .await;
+    let result = listener
+        .pool
+        .send(&cluster, request.map(BodyExt::boxed_unsync))
+        .await;
     let _ = done.send(result);
 }
 
@@ -374,6 +342,32 @@ async fn until(deadline: Option<tokio::time::Instant>) {
     match deadline {
         Some(d) => tokio::time::sleep_until(d).await,
         None => std::future::pending().await,
+    }
+}
+
+/// One routed request counted against its cluster's `max_requests` until dropped.
+struct RequestGuard {
+    shared: Arc<crate::shared::SharedState>,
+    cluster: String,
+}
+
+impl RequestGuard {
+    fn start(
+        shared: Arc<crate::shared::SharedState>,
+        cluster: &crate::plugin::Cluster,
+    ) -> Option<Self> {
+        shared
+            .try_start_request(&cluster.name, cluster.max_requests)
+            .then(|| Self {
+                shared,
+                cluster: cluster.name.clone(),
+            })
+    }
+}
+
+impl Drop for RequestGuard {
+    fn drop(&mut self) {
+        self.shared.end_request(&self.cluster);
     }
 }
 
@@ -424,12 +418,12 @@ async fn drive(
     let mut respond = Some(respond);
     let mut downstream: Option<mpsc::UnboundedSender<FrameResult>> = None;
     let mut upstream_body: Option<mpsc::UnboundedSender<FrameResult>> = None;
-    let mut upstream_pending: Option<
-        oneshot::Receiver<Result<http::Response<Incoming>, UpstreamFailure>>,
-    > = None;
+    let mut upstream_pending: Option<oneshot::Receiver<Result<http::Response<Incoming>, Failure>>> =
+        None;
     let mut upstream_task: Option<tokio::task::JoinHandle<()>> = None;
     let mut upstream_deadline: Option<tokio::time::Instant> = None;
     let mut upstream_response: Option<Incoming> = None;
+    let mut in_flight: Option<RequestGuard> = None;
     driver.headers(Direction::Request, headers.clone(), end_stream);
 
     for _ in 0..u32::MAX {
@@ -454,6 +448,19 @@ async fn drive(
                         driver.router_reply(503, "no healthy upstream");
                         continue;
                     };
+                    let Some(guard) = RequestGuard::start(Arc::clone(&listener.shared), &cluster)
+                    else {
+                        listener.stats.add(
+                            format!("cluster.{}.upstream_rq_pending_overflow", cluster.name),
+                            1,
+                        );
+                        outcome.details =
+                            Some("upstream_reset_before_response_started{overflow}".into());
+                        driver.router_reply(503, "upstream connect error or disconnect/reset before headers. reset reason: overflow");
+                        continue;
+                    };
+                    // Held until the stream ends or the upstream request is abandoned.
+                    in_flight.replace(guard);
                     listener
                         .stats
                         .add(format!("cluster.{}.upstream_rq_total", cluster.name), 1);
@@ -491,7 +498,10 @@ async fn drive(
                     upstream_pending = Some(pending);
                     upstream_deadline = route.timeout.map(|t| tokio::time::Instant::now() + t);
                     upstream_task = Some(tokio::task::spawn_local(upstream_exchange(
-                        cluster, request, done,
+                        Rc::clone(&listener),
+                        cluster,
+                        request,
+                        done,
                     )));
                 }
                 StreamEvent::UpstreamData { data, end_stream } => {
@@ -510,6 +520,7 @@ async fn drive(
                     }
                 }
                 StreamEvent::UpstreamReset => {
+                    drop(in_flight.take());
                     upstream_body = None;
                     upstream_pending = None;
                     upstream_response = None;
@@ -589,13 +600,13 @@ async fn drive(
                         upstream_response = (!end).then_some(body);
                         driver.headers(Direction::Response, headers, end);
                     }
-                    Ok(Err(UpstreamFailure::Connect)) | Err(_) => {
+                    Ok(Err(Failure::Connect)) | Err(_) => {
                         let cluster = outcome.cluster.as_deref().unwrap_or_default();
                         listener.stats.add(format!("cluster.{cluster}.upstream_cx_connect_fail"), 1);
                         outcome.details = Some("upstream_reset_before_response_started{connection_failure}".into());
                         driver.router_reply(503, "upstream connect error or disconnect/reset before headers. reset reason: connection failure");
                     }
-                    Ok(Err(UpstreamFailure::ResetBeforeHeaders)) => {
+                    Ok(Err(Failure::ResetBeforeHeaders)) => {
                         outcome.details = Some("upstream_reset_before_response_started{connection_termination}".into());
                         driver.router_reply(503, "upstream connect error or disconnect/reset before headers. reset reason: connection termination");
                     }
