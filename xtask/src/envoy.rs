@@ -36,7 +36,7 @@ fn venv(root: &Path) -> Result<PathBuf> {
     if std::fs::read_to_string(&stamp).ok().as_deref() == Some(wanted.as_str()) {
         return Ok(python);
     }
-    crate::toolchain::ensure_apt_binaries(&[("python3", "python3-venv")])?;
+    crate::toolchain::ensure_apt(&[("python3", "python3-venv")])?;
     cmd::step(
         "python venv for schema validation",
         Command::new("python3")

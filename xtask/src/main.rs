@@ -15,6 +15,8 @@ usage: cargo xtask <command>
 commands:
   demo    build everything and play the duplicate-call scenarios, directly and through
           idemgate (sidecar on its memory store, or Redis when REDIS_URL is set)
+  bench   [group...]  measure idemgate against same-run baselines and write BENCHMARKS.md
+          (groups: plugin, sidecar; all when none is named)
   wasm    build the filter to target/idemgate.wasm (and the host-test fixtures)
   test    the whole test suite: fmt, clippy (native and wasm32), Envoy config schema checks,
           unit tests, wasm build, then every test that loads the built wasm
@@ -34,6 +36,7 @@ fn run() -> Result<()> {
         Some("wasm") => wasm::build_all(&root).map(|_| ()),
         Some("test") => test(&root),
         Some("demo") => demo(&root, &args[1..]),
+        Some("bench") => bench(&root, &args[1..]),
         Some("-h" | "--help" | "help") | None => {
             print!("{USAGE}");
             Ok(())
@@ -52,7 +55,7 @@ fn workspace_root() -> PathBuf {
 /// The README's test command. Order matters: cheap static checks first, then unit tests,
 /// then the wasm build that the integration tests load.
 fn test(root: &Path) -> Result<()> {
-    toolchain::ensure_apt_binaries(&[
+    toolchain::ensure_apt(&[
         ("redis-server", "redis-server"),
         ("redis-cli", "redis-tools"),
     ])?;
@@ -126,6 +129,37 @@ fn demo(root: &Path, extra: &[String]) -> Result<()> {
             .arg("--log-dir")
             .arg(root.join("target/demo-logs"))
             .args(extra)
+            .current_dir(root),
+    )
+}
+
+/// Builds the filter and the benchmark runner (release), installs the measuring tools, then
+/// runs the groups; the runner writes `BENCHMARKS.md` and `benchmarks/`.
+fn bench(root: &Path, groups: &[String]) -> Result<()> {
+    toolchain::ensure_apt(&[
+        ("valgrind", "valgrind"),
+        ("redis-server", "redis-server"),
+        (
+            "/usr/share/fonts/truetype/dejavu/DejaVuSans.ttf",
+            "fonts-dejavu-core",
+        ),
+    ])?;
+    wasm::build_all(root)?;
+    cmd::step(
+        "build the benchmark runner (release)",
+        cmd::cargo()
+            .args(["build", "--release", "-p", "idemgate-bench"])
+            .current_dir(root),
+    )?;
+    cmd::step(
+        "benchmarks",
+        std::process::Command::new(root.join("target/release/idemgate-bench"))
+            .arg("run")
+            .args(groups)
+            .arg("--target")
+            .arg(root.join("target"))
+            .arg("--out")
+            .arg(root.join("BENCHMARKS.md"))
             .current_dir(root),
     )
 }

@@ -57,11 +57,19 @@ pub fn wasm_route() -> Result<Route> {
     )
 }
 
-/// Installs the Debian packages providing each missing binary (`(binary, package)` pairs).
-pub fn ensure_apt_binaries(needs: &[(&str, &str)]) -> Result<()> {
+/// Installs the Debian packages providing what is missing: `(need, package)` pairs, where a
+/// need is a binary on PATH or, when it starts with `/`, a file.
+pub fn ensure_apt(needs: &[(&str, &str)]) -> Result<()> {
+    let present = |need: &str| {
+        if need.starts_with('/') {
+            Path::new(need).exists()
+        } else {
+            cmd::succeeds(Command::new("which").arg(need))
+        }
+    };
     let missing: Vec<&str> = needs
         .iter()
-        .filter(|(binary, _)| !cmd::succeeds(Command::new("which").arg(binary)))
+        .filter(|(need, _)| !present(need))
         .map(|&(_, package)| package)
         .collect();
     if missing.is_empty() {
