@@ -80,8 +80,16 @@ impl SentinelConn {
         Ok(conn)
     }
 
-    async fn forget(&self) {
-        *self.current.write().await = None;
+    /// After a failover the old master refuses writes (READONLY) or is gone: any error
+    /// worth retrying makes the next call ask the Sentinels again.
+    async fn checked<T>(&self, result: Result<T, RedisError>) -> Result<T, RedisError> {
+        if result
+            .as_ref()
+            .is_err_and(|e| !matches!(e.retry_method(), RetryMethod::NoRetry))
+        {
+            *self.current.write().await = None;
+        }
+        result
     }
 }
 
@@ -184,10 +192,7 @@ impl RedisStore {
                         Ok(mut c) => inv.invoke_async(&mut c).await,
                         Err(e) => Err(e),
                     };
-                    if result.as_ref().is_err_and(|e| !e.is_unrecoverable_error()) {
-                        s.forget().await;
-                    }
-                    result
+                    s.checked(result).await
                 }
             }
         };
@@ -205,10 +210,13 @@ impl RedisStore {
             match &self.conn {
                 Conn::Single(c) => cmd.query_async(&mut c.clone()).await,
                 Conn::Cluster(c) => cmd.query_async(&mut c.clone()).await,
-                Conn::Sentinel(s) => match s.get().await {
-                    Ok(mut c) => cmd.query_async(&mut c).await,
-                    Err(e) => Err(e),
-                },
+                Conn::Sentinel(s) => {
+                    let result = match s.get().await {
+                        Ok(mut c) => cmd.query_async(&mut c).await,
+                        Err(e) => Err(e),
+                    };
+                    s.checked(result).await
+                }
             }
         };
         match tokio::time::timeout(self.timeout, run).await {
