@@ -46,6 +46,23 @@ fn classify(err: RedisError) -> StoreError {
     }
 }
 
+/// TCP_NODELAY (redis-rs leaves Nagle on by default, which delays small request/response
+/// exchanges) and keep-alive (a dead peer is noticed on an idle connection).
+fn tcp_settings() -> redis::io::tcp::TcpSettings {
+    redis::io::tcp::TcpSettings::default()
+        .set_nodelay(true)
+        .set_keepalive(
+            redis::io::tcp::socket2::TcpKeepalive::new().with_time(Duration::from_secs(30)),
+        )
+}
+
+fn connection_info(url: &str) -> StoreResult<redis::ConnectionInfo> {
+    Ok(url
+        .into_connection_info()
+        .map_err(classify)?
+        .set_tcp_settings(tcp_settings()))
+}
+
 fn unexpected(what: &str) -> StoreError {
     StoreError::Permanent(format!("unexpected reply from Redis: {what}"))
 }
@@ -132,14 +149,19 @@ impl RedisStore {
             .ok_or_else(|| StoreError::Permanent("no Redis URL".into()))?;
         let conn = match &cfg.topology {
             RedisTopology::Standalone => {
-                let client = redis::Client::open(first_url.as_str()).map_err(classify)?;
+                let client = redis::Client::open(connection_info(first_url)?).map_err(classify)?;
                 Conn::Single(
                     ConnectionManager::new_lazy_with_config(client, manager_config)
                         .map_err(classify)?,
                 )
             }
             RedisTopology::Cluster => {
-                let client = redis::cluster::ClusterClientBuilder::new(cfg.urls.iter().cloned())
+                let nodes = cfg
+                    .urls
+                    .iter()
+                    .map(|u| connection_info(u))
+                    .collect::<StoreResult<Vec<_>>>()?;
+                let client = redis::cluster::ClusterClientBuilder::new(nodes)
                     .connection_timeout(timeout)
                     .response_timeout(timeout)
                     .retries(2)
@@ -247,9 +269,10 @@ fn sentinel_client(cfg: &RedisConfig, master: &str) -> StoreResult<SentinelClien
         .urls
         .first()
         .ok_or_else(|| StoreError::Permanent("no Sentinel URL".into()))?;
-    let info = first.as_str().into_connection_info().map_err(classify)?;
+    let info = connection_info(first)?;
     let mut node = SentinelNodeConnectionInfo::default()
-        .set_redis_connection_info(info.redis_settings().clone());
+        .set_redis_connection_info(info.redis_settings().clone())
+        .set_tcp_settings(info.tcp_settings().clone());
     if first.starts_with("rediss://") {
         node = node.set_tls_mode(redis::TlsMode::Secure);
     }
@@ -273,7 +296,7 @@ async fn pubsub_client(cfg: &RedisConfig, attempt: usize) -> Result<redis::Clien
         _ => {
             let n = cfg.urls.len().max(1);
             let url = cfg.urls.get(attempt % n).map_or("", String::as_str);
-            redis::Client::open(url)
+            redis::Client::open(url.into_connection_info()?.set_tcp_settings(tcp_settings()))
         }
     }
 }
