@@ -310,6 +310,10 @@ async fn subscribe_inbox(
 ) {
     let mut subscribed = Some(subscribed);
     let mut attempt = 0usize;
+    // Retries back off to this, so an outage neither floods the log nor delays the
+    // resubscription much once Redis is back (waiters re-check meanwhile anyway).
+    const MAX_BACKOFF: Duration = Duration::from_secs(2);
+    let mut backoff = Duration::from_millis(100);
     loop {
         let result = async {
             let client = pubsub_client(&cfg, attempt).await?;
@@ -321,6 +325,7 @@ async fn subscribe_inbox(
         match result {
             Ok(mut pubsub) => {
                 attempt = 0;
+                backoff = Duration::from_millis(100);
                 if let Some(tx) = subscribed.take() {
                     let _ = tx.send(());
                 }
@@ -344,7 +349,8 @@ async fn subscribe_inbox(
                 attempt = attempt.wrapping_add(1);
             }
         }
-        tokio::time::sleep(Duration::from_millis(200)).await;
+        tokio::time::sleep(backoff).await;
+        backoff = (backoff * 2).min(MAX_BACKOFF);
     }
 }
 
