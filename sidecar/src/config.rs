@@ -21,7 +21,7 @@ pub struct Cli {
     /// Address to listen on (HTTP/1.1 and h2c on the same port).
     #[arg(long, env = "IDEMGATE_LISTEN", default_value_t = SocketAddr::from(([127, 0, 0, 1], DEFAULT_PORT)))]
     pub listen: SocketAddr,
-    /// Redis URL(s): redis://[user:pass@]host:port[/db] or rediss:// for TLS. Repeat the flag
+    /// Redis URL(s): `redis://[user:pass@]host:port[/db]`, or `rediss://` for TLS. Repeat the flag
     /// (or separate with commas) for Cluster seed nodes or Sentinel addresses.
     /// Absent: the in-process memory store (one machine only).
     #[arg(long, env = "REDIS_URL", value_delimiter = ',')]

@@ -152,7 +152,8 @@ impl<S: Store> Locks<S> {
             metrics: Arc::clone(&self.metrics),
         };
         let mut shutdown = self.shutdown.clone();
-        let mut deadline = None;
+        // Set once the claim is queued: when its wait budget ends.
+        let mut queued_until = None;
         loop {
             let reply = self.step(&args).await?;
             let (position, holder_ttl_ms) = match reply.step {
@@ -163,10 +164,10 @@ impl<S: Store> Locks<S> {
                 } => (position, holder_ttl_ms),
                 step => {
                     guard.disarm();
-                    return Ok(self.answer(&owner, step, deadline.map(|_| started)));
+                    return Ok(self.answer(&owner, step, queued_until.map(|_| started)));
                 }
             };
-            let deadline = *deadline.get_or_insert_with(|| {
+            let deadline = *queued_until.get_or_insert_with(|| {
                 self.metrics.queue_position.observe(f64::from(position));
                 let budget = Duration::from_millis(policy.budget_for(position)).min(longest);
                 started + budget

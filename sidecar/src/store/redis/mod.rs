@@ -46,6 +46,23 @@ fn classify(err: RedisError) -> StoreError {
     }
 }
 
+/// TCP_NODELAY (redis-rs leaves Nagle on by default, which delays small request/response
+/// exchanges) and keep-alive (a dead peer is noticed on an idle connection).
+fn tcp_settings() -> redis::io::tcp::TcpSettings {
+    redis::io::tcp::TcpSettings::default()
+        .set_nodelay(true)
+        .set_keepalive(
+            redis::io::tcp::socket2::TcpKeepalive::new().with_time(Duration::from_secs(30)),
+        )
+}
+
+fn connection_info(url: &str) -> StoreResult<redis::ConnectionInfo> {
+    Ok(url
+        .into_connection_info()
+        .map_err(classify)?
+        .set_tcp_settings(tcp_settings()))
+}
+
 fn unexpected(what: &str) -> StoreError {
     StoreError::Permanent(format!("unexpected reply from Redis: {what}"))
 }
@@ -80,8 +97,16 @@ impl SentinelConn {
         Ok(conn)
     }
 
-    async fn forget(&self) {
-        *self.current.write().await = None;
+    /// After a failover the old master refuses writes (READONLY) or is gone: any error
+    /// worth retrying makes the next call ask the Sentinels again.
+    async fn checked<T>(&self, result: Result<T, RedisError>) -> Result<T, RedisError> {
+        if result
+            .as_ref()
+            .is_err_and(|e| !matches!(e.retry_method(), RetryMethod::NoRetry))
+        {
+            *self.current.write().await = None;
+        }
+        result
     }
 }
 
@@ -124,14 +149,19 @@ impl RedisStore {
             .ok_or_else(|| StoreError::Permanent("no Redis URL".into()))?;
         let conn = match &cfg.topology {
             RedisTopology::Standalone => {
-                let client = redis::Client::open(first_url.as_str()).map_err(classify)?;
+                let client = redis::Client::open(connection_info(first_url)?).map_err(classify)?;
                 Conn::Single(
                     ConnectionManager::new_lazy_with_config(client, manager_config)
                         .map_err(classify)?,
                 )
             }
             RedisTopology::Cluster => {
-                let client = redis::cluster::ClusterClientBuilder::new(cfg.urls.iter().cloned())
+                let nodes = cfg
+                    .urls
+                    .iter()
+                    .map(|u| connection_info(u))
+                    .collect::<StoreResult<Vec<_>>>()?;
+                let client = redis::cluster::ClusterClientBuilder::new(nodes)
                     .connection_timeout(timeout)
                     .response_timeout(timeout)
                     .retries(2)
@@ -184,10 +214,7 @@ impl RedisStore {
                         Ok(mut c) => inv.invoke_async(&mut c).await,
                         Err(e) => Err(e),
                     };
-                    if result.as_ref().is_err_and(|e| !e.is_unrecoverable_error()) {
-                        s.forget().await;
-                    }
-                    result
+                    s.checked(result).await
                 }
             }
         };
@@ -205,10 +232,13 @@ impl RedisStore {
             match &self.conn {
                 Conn::Single(c) => cmd.query_async(&mut c.clone()).await,
                 Conn::Cluster(c) => cmd.query_async(&mut c.clone()).await,
-                Conn::Sentinel(s) => match s.get().await {
-                    Ok(mut c) => cmd.query_async(&mut c).await,
-                    Err(e) => Err(e),
-                },
+                Conn::Sentinel(s) => {
+                    let result = match s.get().await {
+                        Ok(mut c) => cmd.query_async(&mut c).await,
+                        Err(e) => Err(e),
+                    };
+                    s.checked(result).await
+                }
             }
         };
         match tokio::time::timeout(self.timeout, run).await {
@@ -239,9 +269,10 @@ fn sentinel_client(cfg: &RedisConfig, master: &str) -> StoreResult<SentinelClien
         .urls
         .first()
         .ok_or_else(|| StoreError::Permanent("no Sentinel URL".into()))?;
-    let info = first.as_str().into_connection_info().map_err(classify)?;
+    let info = connection_info(first)?;
     let mut node = SentinelNodeConnectionInfo::default()
-        .set_redis_connection_info(info.redis_settings().clone());
+        .set_redis_connection_info(info.redis_settings().clone())
+        .set_tcp_settings(info.tcp_settings().clone());
     if first.starts_with("rediss://") {
         node = node.set_tls_mode(redis::TlsMode::Secure);
     }
@@ -265,7 +296,7 @@ async fn pubsub_client(cfg: &RedisConfig, attempt: usize) -> Result<redis::Clien
         _ => {
             let n = cfg.urls.len().max(1);
             let url = cfg.urls.get(attempt % n).map_or("", String::as_str);
-            redis::Client::open(url)
+            redis::Client::open(url.into_connection_info()?.set_tcp_settings(tcp_settings()))
         }
     }
 }
@@ -279,6 +310,10 @@ async fn subscribe_inbox(
 ) {
     let mut subscribed = Some(subscribed);
     let mut attempt = 0usize;
+    // Retries back off to this, so an outage neither floods the log nor delays the
+    // resubscription much once Redis is back (waiters re-check meanwhile anyway).
+    const MAX_BACKOFF: Duration = Duration::from_secs(2);
+    let mut backoff = Duration::from_millis(100);
     loop {
         let result = async {
             let client = pubsub_client(&cfg, attempt).await?;
@@ -290,6 +325,7 @@ async fn subscribe_inbox(
         match result {
             Ok(mut pubsub) => {
                 attempt = 0;
+                backoff = Duration::from_millis(100);
                 if let Some(tx) = subscribed.take() {
                     let _ = tx.send(());
                 }
@@ -313,7 +349,8 @@ async fn subscribe_inbox(
                 attempt = attempt.wrapping_add(1);
             }
         }
-        tokio::time::sleep(Duration::from_millis(200)).await;
+        tokio::time::sleep(backoff).await;
+        backoff = (backoff * 2).min(MAX_BACKOFF);
     }
 }
 

@@ -43,12 +43,12 @@ local function parse_waiter(v)
   return inbox, tonumber(deadline), tonumber(lease), fp
 end
 
+-- Only ever called while the lock key is absent (free, released or expired).
 local function grant(lock, fence, owner, fp, lease, now, fence_ttl)
   local last = tonumber(redis.call('HGET', fence, 'fence') or '0')
   local f = math.max(last + 1, now)
   redis.call('HSET', fence, 'fence', int(f), 'held', '1')
   redis.call('PEXPIRE', fence, fence_ttl)
-  redis.call('DEL', lock)
   redis.call('HSET', lock, 'owner', owner, 'fence', int(f), 'fp', fp, 'since', int(now), 'lease', int(lease))
   redis.call('PEXPIRE', lock, lease)
   return f
