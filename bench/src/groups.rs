@@ -4,15 +4,19 @@
 
 use crate::callgrind;
 use crate::chart;
+use crate::gateway_load;
 use crate::plugin_cost::{self, Kind};
 use crate::report::{self, Figure, Goal, Group, Machine};
-use crate::stats::Summary;
+use crate::sidecar_load::{self, Repeated};
+use crate::stats::{Summary, percentile};
 use anyhow::{Context, Result, bail};
+use idemgate_sidecar::StoreConfig;
+use idemgate_sidecar::testing::RedisServer;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
 /// Group ids in report order.
-const GROUPS: [&str; 1] = ["plugin"];
+const GROUPS: [&str; 3] = ["plugin", "host", "sidecar"];
 
 pub fn run(wanted: &[String], target: &Path, out: &Path) -> Result<()> {
     for name in wanted {
@@ -34,6 +38,8 @@ pub fn run(wanted: &[String], target: &Path, out: &Path) -> Result<()> {
         println!("== group {id}");
         let group = match id {
             "plugin" => plugin(target)?,
+            "host" => host(target)?,
+            "sidecar" => sidecar()?,
             _ => unreachable!("GROUPS lists every group"),
         };
         chart::ratios(&group, &dir.join(format!("{id}.svg")))?;
@@ -152,6 +158,163 @@ fn plugin(target: &Path) -> Result<Group> {
              {WALL_REQUESTS} requests, {WALL_RUNS} runs."
         )],
     })
+}
+
+/// Seconds of closed-loop load per gateway run.
+const GATEWAY_SECONDS: u64 = 5;
+
+fn host(target: &Path) -> Result<Group> {
+    let noop = target.join("fixtures/noop.wasm");
+    let backend = gateway_load::upstream()?;
+    let (mut bare, mut filtered) = (Vec::new(), Vec::new());
+    for run in 0..LOAD_RUNS {
+        println!(
+            "  run {}: gateway without a filter, then with the no-op filter",
+            run + 1
+        );
+        bare.push(gateway_load::throughput(backend, None, GATEWAY_SECONDS)?);
+        filtered.push(gateway_load::throughput(
+            backend,
+            Some(&noop),
+            GATEWAY_SECONDS,
+        )?);
+    }
+    Ok(Group {
+        id: "host",
+        title: "Host overhead: the gateway with and without a filter",
+        command: "cargo xtask bench host".into(),
+        figures: vec![Figure {
+            name: "gateway with the no-op filter (1 worker)".into(),
+            unit: "requests/s",
+            value: Summary::of(&filtered).context("no runs")?,
+            baseline: Some((
+                "same gateway, no filter".into(),
+                Summary::of(&bare).context("no runs")?,
+            )),
+            goal: None,
+        }],
+        checks: Vec::new(),
+        notes: vec![format!(
+            "`idemgate-gateway` (the harness's live mode: hyper, one worker thread with its own \
+             event loop and VM) in front of a keep-alive upstream answering `200 ok`; \
+             {} keep-alive HTTP/1.1 clients in a closed loop for {GATEWAY_SECONDS} s per run, \
+             {LOAD_RUNS} runs alternating the two configurations. The no-op filter's cost inside \
+             the VM per request (instructions and ns) is the baseline of the plugin group.",
+            gateway_load::CONNECTIONS
+        )],
+    })
+}
+
+/// Seconds per closed-loop run, runs per configuration, hand-off samples per run.
+const LOAD_SECONDS: f64 = 3.0;
+const LOAD_RUNS: usize = 3;
+const HANDOFF_SAMPLES: usize = 100;
+
+fn sidecar() -> Result<Group> {
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()?;
+    runtime.block_on(async {
+        let redis = RedisServer::start().context("starting redis-server")?;
+        let mut figures = Vec::new();
+        for concurrency in [1usize, 64] {
+            println!("  concurrency {concurrency}: raw Redis, sidecar on Redis, sidecar on memory");
+            let raw = sidecar_load::repeat(LOAD_RUNS, || {
+                sidecar_load::raw_redis_round_trips(&redis.url(), concurrency, LOAD_SECONDS)
+            })
+            .await?;
+            let on_redis = sidecar_load::repeat(LOAD_RUNS, || {
+                sidecar_load::sidecar_round_trips(redis.store_config(), concurrency, LOAD_SECONDS)
+            })
+            .await?;
+            let on_memory = sidecar_load::repeat(LOAD_RUNS, || {
+                sidecar_load::sidecar_round_trips(StoreConfig::Memory, concurrency, LOAD_SECONDS)
+            })
+            .await?;
+            let goal = (concurrency == 64).then_some(Goal::RatioAtLeast(0.5));
+            for (store, run, goal) in [("Redis", &on_redis, goal), ("memory", &on_memory, None)] {
+                figures.extend(load_figures(store, concurrency, run, &raw, goal));
+            }
+        }
+        for (store, config) in [
+            ("memory", StoreConfig::Memory),
+            ("Redis", redis.store_config()),
+        ] {
+            println!("  hand-off on {store}");
+            let (mut p50, mut p99) = (Vec::new(), Vec::new());
+            for _ in 0..LOAD_RUNS {
+                let mut gaps = sidecar_load::handoff_us(config.clone(), HANDOFF_SAMPLES).await?;
+                p50.extend(percentile(&mut gaps, 50.0));
+                p99.extend(percentile(&mut gaps, 99.0));
+            }
+            figures.push(Figure {
+                name: format!("hand-off on {store}: release → next grant, p50"),
+                unit: "µs",
+                value: Summary::of(&p50).context("no samples")?,
+                baseline: None,
+                goal: Some(Goal::AtMost(1000.0)),
+            });
+            figures.push(Figure {
+                name: format!("hand-off on {store}: release → next grant, p99"),
+                unit: "µs",
+                value: Summary::of(&p99).context("no samples")?,
+                baseline: None,
+                goal: None,
+            });
+        }
+        Ok(Group {
+            id: "sidecar",
+            title: "Sidecar claim+complete against raw Redis",
+            command: "cargo xtask bench sidecar".into(),
+            figures,
+            checks: Vec::new(),
+            notes: vec![format!(
+                "Closed loop: each worker claims a fresh key (lock mode), completes it, repeats, \
+                 for {LOAD_SECONDS} s; {LOAD_RUNS} runs per configuration. The sidecar runs \
+                 in-process and is driven over up to 4 h2c connections, as Envoy multiplexes \
+                 callouts per worker thread. The baseline is the minimal equivalent in raw \
+                 Redis — `SET key owner NX PX` then a compare-and-delete script — against the \
+                 same `redis-server` in the same run. Client, sidecar and Redis share the \
+                 machine's cores. Hand-off: a waiter long-polls while the holder completes; \
+                 {HANDOFF_SAMPLES} samples per run, measured from just before the complete is \
+                 sent to the waiter's grant arriving."
+            )],
+        })
+    })
+}
+
+fn load_figures(
+    store: &str,
+    concurrency: usize,
+    run: &Repeated,
+    raw: &Repeated,
+    goal: Option<Goal>,
+) -> Vec<Figure> {
+    let name = |what: &str| format!("sidecar on {store}, concurrency {concurrency}: {what}");
+    vec![
+        Figure {
+            name: name("throughput"),
+            unit: "round trips/s",
+            value: run.ops,
+            baseline: Some(("raw Redis".into(), raw.ops)),
+            goal,
+        },
+        Figure {
+            name: name("p50 latency"),
+            unit: "µs",
+            value: run.p50,
+            baseline: Some(("raw Redis".into(), raw.p50)),
+            goal: None,
+        },
+        Figure {
+            name: name("p99 latency"),
+            unit: "µs",
+            value: run.p99,
+            baseline: Some(("raw Redis".into(), raw.p99)),
+            goal: None,
+        },
+    ]
 }
 
 fn machine() -> Machine {

@@ -3,9 +3,11 @@
 
 mod callgrind;
 mod chart;
+mod gateway_load;
 mod groups;
 mod plugin_cost;
 mod report;
+mod sidecar_load;
 mod stats;
 
 use anyhow::{Context, Result};
@@ -23,7 +25,7 @@ struct Cli {
 enum Command {
     /// Run groups (all when none is named) and write the report.
     Run {
-        /// Groups to run: plugin, sidecar.
+        /// Groups to run: plugin, host, sidecar (all when none is named).
         groups: Vec<String>,
         /// The workspace's target directory (modules and binaries).
         #[arg(long, default_value = "target")]

@@ -1,0 +1,279 @@
+//! Group `sidecar`: claim+complete round trips per second and latency at concurrency 1 and
+//! 64, on the memory and Redis stores, beside raw Redis doing the minimal equivalent (`SET NX
+//! PX` then a compare-and-delete script) against the same `redis-server` in the same run;
+//! and the hand-off latency from a release to the next waiter's grant.
+//!
+//! The sidecar runs in-process on 127.0.0.1:0 and is driven over a few h2c connections, as
+//! Envoy multiplexes callouts (one connection per worker thread). Client, sidecar and Redis
+//! share the machine's cores, so the figures compare; they are not capacity numbers.
+
+use crate::stats::{Summary, percentile};
+use anyhow::{Context, Result, bail};
+use bytes::Bytes;
+use http_body_util::{BodyExt, Full};
+use hyper::client::conn::http2::SendRequest;
+use hyper_util::rt::{TokioExecutor, TokioIo};
+use idemgate_sidecar::{Config, Sidecar, StoreConfig};
+use idemgate_wire::{
+    ClaimOutcome, ClaimRequest, CompleteRequest, Mode, OwnerOutcome, WaitPolicy, paths,
+};
+use std::future::Future;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+/// h2c connections a run uses at most (Envoy: one per worker thread).
+const CONNECTIONS: usize = 4;
+
+/// A multiplexed h2c connection to the sidecar.
+#[derive(Clone)]
+pub struct H2 {
+    send: SendRequest<Full<Bytes>>,
+    authority: String,
+}
+
+impl H2 {
+    pub async fn connect(addr: SocketAddr) -> Result<H2> {
+        let stream = tokio::net::TcpStream::connect(addr).await?;
+        stream.set_nodelay(true)?;
+        let (send, conn) =
+            hyper::client::conn::http2::handshake(TokioExecutor::new(), TokioIo::new(stream))
+                .await?;
+        tokio::spawn(conn);
+        Ok(H2 {
+            send,
+            authority: addr.to_string(),
+        })
+    }
+
+    async fn request(&self, request: hyper::Request<Full<Bytes>>) -> Result<Bytes> {
+        let mut send = self.send.clone();
+        send.ready().await?;
+        let response = send.send_request(request).await?;
+        if response.status() != hyper::StatusCode::OK {
+            bail!("sidecar answered {}", response.status());
+        }
+        Ok(response.into_body().collect().await?.to_bytes())
+    }
+
+    async fn post<T: serde::Serialize>(&self, path: &str, head: &T) -> Result<Bytes> {
+        let request = hyper::Request::post(format!("http://{}{path}", self.authority))
+            .header("content-type", idemgate_wire::CONTENT_TYPE)
+            .body(Full::new(Bytes::from(idemgate_wire::encode(head, &[]))))?;
+        self.request(request).await
+    }
+
+    async fn claim(&self, req: &ClaimRequest) -> Result<ClaimOutcome> {
+        let body = self.post(paths::CLAIM, req).await?;
+        Ok(idemgate_wire::decode::<ClaimOutcome>(&body)?.0)
+    }
+
+    async fn complete(&self, key: &str, owner: &str) -> Result<()> {
+        let req = CompleteRequest {
+            key: key.to_owned(),
+            owner: owner.to_owned(),
+            retention_ms: 1000,
+            response: None,
+        };
+        match idemgate_wire::decode::<OwnerOutcome>(&self.post(paths::COMPLETE, &req).await?)?.0 {
+            OwnerOutcome::Released => Ok(()),
+            other => bail!("complete answered {other:?}"),
+        }
+    }
+
+    async fn queue_len(&self, key: &str) -> Result<u32> {
+        let request = hyper::Request::get(format!("http://{}/admin/v1/keys/{key}", self.authority))
+            .body(Full::new(Bytes::new()))?;
+        let info: idemgate_sidecar::KeyInfo =
+            serde_json::from_slice(&self.request(request).await?)?;
+        Ok(info.queue_len)
+    }
+}
+
+fn lock_claim(key: String, wait: bool) -> ClaimRequest {
+    ClaimRequest {
+        key,
+        mode: Mode::Lock,
+        lease_ms: 30_000,
+        fingerprint: None,
+        wait: wait.then_some(WaitPolicy {
+            budget_ms: 30_000,
+            per_waiter_ms: 0,
+            max_budget_ms: 0,
+            max_queue: 10,
+        }),
+    }
+}
+
+/// One closed-loop run's throughput and latency percentiles (µs).
+pub struct Run {
+    pub ops_per_sec: f64,
+    pub p50_us: f64,
+    pub p99_us: f64,
+}
+
+/// Runs `op(worker, i)` from `concurrency` workers for `seconds`.
+async fn closed_loop<F, Fut>(concurrency: usize, seconds: f64, op: F) -> Result<Run>
+where
+    F: Fn(usize, u64) -> Fut + Send + Sync + 'static,
+    Fut: Future<Output = Result<()>> + Send,
+{
+    let op = Arc::new(op);
+    let started = Instant::now();
+    let until = started + Duration::from_secs_f64(seconds);
+    let workers: Vec<_> = (0..concurrency)
+        .map(|w| {
+            let op = Arc::clone(&op);
+            tokio::spawn(async move {
+                let mut latencies_us = Vec::new();
+                let mut i = 0u64;
+                while Instant::now() < until {
+                    let t = Instant::now();
+                    op(w, i).await?;
+                    latencies_us.push(t.elapsed().as_secs_f64() * 1e6);
+                    i += 1;
+                }
+                Ok::<_, anyhow::Error>(latencies_us)
+            })
+        })
+        .collect();
+    let mut all = Vec::new();
+    for worker in workers {
+        all.extend(worker.await??);
+    }
+    let elapsed = started.elapsed().as_secs_f64();
+    Ok(Run {
+        ops_per_sec: all.len() as f64 / elapsed,
+        p50_us: percentile(&mut all, 50.0).unwrap_or_default(),
+        p99_us: percentile(&mut all, 99.0).unwrap_or_default(),
+    })
+}
+
+/// claim (granted) + complete (released) round trips through a sidecar on `store`.
+pub async fn sidecar_round_trips(
+    store: StoreConfig,
+    concurrency: usize,
+    seconds: f64,
+) -> Result<Run> {
+    let sidecar = Sidecar::spawn(Config::loopback(store)).await?;
+    let mut clients = Vec::new();
+    for _ in 0..concurrency.min(CONNECTIONS) {
+        clients.push(H2::connect(sidecar.addr()).await?);
+    }
+    let run = closed_loop(concurrency, seconds, move |w, i| {
+        let client = clients.get(w % clients.len().max(1)).cloned();
+        async move {
+            let client = client.context("no connection")?;
+            let key = format!("bench-{w}-{i}");
+            match client.claim(&lock_claim(key.clone(), false)).await? {
+                ClaimOutcome::Granted { owner, .. } => client.complete(&key, &owner).await,
+                other => bail!("claim answered {other:?}"),
+            }
+        }
+    })
+    .await;
+    sidecar.shutdown().await?;
+    run
+}
+
+/// The baseline: `SET key owner NX PX` then compare-and-delete, on one multiplexed
+/// connection (the redis crate's, as the sidecar uses).
+pub async fn raw_redis_round_trips(url: &str, concurrency: usize, seconds: f64) -> Result<Run> {
+    let client = redis::Client::open(url)?;
+    let conn = client.get_multiplexed_async_connection().await?;
+    let release = Arc::new(redis::Script::new(
+        "if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) else return 0 end",
+    ));
+    closed_loop(concurrency, seconds, move |w, i| {
+        let mut conn = conn.clone();
+        let release = Arc::clone(&release);
+        async move {
+            let key = format!("raw-{w}-{i}");
+            let owner = format!("{w:016x}{i:016x}");
+            let set: Option<String> = redis::cmd("SET")
+                .arg(&key)
+                .arg(&owner)
+                .arg("NX")
+                .arg("PX")
+                .arg(30_000)
+                .query_async(&mut conn)
+                .await?;
+            if set.is_none() {
+                bail!("SET NX refused a fresh key");
+            }
+            let deleted: i64 = release
+                .key(&key)
+                .arg(&owner)
+                .invoke_async(&mut conn)
+                .await?;
+            if deleted != 1 {
+                bail!("compare-and-delete did not delete");
+            }
+            Ok(())
+        }
+    })
+    .await
+}
+
+/// Release → next grant, `samples` times: a waiter long-polls, the holder completes; the
+/// gap runs from just before the complete is sent to the waiter's grant arriving (µs).
+pub async fn handoff_us(store: StoreConfig, samples: usize) -> Result<Vec<f64>> {
+    let sidecar = Sidecar::spawn(Config::loopback(store)).await?;
+    let client = H2::connect(sidecar.addr()).await?;
+    let key = "bench-handoff".to_owned();
+    let mut holder = match client.claim(&lock_claim(key.clone(), false)).await? {
+        ClaimOutcome::Granted { owner, .. } => owner,
+        other => bail!("claim answered {other:?}"),
+    };
+    let mut gaps = Vec::with_capacity(samples);
+    for _ in 0..samples {
+        let waiter = {
+            let client = client.clone();
+            let req = lock_claim(key.clone(), true);
+            tokio::spawn(async move { (client.claim(&req).await, Instant::now()) })
+        };
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while client.queue_len(&key).await? != 1 {
+            if Instant::now() > deadline {
+                bail!("the waiter did not queue within 5 s");
+            }
+            tokio::time::sleep(Duration::from_micros(200)).await;
+        }
+        let released = Instant::now();
+        client.complete(&key, &holder).await?;
+        let (outcome, granted_at) = waiter.await?;
+        holder = match outcome? {
+            ClaimOutcome::Granted { owner, .. } => owner,
+            other => bail!("the waiter got {other:?}"),
+        };
+        gaps.push(granted_at.saturating_duration_since(released).as_secs_f64() * 1e6);
+    }
+    sidecar.shutdown().await?;
+    Ok(gaps)
+}
+
+/// Medians and spreads of repeated runs of one configuration.
+pub struct Repeated {
+    pub ops: Summary,
+    pub p50: Summary,
+    pub p99: Summary,
+}
+
+pub async fn repeat<F, Fut>(runs: usize, mut one: F) -> Result<Repeated>
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = Result<Run>>,
+{
+    let (mut ops, mut p50, mut p99) = (Vec::new(), Vec::new(), Vec::new());
+    for _ in 0..runs {
+        let run = one().await?;
+        ops.push(run.ops_per_sec);
+        p50.push(run.p50_us);
+        p99.push(run.p99_us);
+    }
+    Ok(Repeated {
+        ops: Summary::of(&ops).context("no runs")?,
+        p50: Summary::of(&p50).context("no runs")?,
+        p99: Summary::of(&p99).context("no runs")?,
+    })
+}
