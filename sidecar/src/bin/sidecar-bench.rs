@@ -8,7 +8,9 @@
 //! Numbers are comparative, not absolute: client, sidecar and Redis share the CPUs.
 //!
 //! Usage: `cargo run --release -p idemgate-sidecar --features testing --bin sidecar-bench
-//! [-- --seconds N]`.
+//! [-- --seconds N] [--connections N] [--only raw|memory|redis]`. `--connections` sets the
+//! h2c connections the bench client opens to the sidecar (default 4), to tell whether the
+//! client side limits a run; `--only` runs one target (for profiling), without hand-offs.
 
 use anyhow::{Context, Result, bail};
 use bytes::Bytes;
@@ -26,7 +28,7 @@ use std::time::{Duration, Instant};
 
 const CONCURRENCY: [usize; 2] = [1, 64];
 const HANDOFFS: usize = 300;
-/// h2c connections the sidecar runs use (at most one per worker).
+/// h2c connections the sidecar runs use by default (at most one per worker).
 const CONNECTIONS: usize = 4;
 
 #[derive(Clone)]
@@ -148,11 +150,16 @@ where
     })
 }
 
-async fn sidecar_round_trips(store: StoreConfig, concurrency: usize, seconds: f64) -> Result<Run> {
+async fn sidecar_round_trips(
+    store: StoreConfig,
+    concurrency: usize,
+    connections: usize,
+    seconds: f64,
+) -> Result<Run> {
     let sidecar = Sidecar::spawn(Config::loopback(store)).await?;
     // Like Envoy (one upstream connection per worker thread): a few multiplexed connections.
     let mut clients = Vec::new();
-    for _ in 0..concurrency.min(CONNECTIONS) {
+    for _ in 0..concurrency.min(connections) {
         clients.push(H2::connect(sidecar.addr()).await?);
     }
     let run = measure(concurrency, seconds, move |w, i| {
@@ -267,42 +274,94 @@ fn ms(d: Duration) -> String {
     format!("{:.3} ms", d.as_secs_f64() * 1000.0)
 }
 
+/// The value after `--name`, parsed; `default` when the flag is absent.
+fn flag<T: std::str::FromStr>(args: &[String], name: &str, default: T) -> Result<T>
+where
+    T::Err: std::error::Error + Send + Sync + 'static,
+{
+    match args.iter().position(|a| a == name) {
+        Some(i) => Ok(args
+            .get(i + 1)
+            .with_context(|| format!("{name} needs a value"))?
+            .parse::<T>()
+            .with_context(|| name.to_owned())?),
+        None => Ok(default),
+    }
+}
+
+/// Scripts' cost inside Redis (`INFO commandstats`), to tell Redis time from sidecar time.
+fn print_script_cost(redis: &RedisServer) {
+    match redis.cli(&["INFO", "commandstats"]) {
+        Ok(stats) => {
+            for line in stats
+                .lines()
+                .filter(|l| l.starts_with("cmdstat_evalsha") || l.starts_with("cmdstat_set:"))
+            {
+                println!("  {}", line.trim());
+            }
+        }
+        Err(err) => println!("  (no commandstats: {err})"),
+    }
+}
+
 #[tokio::main]
 async fn main() -> Result<()> {
     let args: Vec<String> = std::env::args().collect();
-    let seconds = match args.iter().position(|a| a == "--seconds") {
-        Some(i) => args
-            .get(i + 1)
-            .context("--seconds needs a value")?
-            .parse::<f64>()
-            .context("--seconds")?,
-        None => 3.0,
-    };
+    let seconds: f64 = flag(&args, "--seconds", 3.0)?;
+    let connections: usize = flag(&args, "--connections", CONNECTIONS)?;
+    let only: String = flag(&args, "--only", String::new())?;
+    if connections == 0 || !["", "raw", "memory", "redis"].contains(&only.as_str()) {
+        bail!("--connections must be positive; --only takes raw, memory or redis");
+    }
+    let wanted = |target: &str| only.is_empty() || only == target;
     let redis = RedisServer::start().context("starting redis-server")?;
-    println!("sidecar-bench: claim+complete round trips ({seconds} s per run, loopback, h2c)");
+    println!(
+        "sidecar-bench: claim+complete round trips ({seconds} s per run, loopback, h2c, \
+         {connections} connections)"
+    );
     println!(
         "{:<14} {:>5} {:>12} {:>11} {:>11} {:>9}",
         "target", "conc", "ops/s", "p50", "p99", "vs raw"
     );
     for concurrency in CONCURRENCY {
-        let raw = raw_redis_round_trips(&redis.url(), concurrency, seconds).await?;
-        let memory = sidecar_round_trips(StoreConfig::Memory, concurrency, seconds).await?;
-        let via_redis = sidecar_round_trips(redis.store_config(), concurrency, seconds).await?;
-        for (name, run) in [
-            ("raw redis", &raw),
-            ("sidecar/redis", &via_redis),
-            ("sidecar/memory", &memory),
-        ] {
+        let mut runs = Vec::new();
+        if wanted("raw") {
+            let run = raw_redis_round_trips(&redis.url(), concurrency, seconds).await?;
+            runs.push(("raw redis", run));
+        }
+        if wanted("redis") {
+            let run = sidecar_round_trips(redis.store_config(), concurrency, connections, seconds)
+                .await?;
+            runs.push(("sidecar/redis", run));
+        }
+        if wanted("memory") {
+            let run =
+                sidecar_round_trips(StoreConfig::Memory, concurrency, connections, seconds).await?;
+            runs.push(("sidecar/memory", run));
+        }
+        let raw_ops = runs
+            .iter()
+            .find(|(name, _)| *name == "raw redis")
+            .map(|(_, run)| run.ops_per_sec);
+        for (name, run) in &runs {
+            let ratio = raw_ops.map_or_else(
+                || "-".to_owned(),
+                |raw| format!("{:.2}x", run.ops_per_sec / raw),
+            );
             println!(
-                "{:<14} {:>5} {:>12.0} {:>11} {:>11} {:>8.2}x",
+                "{:<14} {:>5} {:>12.0} {:>11} {:>11} {:>9}",
                 name,
                 concurrency,
                 run.ops_per_sec,
                 ms(run.p50),
                 ms(run.p99),
-                run.ops_per_sec / raw.ops_per_sec
+                ratio
             );
         }
+    }
+    print_script_cost(&redis);
+    if !only.is_empty() {
+        return Ok(());
     }
     println!("hand-off: release (complete sent) -> next waiter granted, {HANDOFFS} samples");
     for (name, store) in [
