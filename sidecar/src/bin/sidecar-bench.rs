@@ -97,10 +97,13 @@ impl Client {
     }
 
     async fn post<T: serde::Serialize>(&self, path: &str, head: &T) -> Result<Bytes> {
-        let req = hyper::Request::post(format!("http://{}{path}", self.authority))
-            .header(hyper::header::HOST, &self.authority)
-            .header("content-type", idemgate_wire::CONTENT_TYPE)
-            .body(Full::new(Bytes::from(idemgate_wire::encode(head, &[]))))?;
+        let mut req = hyper::Request::post(format!("http://{}{path}", self.authority))
+            .header("content-type", idemgate_wire::CONTENT_TYPE);
+        if let Sender::H1(_) = self.sender {
+            // HTTP/1.1 requires it; h2 carries the authority in `:authority`.
+            req = req.header(hyper::header::HOST, &self.authority);
+        }
+        let req = req.body(Full::new(Bytes::from(idemgate_wire::encode(head, &[]))))?;
         self.send(req).await
     }
 
