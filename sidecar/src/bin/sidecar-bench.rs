@@ -8,12 +8,14 @@
 //! Numbers are comparative, not absolute: client, sidecar and Redis share the CPUs.
 //!
 //! Usage: `cargo run --release -p idemgate-sidecar --features testing --bin sidecar-bench
-//! [-- --seconds N]`.
+//! [-- --seconds N] [--connections N] [--http1] [--only raw|memory|redis]`. `--connections`
+//! sets the h2c connections the bench client opens to the sidecar (default 4); `--http1`
+//! uses HTTP/1.1 keep-alive instead, one connection per worker, to show what HTTP/2 costs;
+//! `--only` runs one target (for profiling), without hand-offs.
 
 use anyhow::{Context, Result, bail};
 use bytes::Bytes;
 use http_body_util::{BodyExt, Full};
-use hyper::client::conn::http2::SendRequest;
 use hyper_util::rt::{TokioExecutor, TokioIo};
 use idemgate_sidecar::testing::RedisServer;
 use idemgate_sidecar::{Config, Sidecar, StoreConfig};
@@ -26,40 +28,83 @@ use std::time::{Duration, Instant};
 
 const CONCURRENCY: [usize; 2] = [1, 64];
 const HANDOFFS: usize = 300;
-/// h2c connections the sidecar runs use (at most one per worker).
+/// h2c connections the sidecar runs use by default (at most one per worker).
 const CONNECTIONS: usize = 4;
 
+/// How the bench client reaches the sidecar.
+#[derive(Clone, Copy, PartialEq)]
+enum Protocol {
+    /// h2c, a few connections shared by all workers (Envoy's HTTP/2 cluster).
+    H2,
+    /// HTTP/1.1 keep-alive, one connection per worker (Envoy's HTTP/1.1 pool).
+    H1,
+}
+
 #[derive(Clone)]
-struct H2 {
-    send: SendRequest<Full<Bytes>>,
+enum Sender {
+    H2(hyper::client::conn::http2::SendRequest<Full<Bytes>>),
+    /// One worker owns each connection, so the lock is never contended.
+    H1(Arc<tokio::sync::Mutex<hyper::client::conn::http1::SendRequest<Full<Bytes>>>>),
+}
+
+#[derive(Clone)]
+struct Client {
+    sender: Sender,
     authority: String,
 }
 
-impl H2 {
-    async fn connect(addr: std::net::SocketAddr) -> Result<H2> {
+impl Client {
+    async fn connect(addr: std::net::SocketAddr, protocol: Protocol) -> Result<Client> {
         let stream = tokio::net::TcpStream::connect(addr).await?;
         stream.set_nodelay(true)?;
-        let (send, conn) =
-            hyper::client::conn::http2::handshake(TokioExecutor::new(), TokioIo::new(stream))
-                .await?;
-        tokio::spawn(conn);
-        Ok(H2 {
-            send,
+        let io = TokioIo::new(stream);
+        let sender = match protocol {
+            Protocol::H2 => {
+                let (send, conn) =
+                    hyper::client::conn::http2::handshake(TokioExecutor::new(), io).await?;
+                tokio::spawn(conn);
+                Sender::H2(send)
+            }
+            Protocol::H1 => {
+                let (send, conn) = hyper::client::conn::http1::handshake(io).await?;
+                tokio::spawn(conn);
+                Sender::H1(Arc::new(tokio::sync::Mutex::new(send)))
+            }
+        };
+        Ok(Client {
+            sender,
             authority: addr.to_string(),
         })
     }
 
-    async fn post<T: serde::Serialize>(&self, path: &str, head: &T) -> Result<Bytes> {
-        let req = hyper::Request::post(format!("http://{}{path}", self.authority))
-            .header("content-type", idemgate_wire::CONTENT_TYPE)
-            .body(Full::new(Bytes::from(idemgate_wire::encode(head, &[]))))?;
-        let mut send = self.send.clone();
-        send.ready().await?;
-        let response = send.send_request(req).await?;
+    async fn send(&self, req: hyper::Request<Full<Bytes>>) -> Result<Bytes> {
+        let response = match &self.sender {
+            Sender::H2(send) => {
+                let mut send = send.clone();
+                send.ready().await?;
+                send.send_request(req).await?
+            }
+            Sender::H1(send) => {
+                let mut send = send.lock().await;
+                send.ready().await?;
+                send.send_request(req).await?
+            }
+        };
         if response.status() != hyper::StatusCode::OK {
             bail!("sidecar answered {}", response.status());
         }
         Ok(response.into_body().collect().await?.to_bytes())
+    }
+
+    async fn post<T: serde::Serialize>(&self, path: &str, head: &T) -> Result<Bytes> {
+        let mut req = hyper::Request::post(format!("http://{}{path}", self.authority))
+            .header("content-type", idemgate_wire::CONTENT_TYPE);
+        if let Sender::H1(_) = self.sender {
+            // HTTP/1.1 requires it; h2 carries the authority in `:authority`.
+            req = req.header(hyper::header::HOST, &self.authority);
+        }
+        let req = req.body(Full::new(Bytes::from(idemgate_wire::encode(head, &[]))))?;
+        self.send(req).await
     }
 
     async fn claim(&self, req: &ClaimRequest) -> Result<ClaimOutcome> {
@@ -148,12 +193,23 @@ where
     })
 }
 
-async fn sidecar_round_trips(store: StoreConfig, concurrency: usize, seconds: f64) -> Result<Run> {
+async fn sidecar_round_trips(
+    store: StoreConfig,
+    concurrency: usize,
+    protocol: Protocol,
+    connections: usize,
+    seconds: f64,
+) -> Result<Run> {
     let sidecar = Sidecar::spawn(Config::loopback(store)).await?;
-    // Like Envoy (one upstream connection per worker thread): a few multiplexed connections.
+    // Like Envoy: a few multiplexed h2c connections (one per worker thread), or an
+    // HTTP/1.1 pool with one connection per request in flight.
+    let connections = match protocol {
+        Protocol::H2 => concurrency.min(connections),
+        Protocol::H1 => concurrency,
+    };
     let mut clients = Vec::new();
-    for _ in 0..concurrency.min(CONNECTIONS) {
-        clients.push(H2::connect(sidecar.addr()).await?);
+    for _ in 0..connections {
+        clients.push(Client::connect(sidecar.addr(), protocol).await?);
     }
     let run = measure(concurrency, seconds, move |w, i| {
         let client = clients.get(w % clients.len().max(1)).cloned();
@@ -212,7 +268,7 @@ async fn raw_redis_round_trips(url: &str, concurrency: usize, seconds: f64) -> R
 /// before the complete is sent to the waiter's grant arriving.
 async fn handoff_latency(store: StoreConfig) -> Result<(Duration, Duration)> {
     let sidecar = Sidecar::spawn(Config::loopback(store)).await?;
-    let client = H2::connect(sidecar.addr()).await?;
+    let client = Client::connect(sidecar.addr(), Protocol::H2).await?;
     let key = "bench-handoff".to_owned();
     let mut holder = match client.claim(&lock_claim(key.clone(), false)).await? {
         ClaimOutcome::Granted { owner, .. } => owner,
@@ -255,54 +311,124 @@ async fn handoff_latency(store: StoreConfig) -> Result<(Duration, Duration)> {
     Ok((percentile(&samples, 0.5), percentile(&samples, 0.99)))
 }
 
-async fn admin_get(client: &H2, url: &str) -> Result<idemgate_sidecar::KeyInfo> {
+async fn admin_get(client: &Client, url: &str) -> Result<idemgate_sidecar::KeyInfo> {
     let req = hyper::Request::get(url).body(Full::new(Bytes::new()))?;
-    let mut send = client.send.clone();
-    send.ready().await?;
-    let body = send.send_request(req).await?.into_body().collect().await?;
-    serde_json::from_slice(&body.to_bytes()).context("admin answer")
+    let body = client.send(req).await?;
+    serde_json::from_slice(&body).context("admin answer")
 }
 
 fn ms(d: Duration) -> String {
     format!("{:.3} ms", d.as_secs_f64() * 1000.0)
 }
 
+/// The value after `--name`, parsed; `default` when the flag is absent.
+fn flag<T: std::str::FromStr>(args: &[String], name: &str, default: T) -> Result<T>
+where
+    T::Err: std::error::Error + Send + Sync + 'static,
+{
+    match args.iter().position(|a| a == name) {
+        Some(i) => Ok(args
+            .get(i + 1)
+            .with_context(|| format!("{name} needs a value"))?
+            .parse::<T>()
+            .with_context(|| name.to_owned())?),
+        None => Ok(default),
+    }
+}
+
+/// Scripts' cost inside Redis (`INFO commandstats`), to tell Redis time from sidecar time.
+fn print_script_cost(redis: &RedisServer) {
+    match redis.cli(&["INFO", "commandstats"]) {
+        Ok(stats) => {
+            for line in stats
+                .lines()
+                .filter(|l| l.starts_with("cmdstat_evalsha") || l.starts_with("cmdstat_set:"))
+            {
+                println!("  {}", line.trim());
+            }
+        }
+        Err(err) => println!("  (no commandstats: {err})"),
+    }
+}
+
 #[tokio::main]
 async fn main() -> Result<()> {
     let args: Vec<String> = std::env::args().collect();
-    let seconds = match args.iter().position(|a| a == "--seconds") {
-        Some(i) => args
-            .get(i + 1)
-            .context("--seconds needs a value")?
-            .parse::<f64>()
-            .context("--seconds")?,
-        None => 3.0,
+    let seconds: f64 = flag(&args, "--seconds", 3.0)?;
+    let connections: usize = flag(&args, "--connections", CONNECTIONS)?;
+    let only: String = flag(&args, "--only", String::new())?;
+    let protocol = if args.iter().any(|a| a == "--http1") {
+        Protocol::H1
+    } else {
+        Protocol::H2
     };
+    if connections == 0 || !["", "raw", "memory", "redis"].contains(&only.as_str()) {
+        bail!("--connections must be positive; --only takes raw, memory or redis");
+    }
+    let wanted = |target: &str| only.is_empty() || only == target;
     let redis = RedisServer::start().context("starting redis-server")?;
-    println!("sidecar-bench: claim+complete round trips ({seconds} s per run, loopback, h2c)");
+    println!(
+        "sidecar-bench: claim+complete round trips ({seconds} s per run, loopback, {})",
+        match protocol {
+            Protocol::H2 => format!("h2c, {connections} connections"),
+            Protocol::H1 => "HTTP/1.1, one connection per worker".to_owned(),
+        }
+    );
     println!(
         "{:<14} {:>5} {:>12} {:>11} {:>11} {:>9}",
         "target", "conc", "ops/s", "p50", "p99", "vs raw"
     );
     for concurrency in CONCURRENCY {
-        let raw = raw_redis_round_trips(&redis.url(), concurrency, seconds).await?;
-        let memory = sidecar_round_trips(StoreConfig::Memory, concurrency, seconds).await?;
-        let via_redis = sidecar_round_trips(redis.store_config(), concurrency, seconds).await?;
-        for (name, run) in [
-            ("raw redis", &raw),
-            ("sidecar/redis", &via_redis),
-            ("sidecar/memory", &memory),
-        ] {
+        let mut runs = Vec::new();
+        if wanted("raw") {
+            let run = raw_redis_round_trips(&redis.url(), concurrency, seconds).await?;
+            runs.push(("raw redis", run));
+        }
+        if wanted("redis") {
+            let run = sidecar_round_trips(
+                redis.store_config(),
+                concurrency,
+                protocol,
+                connections,
+                seconds,
+            )
+            .await?;
+            runs.push(("sidecar/redis", run));
+        }
+        if wanted("memory") {
+            let run = sidecar_round_trips(
+                StoreConfig::Memory,
+                concurrency,
+                protocol,
+                connections,
+                seconds,
+            )
+            .await?;
+            runs.push(("sidecar/memory", run));
+        }
+        let raw_ops = runs
+            .iter()
+            .find(|(name, _)| *name == "raw redis")
+            .map(|(_, run)| run.ops_per_sec);
+        for (name, run) in &runs {
+            let ratio = raw_ops.map_or_else(
+                || "-".to_owned(),
+                |raw| format!("{:.2}x", run.ops_per_sec / raw),
+            );
             println!(
-                "{:<14} {:>5} {:>12.0} {:>11} {:>11} {:>8.2}x",
+                "{:<14} {:>5} {:>12.0} {:>11} {:>11} {:>9}",
                 name,
                 concurrency,
                 run.ops_per_sec,
                 ms(run.p50),
                 ms(run.p99),
-                run.ops_per_sec / raw.ops_per_sec
+                ratio
             );
         }
+    }
+    print_script_cost(&redis);
+    if !only.is_empty() {
+        return Ok(());
     }
     println!("hand-off: release (complete sent) -> next waiter granted, {HANDOFFS} samples");
     for (name, store) in [

@@ -19,14 +19,26 @@ pub(crate) struct LockKeys {
 }
 
 impl LockKeys {
+    /// Built on every store call: one escape pass and one exact-size allocation per key
+    /// (no formatting machinery on the hot path).
     pub(crate) fn new(prefix: &str, key: &str) -> Self {
-        let base = format!("{prefix}:{{{}}}", key_to_tag(key));
+        let mut base = String::with_capacity(prefix.len() + key.len() + 3);
+        base.push_str(prefix);
+        base.push_str(":{");
+        push_tag(&mut base, key);
+        base.push('}');
+        let with = |suffix: &str| {
+            let mut k = String::with_capacity(base.len() + suffix.len());
+            k.push_str(&base);
+            k.push_str(suffix);
+            k
+        };
         LockKeys {
-            lock: format!("{base}:lock"),
-            queue: format!("{base}:queue"),
-            waiters: format!("{base}:waiters"),
-            fence: format!("{base}:fence"),
-            response: format!("{base}:resp"),
+            lock: with(":lock"),
+            queue: with(":queue"),
+            waiters: with(":waiters"),
+            fence: with(":fence"),
+            response: with(":resp"),
         }
     }
 
@@ -61,17 +73,21 @@ pub(crate) fn inbox_prefix(prefix: &str) -> String {
     format!("{prefix}:inbox:")
 }
 
-fn key_to_tag(key: &str) -> String {
-    let mut tag = String::with_capacity(key.len());
-    for c in key.chars() {
-        match c {
-            '%' => tag.push_str("%25"),
-            '{' => tag.push_str("%7B"),
-            '}' => tag.push_str("%7D"),
-            c => tag.push(c),
-        }
+/// Appends `key` with `%`, `{` and `}` escaped (reversed by [`tag_to_key`]).
+fn push_tag(out: &mut String, key: &str) {
+    let mut rest = key;
+    while let Some(i) = rest.find(['%', '{', '}']) {
+        let (plain, tail) = rest.split_at(i);
+        out.push_str(plain);
+        let mut chars = tail.chars();
+        out.push_str(match chars.next() {
+            Some('%') => "%25",
+            Some('{') => "%7B",
+            _ => "%7D",
+        });
+        rest = chars.as_str();
     }
-    tag
+    out.push_str(rest);
 }
 
 fn tag_to_key(tag: &str) -> Option<String> {
@@ -116,5 +132,13 @@ mod tests {
             assert!(tags.iter().all(|t| *t == tags[0] && !t.is_empty()), "{key}");
             assert_eq!(key_of_lock("p", &keys.lock).as_deref(), Some(key));
         }
+    }
+
+    #[test]
+    fn keys_follow_the_documented_layout() {
+        let keys = LockKeys::new("idemgate", "a%b{c}d");
+        assert_eq!(keys.lock, "idemgate:{a%25b%7Bc%7Dd}:lock");
+        assert_eq!(keys.response, "idemgate:{a%25b%7Bc%7Dd}:resp");
+        assert_eq!(LockKeys::new("p", "").queue, "p:{}:queue");
     }
 }
