@@ -594,12 +594,7 @@ fn compile_rule(raw: &RawValue, i: usize, allow_stop: bool) -> Result<Rule, Conf
         None => Mode::Idempotency,
     };
     let matcher = compile_match(optional(raw.matcher, &at("match"))?, &at("match"))?;
-    let key = compile_key(
-        optional(raw.key, &at("key"))?,
-        mode,
-        &matcher,
-        &at("key"),
-    )?;
+    let key = compile_key(optional(raw.key, &at("key"))?, mode, &matcher, &at("key"))?;
     let scope: RawScope = optional(raw.scope, &at("scope"))?;
     for (j, p) in scope.properties.iter().enumerate() {
         if p.is_empty() {
@@ -615,12 +610,7 @@ fn compile_rule(raw: &RawValue, i: usize, allow_stop: bool) -> Result<Rule, Conf
         // A lock protects the resource whatever the method; an idempotency key is per call.
         method: scope.method.unwrap_or(mode == Mode::Idempotency),
     };
-    let fingerprint = compile_fingerprint(
-        raw.fingerprint,
-        mode,
-        allow_stop,
-        &at("fingerprint"),
-    )?;
+    let fingerprint = compile_fingerprint(raw.fingerprint, mode, allow_stop, &at("fingerprint"))?;
     let conflict: RawConflict = match raw.on_conflict {
         Some(conflict) => raw_section(conflict, &at("on_conflict"))?,
         None => RawConflict::Reject,
@@ -638,10 +628,7 @@ fn compile_rule(raw: &RawValue, i: usize, allow_stop: bool) -> Result<Rule, Conf
             &at("queue"),
         )?),
     };
-    let response = compile_response(
-        optional(raw.response, &at("response"))?,
-        &at("response"),
-    )?;
+    let response = compile_response(optional(raw.response, &at("response"))?, &at("response"))?;
     Ok(Rule {
         name,
         matcher,
@@ -988,6 +975,12 @@ mod tests {
                 .starts_with("rules[1].name: ")
         );
         assert!(error_of("not json").starts_with("configuration: "));
+        // A section's own line/column would mislead (it is relative to the section).
+        let e = error_of(r#"{"sidecar":{"cluster":"x"},"rules":[{"key":{"required":"yes"}}]}"#);
+        assert_eq!(
+            e,
+            "rules[0].key: invalid type: string \"yes\", expected a boolean"
+        );
     }
 
     #[test]
