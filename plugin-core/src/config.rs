@@ -2,9 +2,11 @@
 //! defaults, durations as `"30s"`) and its validation into the immutable [`Config`] that
 //! per-request code reads. Nothing here runs per request.
 //!
-//! Each section is deserialized separately from a `serde_json::Value`, so a type error or an
-//! unknown field is reported with the path of the section it is in (`rules[2].key: unknown
-//! field ...`); semantic checks name the exact field (`rules[2].key.header: ...`).
+//! Each section is kept as borrowed raw JSON and deserialized separately, so a type error or
+//! an unknown field is reported with the path of the section it is in (`rules[2].key: unknown
+//! field ...`); semantic checks name the exact field (`rules[2].key.header: ...`). Raw
+//! sections rather than a `serde_json::Value` tree keep the filter small: every section is
+//! decoded by the one byte-slice deserializer the wire protocol uses as well.
 
 use alloc::format;
 use alloc::string::{String, ToString};
@@ -12,8 +14,7 @@ use alloc::vec::Vec;
 use core::fmt;
 use idemgate_wire::{Limits, Mode, WaitPolicy};
 use serde::Deserialize;
-use serde::de::DeserializeOwned;
-use serde_json::Value;
+use serde_json::value::RawValue;
 
 use crate::rule::{Matcher, PathMatch};
 
@@ -200,16 +201,17 @@ pub struct Config {
 
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields)]
-struct RawTop {
-    sidecar: Value,
-    #[serde(default)]
-    failure_mode: Option<Value>,
+struct RawTop<'a> {
+    #[serde(borrow)]
+    sidecar: &'a RawValue,
+    #[serde(default, borrow)]
+    failure_mode: Option<&'a RawValue>,
     #[serde(default)]
     shadow: Option<bool>,
-    #[serde(default)]
-    breaker: Option<Value>,
-    #[serde(default)]
-    local: Option<Value>,
+    #[serde(default, borrow)]
+    breaker: Option<&'a RawValue>,
+    #[serde(default, borrow)]
+    local: Option<&'a RawValue>,
     #[serde(default)]
     allow_on_headers_stop_iteration: Option<bool>,
     #[serde(default)]
@@ -220,7 +222,8 @@ struct RawTop {
     tick: Option<String>,
     #[serde(default)]
     release_attempts: Option<u32>,
-    rules: Vec<Value>,
+    #[serde(borrow)]
+    rules: Vec<&'a RawValue>,
 }
 
 #[derive(Deserialize)]
@@ -259,29 +262,29 @@ struct RawLocal {
 
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields)]
-struct RawRule {
+struct RawRule<'a> {
     #[serde(default)]
     name: Option<String>,
-    #[serde(rename = "match", default)]
-    matcher: Option<Value>,
-    #[serde(default)]
-    mode: Option<Value>,
-    #[serde(default)]
-    key: Option<Value>,
-    #[serde(default)]
-    scope: Option<Value>,
-    #[serde(default)]
-    fingerprint: Option<Value>,
-    #[serde(default)]
-    on_conflict: Option<Value>,
-    #[serde(default)]
-    queue: Option<Value>,
+    #[serde(rename = "match", default, borrow)]
+    matcher: Option<&'a RawValue>,
+    #[serde(default, borrow)]
+    mode: Option<&'a RawValue>,
+    #[serde(default, borrow)]
+    key: Option<&'a RawValue>,
+    #[serde(default, borrow)]
+    scope: Option<&'a RawValue>,
+    #[serde(default, borrow)]
+    fingerprint: Option<&'a RawValue>,
+    #[serde(default, borrow)]
+    on_conflict: Option<&'a RawValue>,
+    #[serde(default, borrow)]
+    queue: Option<&'a RawValue>,
     #[serde(default)]
     lease: Option<String>,
     #[serde(default)]
     retention: Option<String>,
-    #[serde(default)]
-    response: Option<Value>,
+    #[serde(default, borrow)]
+    response: Option<&'a RawValue>,
 }
 
 #[derive(Deserialize, Default)]
@@ -401,20 +404,18 @@ const MAX_KEY_LENGTH: usize = 255;
 
 /// Parses and validates the plugin configuration bytes.
 pub fn parse(bytes: &[u8]) -> Result<Config, ConfigError> {
-    let root: Value =
-        serde_json::from_slice(bytes).map_err(|e| err("configuration", e.to_string()))?;
-    let top: RawTop = section(&root, "configuration")?;
-    let sidecar = compile_sidecar(section(&top.sidecar, "sidecar")?)?;
-    let failure_mode = match &top.failure_mode {
-        Some(v) => section(v, "failure_mode")?,
+    let top: RawTop = section(bytes, "configuration")?;
+    let sidecar = compile_sidecar(raw_section(top.sidecar, "sidecar")?)?;
+    let failure_mode = match top.failure_mode {
+        Some(raw) => raw_section(raw, "failure_mode")?,
         None => FailureMode::Closed,
     };
-    let breaker: RawBreaker = optional(top.breaker.as_ref(), "breaker")?;
+    let breaker: RawBreaker = optional(top.breaker, "breaker")?;
     let breaker = BreakerConfig {
         failures: positive_u32(breaker.failures.unwrap_or(5), "breaker.failures")?,
         cooldown_ms: duration_or(breaker.cooldown.as_deref(), "breaker.cooldown", 5_000)?,
     };
-    let local: RawLocal = optional(top.local.as_ref(), "local")?;
+    let local: RawLocal = optional(top.local, "local")?;
     let local = LocalConfig {
         enabled: local.enabled.unwrap_or(true),
         slots: positive_u32(local.slots.unwrap_or(4096), "local.slots")?,
@@ -447,7 +448,7 @@ pub fn parse(bytes: &[u8]) -> Result<Config, ConfigError> {
         return Err(err("rules", "at least one rule is required"));
     }
     let mut rules = Vec::with_capacity(top.rules.len());
-    for (i, raw) in top.rules.iter().enumerate() {
+    for (i, raw) in top.rules.into_iter().enumerate() {
         let rule = compile_rule(raw, i, allow_stop)?;
         if rules.iter().any(|r: &Rule| r.name == rule.name) {
             return Err(err(&format!("rules[{i}].name"), "duplicate rule name"));
@@ -480,15 +481,27 @@ pub fn parse(bytes: &[u8]) -> Result<Config, ConfigError> {
     })
 }
 
-fn section<T: DeserializeOwned>(value: &Value, path: &str) -> Result<T, ConfigError> {
-    T::deserialize(value).map_err(|e| err(path, e.to_string()))
+/// Deserializes one section (the whole configuration, or a raw part of it); errors name `path`.
+fn section<'a, T: Deserialize<'a>>(json: &'a [u8], path: &str) -> Result<T, ConfigError> {
+    serde_json::from_slice(json).map_err(|e| {
+        // The position is relative to the section, not to the configuration: misleading, so
+        // only the path locates the error.
+        let message = e.to_string();
+        let position = format!(" at line {} column {}", e.line(), e.column());
+        let message = message.strip_suffix(&position).unwrap_or(&message);
+        err(path, message)
+    })
 }
 
-fn optional<T: DeserializeOwned + Default>(
-    value: Option<&Value>,
+fn raw_section<'a, T: Deserialize<'a>>(raw: &'a RawValue, path: &str) -> Result<T, ConfigError> {
+    section(raw.get().as_bytes(), path)
+}
+
+fn optional<'a, T: Deserialize<'a> + Default>(
+    raw: Option<&'a RawValue>,
     path: &str,
 ) -> Result<T, ConfigError> {
-    value.map_or_else(|| Ok(T::default()), |v| section(v, path))
+    raw.map_or_else(|| Ok(T::default()), |raw| raw_section(raw, path))
 }
 
 fn positive_u32(v: u32, path: &str) -> Result<u32, ConfigError> {
@@ -572,22 +585,17 @@ fn compile_sidecar(raw: RawSidecar) -> Result<SidecarConfig, ConfigError> {
     })
 }
 
-fn compile_rule(raw: &Value, i: usize, allow_stop: bool) -> Result<Rule, ConfigError> {
+fn compile_rule(raw: &RawValue, i: usize, allow_stop: bool) -> Result<Rule, ConfigError> {
     let at = |field: &str| format!("rules[{i}].{field}");
-    let raw: RawRule = section(raw, &format!("rules[{i}]"))?;
+    let raw: RawRule = raw_section(raw, &format!("rules[{i}]"))?;
     let name = raw.name.unwrap_or_else(|| format!("rules[{i}]"));
-    let mode: Mode = match &raw.mode {
-        Some(v) => section(v, &at("mode"))?,
+    let mode: Mode = match raw.mode {
+        Some(mode) => raw_section(mode, &at("mode"))?,
         None => Mode::Idempotency,
     };
-    let matcher = compile_match(optional(raw.matcher.as_ref(), &at("match"))?, &at("match"))?;
-    let key = compile_key(
-        optional(raw.key.as_ref(), &at("key"))?,
-        mode,
-        &matcher,
-        &at("key"),
-    )?;
-    let scope: RawScope = optional(raw.scope.as_ref(), &at("scope"))?;
+    let matcher = compile_match(optional(raw.matcher, &at("match"))?, &at("match"))?;
+    let key = compile_key(optional(raw.key, &at("key"))?, mode, &matcher, &at("key"))?;
+    let scope: RawScope = optional(raw.scope, &at("scope"))?;
     for (j, p) in scope.properties.iter().enumerate() {
         if p.is_empty() {
             return Err(err(
@@ -602,14 +610,9 @@ fn compile_rule(raw: &Value, i: usize, allow_stop: bool) -> Result<Rule, ConfigE
         // A lock protects the resource whatever the method; an idempotency key is per call.
         method: scope.method.unwrap_or(mode == Mode::Idempotency),
     };
-    let fingerprint = compile_fingerprint(
-        raw.fingerprint.as_ref(),
-        mode,
-        allow_stop,
-        &at("fingerprint"),
-    )?;
-    let conflict: RawConflict = match &raw.on_conflict {
-        Some(v) => section(v, &at("on_conflict"))?,
+    let fingerprint = compile_fingerprint(raw.fingerprint, mode, allow_stop, &at("fingerprint"))?;
+    let conflict: RawConflict = match raw.on_conflict {
+        Some(conflict) => raw_section(conflict, &at("on_conflict"))?,
         None => RawConflict::Reject,
     };
     let conflict = match conflict {
@@ -621,14 +624,11 @@ fn compile_rule(raw: &Value, i: usize, allow_stop: bool) -> Result<Rule, ConfigE
         }
         RawConflict::Reject => Conflict::Reject,
         RawConflict::Queue => Conflict::Queue(compile_queue(
-            optional(raw.queue.as_ref(), &at("queue"))?,
+            optional(raw.queue, &at("queue"))?,
             &at("queue"),
         )?),
     };
-    let response = compile_response(
-        optional(raw.response.as_ref(), &at("response"))?,
-        &at("response"),
-    )?;
+    let response = compile_response(optional(raw.response, &at("response"))?, &at("response"))?;
     Ok(Rule {
         name,
         matcher,
@@ -740,7 +740,7 @@ fn compile_key(
 }
 
 fn compile_fingerprint(
-    raw: Option<&Value>,
+    raw: Option<&RawValue>,
     mode: Mode,
     allow_stop: bool,
     path: &str,
@@ -975,6 +975,12 @@ mod tests {
                 .starts_with("rules[1].name: ")
         );
         assert!(error_of("not json").starts_with("configuration: "));
+        // A section's own line/column would mislead (it is relative to the section).
+        let e = error_of(r#"{"sidecar":{"cluster":"x"},"rules":[{"key":{"required":"yes"}}]}"#);
+        assert_eq!(
+            e,
+            "rules[0].key: invalid type: string \"yes\", expected a boolean"
+        );
     }
 
     #[test]

@@ -666,7 +666,7 @@ impl Flow {
         })
     }
 
-    pub fn on_renew_answer(&mut self, answer: Answer<'_>, env: &mut Env<'_>) {
+    pub fn on_renew_answer(&mut self, config: &Config, answer: Answer<'_>, env: &mut Env<'_>) {
         let Some(grant) = self.grant.as_mut() else {
             return;
         };
@@ -675,6 +675,20 @@ impl Flow {
             Some(OwnerOutcome::Renewed { lease_ms }) => {
                 env.telemetry.count(Counter::LeaseRenewals);
                 grant.renew_at_ms = env.now_ms.saturating_add(lease_ms / 2);
+                // The local entry must outlive the call too, or a duplicate reaching this
+                // gateway after one lease would pass the local tier (and, with the sidecar
+                // down and `failure_mode: local`, go upstream).
+                if let Local::Held(hold) = self.local {
+                    Table {
+                        config: &config.local,
+                        store: env.shared,
+                    }
+                    .extend(
+                        hold,
+                        &self.key,
+                        env.now_ms.saturating_add(lease_ms),
+                    );
+                }
             }
             Some(OwnerOutcome::Stale | OwnerOutcome::Released) => {
                 // Someone else may hold the key now: stop renewing, the release will be stale.

@@ -187,7 +187,25 @@ impl Table<'_> {
                 completed: None,
             },
         };
-        let bytes = encode(&entry);
+        self.replace_held(hold, key, &encode(&entry))
+    }
+
+    /// Moves the expiry of our in-flight entry to `expires_ms` (the sidecar renewed the
+    /// lease), so a call longer than one lease is not taken for abandoned on this gateway.
+    /// Returns whether it wrote.
+    pub fn extend(&self, hold: Hold, key: &str, expires_ms: u64) -> bool {
+        let entry = Entry {
+            state: State::InFlight,
+            key: key.into(),
+            owner: hold.owner,
+            expires_ms,
+            completed: None,
+        };
+        self.replace_held(hold, key, &encode(&entry))
+    }
+
+    /// Writes `bytes` over the slot with CAS, only while it still holds our in-flight entry.
+    fn replace_held(&self, hold: Hold, key: &str, bytes: &[u8]) -> bool {
         let slot = slot_key(hold.slot);
         for _ in 0..ROUNDS {
             let Ok(Some((current, cas))) = self.store.get(&slot) else {
@@ -197,7 +215,7 @@ impl Table<'_> {
                 Some(e) if e.key == key && e.owner == hold.owner && e.state == State::InFlight => {}
                 _ => return false,
             }
-            match self.store.set(&slot, &bytes, Some(cas)) {
+            match self.store.set(&slot, bytes, Some(cas)) {
                 Ok(true) => return true,
                 Ok(false) => continue,
                 Err(HostError) => return false,
@@ -402,6 +420,38 @@ pub(crate) mod tests {
         assert!(t.release(new, &key(1), None));
         assert!(matches!(
             t.claim(&key(1), 3, 250, 100),
+            LocalClaim::Claimed(_)
+        ));
+    }
+
+    #[test]
+    fn renewal_extends_only_our_in_flight_entry() {
+        let store = MemStore::default();
+        let c = cfg(64, 4);
+        let t = Table {
+            config: &c,
+            store: &store,
+        };
+        let LocalClaim::Claimed(hold) = t.claim(&key(1), 1, 0, 100) else {
+            panic!()
+        };
+        assert!(t.extend(hold, &key(1), 250));
+        assert_eq!(
+            t.claim(&key(1), 2, 200, 100),
+            LocalClaim::InFlight { retry_after_ms: 50 },
+            "past the first lease the entry is still in flight"
+        );
+        assert!(
+            !t.extend(Hold { owner: 9, ..hold }, &key(1), 1_000),
+            "another owner cannot extend it"
+        );
+        assert!(t.release(hold, &key(1), None));
+        assert!(
+            !t.extend(hold, &key(1), 1_000),
+            "a released entry stays free"
+        );
+        assert!(matches!(
+            t.claim(&key(1), 3, 10, 100),
             LocalClaim::Claimed(_)
         ));
     }

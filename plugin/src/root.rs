@@ -60,7 +60,9 @@ impl Context for Root {
         match call {
             Call::Claim(stream) => settle_claim(&mut vm, stream, answer),
             Call::Renew(stream) => {
-                vm.with_flow(stream, |_, flow, env| flow.on_renew_answer(answer, env));
+                vm.with_flow(stream, |config, flow, env| {
+                    flow.on_renew_answer(config, answer, env)
+                });
             }
             Call::Release(release) => {
                 if on_release_answer(answer, &mut vm.metrics) == ReleaseResult::Retry {
@@ -139,8 +141,8 @@ impl RootContext for Root {
                     vm.calls.insert(token, Call::Renew(stream));
                 }
                 None => {
-                    vm.with_flow(stream, |_, flow, env| {
-                        flow.on_renew_answer(Answer::Failed, env)
+                    vm.with_flow(stream, |config, flow, env| {
+                        flow.on_renew_answer(config, Answer::Failed, env)
                     });
                 }
             }

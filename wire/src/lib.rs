@@ -27,6 +27,7 @@ use alloc::string::String;
 use alloc::vec::Vec;
 use serde::{Deserialize, Serialize};
 
+mod answer;
 mod validate;
 pub use validate::{FieldError, Limits};
 
@@ -108,8 +109,13 @@ pub struct ClaimRequest {
 /// The answer to a claim (always HTTP 200). [`ClaimOutcome::Completed`] carries the stored
 /// body as the frame's payload. Answers tolerate unknown fields (a newer sidecar may add
 /// some) while requests reject them (a typo must not silently change a claim).
+///
+/// On the wire it is internally tagged (`{"outcome":"granted",...}`); it is decoded through
+/// the flat [`answer::ClaimAnswer`] because serde's internally tagged decoding buffers the
+/// document first, which costs the filter's `.wasm` ~20 KB.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(tag = "outcome", rename_all = "snake_case")]
+#[serde(try_from = "answer::ClaimAnswer")]
 pub enum ClaimOutcome {
     /// The caller holds the key until it completes, aborts or the lease ends.
     Granted {
@@ -183,9 +189,10 @@ pub struct RenewRequest {
     pub lease_ms: u64,
 }
 
-/// The answer to complete/abort/renew (always HTTP 200).
+/// The answer to complete/abort/renew (always HTTP 200); decoded like [`ClaimOutcome`].
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(tag = "outcome", rename_all = "snake_case")]
+#[serde(try_from = "answer::OwnerAnswer")]
 pub enum OwnerOutcome {
     /// The key was released (and, for complete, the response stored).
     Released,

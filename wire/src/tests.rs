@@ -141,3 +141,24 @@ fn limits_name_the_offending_field() {
     };
     assert!(limits.complete(&with_body, &big).unwrap_err().too_large);
 }
+
+#[test]
+fn flat_answer_decoding_keeps_defaults_and_names_missing_fields() {
+    let (o, _): (ClaimOutcome, _) =
+        decode(br#"{"retry_after_ms":7,"queue_len":1,"outcome":"busy"}"#).unwrap();
+    assert_eq!(
+        o,
+        ClaimOutcome::Busy {
+            retry_after_ms: 7,
+            queue_len: 1,
+            waited: false
+        }
+    );
+    let e = decode::<ClaimOutcome>(br#"{"outcome":"granted","fence":1,"lease_ms":5}"#)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("missing field `owner`"), "{e}");
+    let (o, _): (OwnerOutcome, _) = decode(br#"{"outcome":"renewed","lease_ms":9}"#).unwrap();
+    assert_eq!(o, OwnerOutcome::Renewed { lease_ms: 9 });
+    assert!(decode::<OwnerOutcome>(br#"{"outcome":"renewed"}"#).is_err());
+}

@@ -12,7 +12,8 @@ use std::path::Path;
 use std::process::Command;
 
 /// Debian packages of the offline route; clippy is included because `xtask test` lints the
-/// filter for wasm32 with the same compiler that builds it.
+/// filter for wasm32 with the same compiler that builds it, binaryen because its `wasm-opt`
+/// shrinks the filter (optional: the build skips it where it is absent).
 const DEBIAN_PACKAGES: &[&str] = &[
     "rustc-web",
     "cargo-web",
@@ -20,6 +21,7 @@ const DEBIAN_PACKAGES: &[&str] = &[
     "rust-web-clippy",
     "lld-22",
     "wasi-libc",
+    "binaryen",
 ];
 
 const DEBIAN_FILES: &[&str] = &[

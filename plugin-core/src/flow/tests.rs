@@ -716,6 +716,7 @@ fn renewals_on_half_lease_and_lease_loss() {
     let ok = idemgate_wire::encode(&OwnerOutcome::Renewed { lease_ms: 30_000 }, &[]);
     gw.with(|_, env| {
         flow.on_renew_answer(
+            &cfg,
             Answer::Http {
                 status: 200,
                 body: &ok,
@@ -724,8 +725,14 @@ fn renewals_on_half_lease_and_lease_loss() {
         )
     });
     assert!(flow.renewal_due(&cfg, gw.now + 14_999).is_none());
+    // The renewal moved this gateway's entry too: past the first lease a duplicate here is
+    // still rejected locally (it ends 30 s after the renewal, 20 s from here).
+    gw.now += 20_000;
+    let r = reply(gw.start(&post("k")).1);
+    assert_eq!((r.status, header(&r, "retry-after")), (409, Some("10")));
+    gw.now -= 20_000;
     let _ = flow.renewal_due(&cfg, gw.now + 15_000).unwrap();
-    gw.with(|_, env| flow.on_renew_answer(Answer::Failed, env));
+    gw.with(|_, env| flow.on_renew_answer(&cfg, Answer::Failed, env));
     assert!(
         flow.renewal_due(&cfg, gw.now + 15_000).is_some(),
         "a failed renewal is retried"
@@ -733,6 +740,7 @@ fn renewals_on_half_lease_and_lease_loss() {
     let stale = idemgate_wire::encode(&OwnerOutcome::Stale, &[]);
     gw.with(|_, env| {
         flow.on_renew_answer(
+            &cfg,
             Answer::Http {
                 status: 200,
                 body: &stale,
