@@ -141,7 +141,6 @@ fn plugin(target: &Path) -> Result<Group> {
         goal: Some(Goal::AtMost(256.0)),
     });
     Ok(Group {
-        id: "plugin",
         title: "Plugin cost per request",
         command: "cargo xtask bench plugin".into(),
         figures,
@@ -180,7 +179,6 @@ fn host(target: &Path) -> Result<Group> {
         )?);
     }
     Ok(Group {
-        id: "host",
         title: "Host overhead: the gateway with and without a filter",
         command: "cargo xtask bench host".into(),
         figures: vec![Figure {
@@ -217,11 +215,12 @@ fn sidecar() -> Result<Group> {
         .build()?;
     runtime.block_on(async {
         let redis = RedisServer::start().context("starting redis-server")?;
+        let redis_url = redis.url();
         let mut figures = Vec::new();
         for concurrency in [1usize, 64] {
             println!("  concurrency {concurrency}: raw Redis, sidecar on Redis, sidecar on memory");
             let raw = sidecar_load::repeat(LOAD_RUNS, || {
-                sidecar_load::raw_redis_round_trips(&redis.url(), concurrency, LOAD_SECONDS)
+                sidecar_load::raw_redis_round_trips(&redis_url, concurrency, LOAD_SECONDS)
             })
             .await?;
             let on_redis = sidecar_load::repeat(LOAD_RUNS, || {
@@ -264,7 +263,6 @@ fn sidecar() -> Result<Group> {
             });
         }
         Ok(Group {
-            id: "sidecar",
             title: "Sidecar claim+complete against raw Redis",
             command: "cargo xtask bench sidecar".into(),
             figures,

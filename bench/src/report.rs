@@ -10,7 +10,6 @@ pub enum Goal {
     RatioAtMost(f64),
     RatioAtLeast(f64),
     AtMost(f64),
-    AtLeast(f64),
 }
 
 impl Goal {
@@ -19,7 +18,6 @@ impl Goal {
             Goal::RatioAtMost(r) => format!("≤ {r}×"),
             Goal::RatioAtLeast(r) => format!("≥ {r}×"),
             Goal::AtMost(v) => format!("≤ {} {unit}", number(*v)),
-            Goal::AtLeast(v) => format!("≥ {} {unit}", number(*v)),
         }
     }
 
@@ -28,7 +26,6 @@ impl Goal {
             Goal::RatioAtMost(r) => ratio.map(|x| x <= r),
             Goal::RatioAtLeast(r) => ratio.map(|x| x >= r),
             Goal::AtMost(v) => Some(value <= v),
-            Goal::AtLeast(v) => Some(value >= v),
         }
     }
 }
@@ -65,7 +62,6 @@ pub struct Check {
 /// One benchmark group's results.
 #[derive(Debug, Clone)]
 pub struct Group {
-    pub id: &'static str,
     pub title: &'static str,
     /// The command that reproduces this group alone.
     pub command: String,
@@ -215,7 +211,6 @@ mod tests {
         assert!((figure.ratio().unwrap() - 1.1).abs() < 1e-9);
         assert_eq!(figure.goal_met(), Some(true));
         let group = Group {
-            id: "plugin",
             title: "Plugin cost per request",
             command: "cargo xtask bench plugin".into(),
             figures: vec![figure],
