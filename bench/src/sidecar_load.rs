@@ -248,6 +248,8 @@ pub async fn handoff_us(store: StoreConfig, samples: usize) -> Result<Vec<f64>> 
         };
         gaps.push(granted_at.saturating_duration_since(released).as_secs_f64() * 1e6);
     }
+    // A Redis store outlives this sidecar: leave the key free for the next run.
+    client.complete(&key, &holder).await?;
     sidecar.shutdown().await?;
     Ok(gaps)
 }
