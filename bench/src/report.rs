@@ -87,7 +87,7 @@ pub const INTRO: &str = "# idemgate benchmarks
 Written by `cargo xtask bench` (one group: `cargo xtask bench <group>`). Every ratio compares \
 against a baseline measured in the same run on the same machine; figures are medians of \
 repeated runs with their spread (half the min–max range, relative to the median). Instruction \
-counts come from `valgrind --tool=callgrind` and repeat within ~0.5 %; wall-clock figures on \
+counts come from `valgrind --tool=callgrind` and repeat within a few percent (hash seeds vary between runs); wall-clock figures on \
 a shared 2-core VM drift by up to 1.5× between runs, so read them as ratios.
 ";
 
