@@ -1,4 +1,4 @@
-//! Counting instructions with `valgrind --tool=callgrind`: stable to ~0.5 % on machines
+//! Counting instructions with `valgrind --tool=callgrind`: stable to a few percent on machines
 //! where wall-clock times drift by 1.5×, so it is the primary per-request plugin figure.
 
 use anyhow::{Context, Result, bail};

@@ -9,7 +9,7 @@
 //!
 //! Instructions come from `valgrind --tool=callgrind` restricted to [`measured_requests`]
 //! (`--toggle-collect`), so module compilation, VM start and warm-up are excluded and the
-//! count repeats within ~0.5 %. Wall time per request is measured without valgrind.
+//! count repeats within a few percent. Wall time per request is measured without valgrind.
 
 use anyhow::{Context, Result, bail};
 use idemgate_host::{
