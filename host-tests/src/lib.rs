@@ -1,5 +1,5 @@
 //! A proxy-wasm ABI 0.2.1 host on wasmtime that runs filters as Envoy does (see
-//! `host-tests/README.md` and `/work/shared/ENVOY-HOST.md`), driven either by a deterministic
+//! `host-tests/README.md` and the project's Envoy host notes), driven either by a deterministic
 //! test API ([`testing`]) or live, by the `idemgate-gateway` ([`gateway`]).
 
 mod abi;
