@@ -185,14 +185,7 @@ impl Driver {
             waited_ms: 0,
         };
         self.answer_next_callout(&idemgate_wire::encode(&granted, b""))?;
-        if !self
-            .vm
-            .take_events(id)
-            .iter()
-            .any(|e| matches!(e, StreamEvent::UpstreamHeaders { .. }))
-        {
-            bail!("the granted request did not go upstream");
-        }
+        self.expect_upstream(id)?;
         self.vm.headers(
             id,
             Direction::Response,
@@ -233,7 +226,8 @@ impl Driver {
         self.vm.fire_due();
     }
 
-    fn respond(&mut self, id: StreamId) -> Result<()> {
+    /// Fails unless the filter let the request go upstream.
+    fn expect_upstream(&mut self, id: StreamId) -> Result<()> {
         let events = self.vm.take_events(id);
         if !events
             .iter()
@@ -241,6 +235,11 @@ impl Driver {
         {
             bail!("the request did not go upstream: {events:?}");
         }
+        Ok(())
+    }
+
+    fn respond(&mut self, id: StreamId) -> Result<()> {
+        self.expect_upstream(id)?;
         self.vm.headers(
             id,
             Direction::Response,
