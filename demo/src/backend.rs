@@ -15,7 +15,10 @@
 //! that checks fencing tokens refuses a holder whose lease ran out.
 //!
 //! Test knobs: `x-demo-work-ms` overrides the work time, `x-demo-seq` labels a call in the
-//! recorded execution order, `x-demo-status` answers that status without executing.
+//! recorded execution order, `x-demo-status` answers that status without executing, and
+//! `x-demo-detach` runs the call's work to the end even if the client goes away (as a backend
+//! that hands work to a job it does not cancel); without it, a client that disconnects
+//! cancels the call before it commits.
 
 use axum::extract::{Path, State};
 use axum::http::{HeaderMap, StatusCode};
@@ -35,6 +38,8 @@ pub const SEQ_HEADER: &str = "x-demo-seq";
 pub const WORK_HEADER: &str = "x-demo-work-ms";
 /// Header making the backend answer that status without executing anything.
 pub const STATUS_HEADER: &str = "x-demo-status";
+/// Header (any value) making a call finish its work even after its client went away.
+pub const DETACH_HEADER: &str = "x-demo-detach";
 
 /// How long each service works by default.
 #[derive(Debug, Clone, Copy)]
@@ -288,11 +293,34 @@ fn problem(status: StatusCode, title: &str, detail: String) -> Response {
         .into_response()
 }
 
+/// Runs `work` as the request's own future (dropped, so cancelled, when the client goes
+/// away) or, with `x-demo-detach`, as a task that outlives the client.
+async fn detachable<F>(detach: bool, work: F) -> Response
+where
+    F: std::future::Future<Output = Response> + Send + 'static,
+{
+    if detach {
+        tokio::spawn(work).await.unwrap_or_else(|_| {
+            problem(
+                StatusCode::INTERNAL_SERVER_ERROR,
+                "detached work failed",
+                String::new(),
+            )
+        })
+    } else {
+        work.await
+    }
+}
+
 async fn start_bot(
     State(backend): State<Arc<Backend>>,
     Path(bot): Path<String>,
     headers: HeaderMap,
 ) -> Response {
+    detachable(headers.contains_key(DETACH_HEADER), run_start_bot(backend, bot, headers)).await
+}
+
+async fn run_start_bot(backend: Arc<Backend>, bot: String, headers: HeaderMap) -> Response {
     if let Some(forced) = forced_status(&headers) {
         return forced;
     }
@@ -333,6 +361,15 @@ async fn attach_tool(
     Path(agent): Path<String>,
     headers: HeaderMap,
     Json(attach): Json<Attach>,
+) -> Response {
+    detachable(headers.contains_key(DETACH_HEADER), run_attach_tool(backend, agent, headers, attach)).await
+}
+
+async fn run_attach_tool(
+    backend: Arc<Backend>,
+    agent: String,
+    headers: HeaderMap,
+    attach: Attach,
 ) -> Response {
     if let Some(forced) = forced_status(&headers) {
         return forced;
@@ -380,6 +417,10 @@ async fn pay(
     headers: HeaderMap,
     Json(payment): Json<Payment>,
 ) -> Response {
+    detachable(headers.contains_key(DETACH_HEADER), run_pay(backend, headers, payment)).await
+}
+
+async fn run_pay(backend: Arc<Backend>, headers: HeaderMap, payment: Payment) -> Response {
     if let Some(forced) = forced_status(&headers) {
         return forced;
     }

@@ -1,4 +1,12 @@
-//! `idemgate-e2e` has no library code: its tests (`tests/e2e.rs`) load the built
-//! `target/idemgate.wasm` into the proxy-wasm host harness (`idemgate-host`), with callouts
-//! going over real sockets to an in-process `idemgate-sidecar` backed by a real `redis-server`.
+//! `idemgate-e2e`: end-to-end tests and the tools they share.
+//!
+//! - [`fault_proxy`]: a fault-injecting TCP proxy (latency, blackhole, reset, close) that
+//!   tests put between the gateway, the sidecar, Redis and the backend.
+//! - `tests/e2e.rs`: the built `target/idemgate.wasm` in the proxy-wasm host harness
+//!   (`idemgate-host`), callouts over real sockets to an in-process `idemgate-sidecar` backed
+//!   by a real `redis-server`.
+//! - `tests/faults.rs`: the same stack under injected faults (see RELIABILITY.md).
+//!
 //! Build the wasm first: `cargo xtask wasm` (or run everything with `cargo xtask test`).
+
+pub mod fault_proxy;

@@ -59,6 +59,19 @@ pub enum Conflict {
     Queue(WaitPolicy),
 }
 
+/// What a client abort does to a key whose request was already forwarded upstream.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ClientAbort {
+    /// Keep the key until its lease runs out (renewals stop): the backend may still be
+    /// running the call, detached from the client, and a retry must not run beside it.
+    #[default]
+    Hold,
+    /// Abort the claim at once, so a retry runs immediately — for backends that stop their
+    /// work when the client goes away.
+    Release,
+}
+
 /// Characters a client key may contain (checked after sf-string unquoting).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
 #[serde(rename_all = "snake_case")]
@@ -154,6 +167,7 @@ pub struct Rule {
     /// `None` in lock mode.
     pub fingerprint: Option<FingerprintSpec>,
     pub conflict: Conflict,
+    pub client_abort: ClientAbort,
     pub lease_ms: u64,
     pub retention_ms: u64,
     pub response: ResponsePolicy,
@@ -279,6 +293,8 @@ struct RawRule<'a> {
     on_conflict: Option<&'a RawValue>,
     #[serde(default, borrow)]
     queue: Option<&'a RawValue>,
+    #[serde(default, borrow)]
+    on_client_abort: Option<&'a RawValue>,
     #[serde(default)]
     lease: Option<String>,
     #[serde(default)]
@@ -628,6 +644,10 @@ fn compile_rule(raw: &RawValue, i: usize, allow_stop: bool) -> Result<Rule, Conf
             &at("queue"),
         )?),
     };
+    let client_abort = match raw.on_client_abort {
+        Some(abort) => raw_section(abort, &at("on_client_abort"))?,
+        None => ClientAbort::default(),
+    };
     let response = compile_response(optional(raw.response, &at("response"))?, &at("response"))?;
     Ok(Rule {
         name,
@@ -637,6 +657,7 @@ fn compile_rule(raw: &RawValue, i: usize, allow_stop: bool) -> Result<Rule, Conf
         scope,
         fingerprint,
         conflict,
+        client_abort,
         lease_ms: duration_or(raw.lease.as_deref(), &at("lease"), DEFAULT_LEASE_MS)?,
         retention_ms: duration_or(
             raw.retention.as_deref(),
@@ -912,6 +933,7 @@ mod tests {
         assert_eq!(r.mode, Mode::Idempotency);
         assert_eq!(r.key.source, KeySource::Header("idempotency-key".into()));
         assert_eq!(r.key.max_length, 255);
+        assert_eq!(r.client_abort, ClientAbort::Hold);
         assert_eq!(r.lease_ms, 30_000);
         assert_eq!(r.retention_ms, 86_400_000);
         assert_eq!(r.conflict, Conflict::Reject);
@@ -1024,5 +1046,17 @@ mod tests {
     fn tick_must_allow_renewals() {
         let e = error_of(r#"{"sidecar":{"cluster":"x"},"tick":"20s","rules":[{}]}"#);
         assert!(e.starts_with("tick: "), "{e}");
+    }
+
+    #[test]
+    fn on_client_abort_is_hold_or_release() {
+        let c = parse(
+            br#"{"sidecar":{"cluster":"x"},"rules":[{"on_client_abort":"release"},{"on_client_abort":"hold"}]}"#,
+        )
+        .unwrap();
+        assert_eq!(c.rules[0].client_abort, ClientAbort::Release);
+        assert_eq!(c.rules[1].client_abort, ClientAbort::Hold);
+        let e = error_of(r#"{"sidecar":{"cluster":"x"},"rules":[{"on_client_abort":"later"}]}"#);
+        assert!(e.starts_with("rules[0].on_client_abort: "), "{e}");
     }
 }

@@ -16,7 +16,7 @@ use idemgate_wire::{
 
 use crate::breaker::Breaker;
 use crate::capture::{Capture, Outcome};
-use crate::config::{Config, Conflict, FailureMode, Rule};
+use crate::config::{ClientAbort, Config, Conflict, FailureMode, Rule};
 use crate::fingerprint::Fingerprint;
 use crate::key::{self, KeyError};
 use crate::local::{Hold, LocalClaim, LocalResponse, SharedStore, Table};
@@ -622,11 +622,28 @@ impl Flow {
             Phase::Upstream => {
                 // Client abort or reset before the response completed: nothing to store.
                 self.capture = None;
-                self.release_local(config, env, None);
-                if let Some(grant) = self.grant.take() {
-                    self.release = Some(abort_callout(config, &self.key, grant.owner));
-                }
                 self.phase = Phase::Finished;
+                let policy = config
+                    .rules
+                    .get(self.rule)
+                    .map_or(ClientAbort::Hold, |r| r.client_abort);
+                match policy {
+                    ClientAbort::Release => {
+                        self.release_local(config, env, None);
+                        if let Some(grant) = self.grant.take() {
+                            self.release = Some(abort_callout(config, &self.key, grant.owner));
+                        }
+                    }
+                    ClientAbort::Hold => {
+                        // The backend may still be running the call (work it does not stop
+                        // when the client goes away): releasing now would let a retry run
+                        // beside it. Keep both tiers' claims and stop renewing (the flow is
+                        // dropped): they end when their lease runs out.
+                        env.telemetry.count(Counter::AbandonedUpstream);
+                        self.local = Local::Off;
+                        self.grant = None;
+                    }
+                }
                 false
             }
             Phase::Body | Phase::Finished => false,

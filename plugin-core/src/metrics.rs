@@ -28,10 +28,13 @@ pub enum Counter {
     ReleaseRetries,
     ReleaseFailures,
     Abandoned,
+    /// Clients gone after their request was forwarded, the key held until its lease ends
+    /// (`on_client_abort: hold`).
+    AbandonedUpstream,
 }
 
 impl Counter {
-    pub const ALL: [Counter; 23] = [
+    pub const ALL: [Counter; 24] = [
         Counter::Pass,
         Counter::Granted,
         Counter::Replayed,
@@ -55,6 +58,7 @@ impl Counter {
         Counter::ReleaseRetries,
         Counter::ReleaseFailures,
         Counter::Abandoned,
+        Counter::AbandonedUpstream,
     ];
 
     pub fn name(self) -> &'static str {
@@ -82,6 +86,7 @@ impl Counter {
             Counter::ReleaseRetries => "idemgate.release.retries",
             Counter::ReleaseFailures => "idemgate.release.failures",
             Counter::Abandoned => "idemgate.requests.abandoned",
+            Counter::AbandonedUpstream => "idemgate.requests.abandoned_upstream",
         }
     }
 }

@@ -587,9 +587,9 @@ fn client_abort_at_each_phase_releases_everything() {
     );
     assert!(flow.take_release().is_none());
 
-    // Upstream, before or during the response.
+    // Upstream, before or during the response, with `on_client_abort: release`.
     for respond_first in [false, true] {
-        let mut gw = Gateway::rules(REJECT);
+        let mut gw = Gateway::rules(r#"[{"on_client_abort":"release"}]"#);
         let (mut flow, _, _) = gw.claim(&post("k"));
         gw.grant(&mut flow, 1);
         if respond_first {
@@ -614,6 +614,35 @@ fn client_abort_at_each_phase_releases_everything() {
     assert_eq!(action, Action::Pause);
     assert!(!gw.end(&mut flow));
     assert!(flow.take_release().is_none());
+}
+
+#[test]
+fn client_abort_after_forwarding_holds_the_key_until_its_lease_ends() {
+    // The default (`hold`): the backend may still be running the call.
+    for respond_first in [false, true] {
+        let mut gw = Gateway::rules(r#"[{"lease":"10s"}]"#);
+        let (mut flow, _, _) = gw.claim(&post("k"));
+        gw.grant(&mut flow, 1);
+        if respond_first {
+            let headers = vec![(":status".to_string(), b"200".to_vec())];
+            gw.with(|c, env| flow.on_response_headers(c, &headers, false, env));
+            gw.with(|c, env| flow.on_response_body(c, b"partial", false, env));
+        }
+        assert!(!gw.end(&mut flow), "nothing to wait for");
+        assert!(flow.take_release().is_none(), "the sidecar claim is kept");
+        assert!(
+            flow.renewal_due(&gw.config, u64::MAX).is_none(),
+            "and no longer renewed"
+        );
+        assert_eq!(gw.count(Counter::AbandonedUpstream), 1);
+        let (_, retry) = gw.start(&post("k"));
+        assert_eq!(reply(retry).status, 409, "a retry meets the held key");
+        gw.now += 10_001;
+        assert!(
+            matches!(gw.start(&post("k")).1, Action::Claim(_)),
+            "claimable once the lease ran out"
+        );
+    }
 }
 
 #[test]

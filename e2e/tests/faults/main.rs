@@ -1,0 +1,24 @@
+//! Faults under concurrent duplicate load, through the live harness gateway running
+//! `target/idemgate.wasm`, a real sidecar, real Redis and the demo backend (whose `/stats` is
+//! the ground truth of what executed). Each test asserts: no double execution in `closed`
+//! mode, every client answered within a bound (no hang), no lock held past its lease, and
+//! that the metrics count what happened. RELIABILITY.md maps every fault to its test.
+
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::panic,
+    clippy::indexing_slicing
+)]
+
+#[allow(dead_code)]
+#[path = "../util/mod.rs"]
+mod util;
+
+mod rig;
+
+mod client_abort;
+mod fencing;
+mod redis;
+mod sidecar;
+mod upstream;

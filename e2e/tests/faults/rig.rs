@@ -1,0 +1,365 @@
+//! The fault rig: real Redis, an in-process sidecar on its own runtime (so it can be killed
+//! like a process), the demo backend (ground truth: what really executed), and the live
+//! harness gateway running `target/idemgate.wasm` — with a [`FaultProxy`] on every hop:
+//!
+//! ```text
+//! clients → gateway ─→ sidecar_proxy → sidecar ─→ redis_proxy → redis-server
+//!                   └→ backend_proxy → demo backend
+//! ```
+
+use crate::util::{Reply, SIDECAR, envoy_yaml, http, live_gateway};
+use idemgate_demo::backend::{self, Backend, Stats, Timings};
+use idemgate_e2e::fault_proxy::FaultProxy;
+use idemgate_host::gateway::Gateway as LiveGateway;
+use idemgate_sidecar::testing::RedisServer;
+use idemgate_sidecar::{Config as SidecarConfig, Sidecar};
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+/// Every client must be answered within this (the "no hang" bound): far above the longest
+/// configured wait (callout timeout, queue budget, route timeout) and the slowest CI run.
+pub const ANSWER_BOUND: Duration = Duration::from_secs(30);
+
+/// What a test varies.
+pub struct Options {
+    /// The plugin's `rules` (JSON array).
+    pub rules: &'static str,
+    /// Extra top-level plugin fields (`"failure_mode":"open"`), or empty.
+    pub plugin_extra: &'static str,
+    /// The gateway's route timeout to the backend.
+    pub route_timeout: &'static str,
+    /// The plugin's callout timeout (`sidecar.timeout`).
+    pub sidecar_timeout: &'static str,
+    /// The sidecar's Redis command timeout.
+    pub store_timeout: Duration,
+}
+
+impl Default for Options {
+    fn default() -> Self {
+        Options {
+            rules: PAYMENTS,
+            plugin_extra: "",
+            route_timeout: "30s",
+            sidecar_timeout: "1s",
+            store_timeout: Duration::from_millis(500),
+        }
+    }
+}
+
+/// Payments in idempotency mode, duplicates rejected; short lease so leak checks are quick.
+pub const PAYMENTS: &str =
+    r#"[{"name":"payments","match":{"path_prefix":"/payments"},"lease":"2s"}]"#;
+
+/// The plugin configuration: a 100 ms tick, a breaker that opens after 3 failures for 1 s.
+pub fn plugin_config(timeout: &str, extra: &str, rules: &str) -> String {
+    let sep = if extra.is_empty() { "" } else { "," };
+    format!(
+        r#"{{"sidecar":{{"cluster":"{SIDECAR}","timeout":"{timeout}"}},"tick":"100ms","breaker":{{"failures":3,"cooldown":"1s"}}{sep}{extra},"rules":{rules}}}"#
+    )
+}
+
+pub struct Rig {
+    pub redis: RedisServer,
+    pub redis_proxy: FaultProxy,
+    sidecar_config: SidecarConfig,
+    sidecar: Option<(tokio::runtime::Runtime, Sidecar)>,
+    pub sidecar_proxy: FaultProxy,
+    pub backend: Arc<Backend>,
+    _backend_runtime: tokio::runtime::Runtime,
+    pub backend_proxy: FaultProxy,
+    gateway: Option<LiveGateway>,
+    pub addr: SocketAddr,
+}
+
+impl Rig {
+    pub fn start(options: Options) -> Rig {
+        let redis = RedisServer::start().expect("redis-server starts");
+        let redis_addr = SocketAddr::from(([127, 0, 0, 1], redis.port()));
+        let redis_proxy = FaultProxy::start(redis_addr).expect("redis proxy");
+        let mut store = redis.store_config();
+        if let idemgate_sidecar::StoreConfig::Redis(r) = &mut store {
+            r.urls = vec![format!("redis://{}", redis_proxy.addr())];
+        }
+        let mut sidecar_config = SidecarConfig::loopback(store);
+        sidecar_config.store_timeout = options.store_timeout;
+        sidecar_config.recheck = Duration::from_millis(100);
+        let sidecar = spawn_sidecar(&sidecar_config);
+        let sidecar_proxy = FaultProxy::start(sidecar.1.addr()).expect("sidecar proxy");
+
+        let backend_runtime = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .enable_all()
+            .build()
+            .expect("backend runtime");
+        let backend = Backend::new(Timings {
+            bot_spawn: Duration::from_millis(200),
+            attach: Duration::from_millis(50),
+            payment: Duration::from_millis(100),
+        });
+        let listener = backend_runtime
+            .block_on(tokio::net::TcpListener::bind("127.0.0.1:0"))
+            .expect("bind backend");
+        let backend_addr = listener.local_addr().expect("backend addr");
+        backend_runtime.spawn(backend::serve(
+            listener,
+            Arc::clone(&backend),
+            std::future::pending(),
+        ));
+        let backend_proxy = FaultProxy::start(backend_addr).expect("backend proxy");
+
+        let plugin = plugin_config(
+            options.sidecar_timeout,
+            options.plugin_extra,
+            options.rules,
+        );
+        let yaml = envoy_yaml(backend_proxy.addr(), sidecar_proxy.addr(), &plugin).replace(
+            "timeout: 30s",
+            &format!("timeout: {}", options.route_timeout),
+        );
+        let gateway = live_gateway(&yaml, 2);
+        let addr = gateway.listener_address("main").expect("listener");
+        Rig {
+            redis,
+            redis_proxy,
+            sidecar_config,
+            sidecar: Some(sidecar),
+            sidecar_proxy,
+            backend,
+            _backend_runtime: backend_runtime,
+            backend_proxy,
+            gateway: Some(gateway),
+            addr,
+        }
+    }
+
+    /// The sidecar dies as a process would: every task and socket dropped at once, waiting
+    /// long-polls cut without an answer.
+    pub fn kill_sidecar(&mut self) {
+        if let Some((runtime, sidecar)) = self.sidecar.take() {
+            drop(sidecar);
+            runtime.shutdown_background();
+        }
+    }
+
+    /// A new sidecar process (same Redis, new port); the gateway's hop is pointed at it.
+    pub fn restart_sidecar(&mut self) {
+        self.kill_sidecar();
+        let sidecar = spawn_sidecar(&self.sidecar_config);
+        self.sidecar_proxy.retarget(sidecar.1.addr());
+        self.sidecar = Some(sidecar);
+    }
+
+    /// Another gateway (another Envoy) with its own shared data, calling the sidecar
+    /// directly (not through [`Rig::sidecar_proxy`]), in front of the same backend.
+    pub fn second_gateway(&self, rules: &str) -> LiveGateway {
+        let plugin = plugin_config("1s", "", rules);
+        live_gateway(
+            &envoy_yaml(self.backend_proxy.addr(), self.sidecar_addr(), &plugin),
+            1,
+        )
+    }
+
+    pub fn sidecar_addr(&self) -> SocketAddr {
+        self.sidecar
+            .as_ref()
+            .map(|(_, s)| s.addr())
+            .expect("a running sidecar")
+    }
+
+    /// Ground truth: what the backend executed.
+    pub fn stats(&self) -> Stats {
+        self.backend.stats()
+    }
+
+    /// A plugin counter, summed over the gateway's workers.
+    pub fn counter(&self, name: &str) -> i64 {
+        self.gateway
+            .as_ref()
+            .and_then(|g| g.shared().metrics().get(name).map(|m| m.value))
+            .unwrap_or(0)
+    }
+
+    /// Keys the sidecar reports as held (`GET /admin/v1/keys`).
+    pub fn held_keys(&self) -> Vec<String> {
+        let reply = http(self.sidecar_addr(), "GET", "/admin/v1/keys", &[], "");
+        let list: serde_json::Value = serde_json::from_str(&reply.body).unwrap_or_default();
+        list["keys"]
+            .as_array()
+            .map(|keys| {
+                keys.iter()
+                    .filter_map(|k| k.as_str().map(str::to_owned))
+                    .collect()
+            })
+            .unwrap_or_default()
+    }
+
+    /// Lock keys left in Redis itself.
+    pub fn redis_locks(&self) -> usize {
+        self.redis
+            .cli(&["--scan", "--pattern", "*:lock"])
+            .map(|out| out.lines().filter(|l| !l.trim().is_empty()).count())
+            .unwrap_or(0)
+    }
+
+    /// No lock outlives its lease: within `lease` plus slack, nothing is held, in the
+    /// sidecar's view or in Redis.
+    pub fn assert_no_lock_held_after(&self, lease: Duration) {
+        let deadline = Instant::now() + lease + Duration::from_secs(5);
+        loop {
+            let held = self.held_keys();
+            let in_redis = self.redis_locks();
+            if held.is_empty() && in_redis == 0 {
+                return;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "locks outlived their lease: sidecar {held:?}, {in_redis} in redis"
+            );
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    }
+
+    /// One request through the gateway, timed.
+    pub fn send(&self, method: &str, path: &str, headers: &[(&str, &str)], body: &str) -> Call {
+        send(self.addr, method, path, headers, body)
+    }
+
+}
+
+impl Drop for Rig {
+    fn drop(&mut self) {
+        if let Some(gateway) = self.gateway.take() {
+            gateway.shutdown();
+        }
+        self.kill_sidecar();
+    }
+}
+
+fn spawn_sidecar(config: &SidecarConfig) -> (tokio::runtime::Runtime, Sidecar) {
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .expect("sidecar runtime");
+    let sidecar = runtime
+        .block_on(Sidecar::spawn(config.clone()))
+        .expect("sidecar starts");
+    (runtime, sidecar)
+}
+
+/// `per_key` concurrent duplicates of a payment for each key, all released at once.
+pub fn duplicate_payments(
+    addr: SocketAddr,
+    keys: &[String],
+    per_key: usize,
+    work_ms: u64,
+) -> Vec<Call> {
+    let barrier = Arc::new(std::sync::Barrier::new(keys.len() * per_key));
+    let threads: Vec<_> = keys
+        .iter()
+        .flat_map(|key| std::iter::repeat_n(key.clone(), per_key))
+        .map(|key| {
+            let barrier = Arc::clone(&barrier);
+            std::thread::spawn(move || {
+                barrier.wait();
+                pay(addr, &key, work_ms)
+            })
+        })
+        .collect();
+    threads
+        .into_iter()
+        .map(|t| t.join().expect("client thread"))
+        .collect()
+}
+
+/// One payment with idempotency key `key`, the backend working `work_ms`.
+pub fn pay(addr: SocketAddr, key: &str, work_ms: u64) -> Call {
+    let work = work_ms.to_string();
+    send(
+        addr,
+        "POST",
+        "/payments",
+        &[
+            ("idempotency-key", key),
+            ("content-type", "application/json"),
+            ("x-demo-work-ms", work.as_str()),
+        ],
+        r#"{"amount":5}"#,
+    )
+}
+
+/// Retries `call` (bounded) until it returns `status`; the last call otherwise.
+pub fn until_status(status: u16, within: Duration, mut call: impl FnMut() -> Call) -> Call {
+    let deadline = Instant::now() + within;
+    loop {
+        let last = call();
+        if last.status() == status || Instant::now() > deadline {
+            return last;
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
+/// A client that sends `head` and `body` and goes away after `after` without reading.
+pub fn send_and_abort(addr: SocketAddr, request: &str, after: Duration) {
+    use std::io::Write;
+    let mut conn = std::net::TcpStream::connect(addr).expect("connect");
+    conn.write_all(request.as_bytes()).expect("send");
+    std::thread::sleep(after);
+    // Linger 0 is not reachable from std; shutting both halves is what a client close is.
+    let _ = conn.shutdown(std::net::Shutdown::Both);
+}
+
+/// A client's view of one call.
+#[derive(Debug)]
+pub struct Call {
+    pub reply: Reply,
+    pub took: Duration,
+}
+
+impl Call {
+    pub fn status(&self) -> u16 {
+        self.reply.status
+    }
+
+    pub fn problem_type(&self) -> String {
+        let body: serde_json::Value = serde_json::from_str(&self.reply.body).unwrap_or_default();
+        body["type"].as_str().unwrap_or_default().to_owned()
+    }
+}
+
+pub fn send(
+    addr: SocketAddr,
+    method: &str,
+    path: &str,
+    headers: &[(&str, &str)],
+    body: &str,
+) -> Call {
+    let started = Instant::now();
+    let reply = http(addr, method, path, headers, body);
+    Call {
+        reply,
+        took: started.elapsed(),
+    }
+}
+
+/// Every client got an answer (a status line) within [`ANSWER_BOUND`], and only statuses a
+/// client can act on: the backend's own, a replay, or one of idemgate's problems.
+pub fn assert_all_answered(calls: &[Call], allowed: &[u16]) {
+    for call in calls {
+        assert!(
+            call.took < ANSWER_BOUND,
+            "answered after {:?}: {call:?}",
+            call.took
+        );
+        assert!(
+            allowed.contains(&call.status()),
+            "unexpected answer {call:?}"
+        );
+    }
+}
+
+pub fn keys(prefix: &str, n: usize) -> Vec<String> {
+    (0..n).map(|i| format!("{prefix}-{i}")).collect()
+}
