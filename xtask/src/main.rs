@@ -20,6 +20,8 @@ commands:
   wasm    build the filter to target/idemgate.wasm (and the host-test fixtures)
   test    the whole test suite: fmt, clippy (native and wasm32), Envoy config schema checks,
           unit tests, wasm build, then every test that loads the built wasm
+  soak    [--duration 10m]  mixed duplicate load through two gateways with Redis restarts,
+          bounded in time; prints the summary and writes target/soak.md (see RELIABILITY.md)
 ";
 
 fn main() {
@@ -37,6 +39,7 @@ fn run() -> Result<()> {
         Some("test") => test(&root),
         Some("demo") => demo(&root, &args[1..]),
         Some("bench") => bench(&root, &args[1..]),
+        Some("soak") => soak(&root, &args[1..]),
         Some("-h" | "--help" | "help") | None => {
             print!("{USAGE}");
             Ok(())
@@ -96,6 +99,40 @@ fn test(root: &Path) -> Result<()> {
     )?;
     println!("xtask test: all steps passed");
     Ok(())
+}
+
+/// The soak run: the ignored `soak` test of the fault suite, with its duration passed on.
+fn soak(root: &Path, args: &[String]) -> Result<()> {
+    let secs = match args {
+        [] => 600,
+        [flag, value] if flag == "--duration" => soak_seconds(value)?,
+        _ => bail!("usage: cargo xtask soak [--duration <seconds>s|<minutes>m]"),
+    };
+    toolchain::ensure_apt(&[
+        ("redis-server", "redis-server"),
+        ("redis-cli", "redis-tools"),
+    ])?;
+    wasm::build_all(root)?;
+    cmd::step(
+        &format!("soak ({secs} s)"),
+        cmd::cargo()
+            .args(["test", "-p", "idemgate-e2e", "--test", "faults"])
+            .args(["--", "--ignored", "--exact", "soak::soak", "--nocapture"])
+            .env("IDEMGATE_SOAK_SECS", secs.to_string())
+            .current_dir(root),
+    )
+}
+
+/// `90s`, `10m` or plain seconds.
+fn soak_seconds(value: &str) -> Result<u64> {
+    let (number, unit) = match value.strip_suffix('m') {
+        Some(minutes) => (minutes, 60),
+        None => (value.strip_suffix('s').unwrap_or(value), 1),
+    };
+    match number.parse::<u64>() {
+        Ok(n) if n > 0 => Ok(n * unit),
+        _ => bail!("--duration: expected e.g. 90s or 10m, got `{value}`"),
+    }
 }
 
 /// Builds the filter and the release binaries, then runs the demo driver, which starts

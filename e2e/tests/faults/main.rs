@@ -17,8 +17,11 @@ mod util;
 
 mod rig;
 
+mod bad_input;
 mod client_abort;
 mod fencing;
+mod properties;
 mod redis;
 mod sidecar;
+mod soak;
 mod upstream;

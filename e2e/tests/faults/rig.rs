@@ -180,6 +180,14 @@ impl Rig {
             .unwrap_or(0)
     }
 
+    /// Every line the filter logged on this gateway.
+    pub fn gateway_logs(&self) -> Vec<String> {
+        self.gateway
+            .as_ref()
+            .map(|g| g.shared().logs().into_iter().map(|l| l.message).collect())
+            .unwrap_or_default()
+    }
+
     /// Keys the sidecar reports as held (`GET /admin/v1/keys`).
     pub fn held_keys(&self) -> Vec<String> {
         let reply = http(self.sidecar_addr(), "GET", "/admin/v1/keys", &[], "");
@@ -309,6 +317,22 @@ pub fn send_and_abort(addr: SocketAddr, request: &str, after: Duration) {
     std::thread::sleep(after);
     // Linger 0 is not reachable from std; shutting both halves is what a client close is.
     let _ = conn.shutdown(std::net::Shutdown::Both);
+}
+
+/// Sends `request` as is (for what the HTTP helpers cannot express: chunked bodies, bare CR
+/// or LF) and returns the response's status code (0 when none came).
+pub fn raw_status(addr: SocketAddr, request: &[u8]) -> u16 {
+    use std::io::{Read, Write};
+    let mut conn = std::net::TcpStream::connect(addr).expect("connect");
+    conn.set_read_timeout(Some(ANSWER_BOUND)).expect("timeout");
+    conn.write_all(request).expect("send");
+    let mut raw = Vec::new();
+    let _ = conn.read_to_end(&mut raw);
+    String::from_utf8_lossy(&raw)
+        .split(' ')
+        .nth(1)
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(0)
 }
 
 /// A client's view of one call.
