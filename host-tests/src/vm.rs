@@ -721,6 +721,20 @@ impl Vm {
         }
     }
 
+    /// Fault injection for tests: makes the module trap, as a bug in a plugin would, by
+    /// calling `proxy_on_request_headers` for a context it never created (the proxy-wasm
+    /// SDKs panic on an unknown context). The VM fails as by any trap ([`Vm::is_failed`]);
+    /// a module that survives the call is left as it was.
+    pub fn inject_trap(&mut self) {
+        let ghost = i32::MAX;
+        let _ = self.call(
+            ghost as u32,
+            "proxy_on_request_headers",
+            |e| e.request_headers.clone(),
+            (ghost, 0, 0),
+        );
+    }
+
     /// Whether a trap has failed this VM (until a FAIL_RELOAD re-creates it).
     pub fn is_failed(&self) -> bool {
         self.store.data().failed

@@ -24,4 +24,5 @@ mod properties;
 mod redis;
 mod sidecar;
 mod soak;
+mod trap;
 mod upstream;
