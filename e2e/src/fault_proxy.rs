@@ -223,7 +223,7 @@ async fn read_some(from: &mut TcpStream, buf: &mut [u8]) -> io::Result<Read> {
 fn end(stream: &TcpStream, fault: Fault) {
     if fault == Fault::Reset {
         // Linger 0: close() sends RST instead of FIN.
-        let _ = stream.set_linger(Some(Duration::ZERO));
+        let _ = stream.set_zero_linger();
     }
 }
 
