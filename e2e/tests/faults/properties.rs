@@ -96,7 +96,8 @@ impl Protocol {
             retention_ms: 60_000,
             response,
         };
-        self.call(paths::COMPLETE, &req, b"ok")
+        let body: &[u8] = if req.response.is_some() { b"ok" } else { b"" };
+        self.call(paths::COMPLETE, &req, body)
     }
 
     fn abort(&self, key: &str, owner: &str) -> OwnerOutcome {
