@@ -153,11 +153,21 @@ impl Rig {
     /// Another gateway (another Envoy) with its own shared data, calling the sidecar
     /// directly (not through [`Rig::sidecar_proxy`]), in front of the same backend.
     pub fn second_gateway(&self, rules: &str) -> LiveGateway {
+        self.gateway_to(self.sidecar_addr(), rules)
+    }
+
+    /// A gateway like [`Rig::second_gateway`] calling the sidecar at `sidecar`.
+    pub fn gateway_to(&self, sidecar: SocketAddr, rules: &str) -> LiveGateway {
         let plugin = plugin_config("1s", "", rules);
         live_gateway(
-            &envoy_yaml(self.backend_proxy.addr(), self.sidecar_addr(), &plugin),
+            &envoy_yaml(self.backend_proxy.addr(), sidecar, &plugin),
             1,
         )
+    }
+
+    /// Another sidecar process on the same Redis; killed by dropping the runtime.
+    pub fn another_sidecar(&self) -> (tokio::runtime::Runtime, Sidecar) {
+        spawn_sidecar(&self.sidecar_config)
     }
 
     pub fn sidecar_addr(&self) -> SocketAddr {
@@ -370,7 +380,7 @@ pub fn send(
 
 /// Every client got an answer (a status line) within [`ANSWER_BOUND`], and only statuses a
 /// client can act on: the backend's own, a replay, or one of idemgate's problems.
-pub fn assert_all_answered(calls: &[Call], allowed: &[u16]) {
+pub fn assert_all_answered<'a>(calls: impl IntoIterator<Item = &'a Call>, allowed: &[u16]) {
     for call in calls {
         assert!(
             call.took < ANSWER_BOUND,

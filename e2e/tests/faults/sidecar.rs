@@ -149,3 +149,42 @@ fn sidecar_answering_500_or_garbage_fails_closed() {
     }
     assert_eq!(rig.stats().executions, 0, "nothing ran on a garbage grant");
 }
+
+#[test]
+fn two_sidecars_one_dies_the_other_gateway_is_unaffected() {
+    let rig = Rig::start(Options::default());
+    let (runtime, doomed) = rig.another_sidecar();
+    let other = rig.gateway_to(doomed.addr(), PAYMENTS);
+    let gateways = [rig.addr, other.listener_address("main").unwrap()];
+    let before: Vec<_> = (0..3)
+        .flat_map(|wave| duplicates_on_both(gateways, wave))
+        .collect();
+    drop(doomed);
+    runtime.shutdown_background();
+    let after: Vec<_> = (3..6)
+        .flat_map(|wave| duplicates_on_both(gateways, wave))
+        .collect();
+    assert_all_answered(before.iter().map(|(_, c)| c), &[201, 409]);
+    // After the death: gateway B fails closed, gateway A decides as before.
+    assert_all_answered(after.iter().map(|(_, c)| c), &[201, 409, 503]);
+    let (on_a, on_b): (Vec<_>, Vec<_>) = after.iter().partition(|(g, _)| *g == 0);
+    assert!(on_a.iter().all(|(_, c)| c.status() != 503), "{on_a:?}");
+    assert!(on_b.iter().any(|(_, c)| c.status() == 503), "{on_b:?}");
+    let stats = rig.stats();
+    assert_eq!(stats.double_charges, 0, "{stats:?}");
+    assert_eq!(stats.charges, 6 * 3, "each key ran once: {stats:?}");
+    other.shutdown();
+    rig.assert_no_lock_held_after(Duration::from_secs(2));
+}
+
+/// Three keys, each sent twice to each gateway at once; calls tagged with their gateway.
+fn duplicates_on_both(gateways: [SocketAddr; 2], wave: usize) -> Vec<(usize, Call)> {
+    let threads: Vec<_> = (0..3)
+        .flat_map(|k| [(0, k), (0, k), (1, k), (1, k)])
+        .map(|(g, k)| {
+            let addr = gateways[g];
+            std::thread::spawn(move || (g, pay(addr, &format!("two-{wave}-{k}"), 100)))
+        })
+        .collect();
+    threads.into_iter().map(|t| t.join().unwrap()).collect()
+}
