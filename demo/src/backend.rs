@@ -317,7 +317,11 @@ async fn start_bot(
     Path(bot): Path<String>,
     headers: HeaderMap,
 ) -> Response {
-    detachable(headers.contains_key(DETACH_HEADER), run_start_bot(backend, bot, headers)).await
+    detachable(
+        headers.contains_key(DETACH_HEADER),
+        run_start_bot(backend, bot, headers),
+    )
+    .await
 }
 
 async fn run_start_bot(backend: Arc<Backend>, bot: String, headers: HeaderMap) -> Response {
@@ -362,7 +366,11 @@ async fn attach_tool(
     headers: HeaderMap,
     Json(attach): Json<Attach>,
 ) -> Response {
-    detachable(headers.contains_key(DETACH_HEADER), run_attach_tool(backend, agent, headers, attach)).await
+    detachable(
+        headers.contains_key(DETACH_HEADER),
+        run_attach_tool(backend, agent, headers, attach),
+    )
+    .await
 }
 
 async fn run_attach_tool(
@@ -417,7 +425,11 @@ async fn pay(
     headers: HeaderMap,
     Json(payment): Json<Payment>,
 ) -> Response {
-    detachable(headers.contains_key(DETACH_HEADER), run_pay(backend, headers, payment)).await
+    detachable(
+        headers.contains_key(DETACH_HEADER),
+        run_pay(backend, headers, payment),
+    )
+    .await
 }
 
 async fn run_pay(backend: Arc<Backend>, headers: HeaderMap, payment: Payment) -> Response {

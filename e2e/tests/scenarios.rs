@@ -220,7 +220,8 @@ fn client_abort_releases_the_key_at_every_phase() {
     let stack = Stack::start();
     // `release`: aborts after forwarding free the key at once (the default, `hold`, keeps it
     // until the lease ends: tests/faults.rs).
-    let rules = r#"[{"name":"payments","match":{"path_prefix":"/payments"},"on_client_abort":"release"}]"#;
+    let rules =
+        r#"[{"name":"payments","match":{"path_prefix":"/payments"},"on_client_abort":"release"}]"#;
     let gw = Gateway::boot(stack.addr, &config("", rules), 1);
 
     // Aborted after the grant, before any response: the key is released, not stored.

@@ -7,7 +7,7 @@
 #![no_main]
 
 use idemgate_core::{
-    Action, Answer, Breaker, Config, Counter, Env, Flow, HostError, Histogram, RequestView,
+    Action, Answer, Breaker, Config, Counter, Env, Flow, Histogram, HostError, RequestView,
     SharedStore, Telemetry,
 };
 use libfuzzer_sys::arbitrary::{self, Arbitrary};
@@ -90,7 +90,9 @@ impl Telemetry for Discard {
 
 fuzz_target!(|input: Input| {
     let config = config();
-    let methods = ["POST", "PUT", "PATCH", "DELETE", "GET", "HEAD", "OPTIONS", "post"];
+    let methods = [
+        "POST", "PUT", "PATCH", "DELETE", "GET", "HEAD", "OPTIONS", "post",
+    ];
     let method = methods[usize::from(input.method) % methods.len()];
     let mut headers = HashMap::new();
     headers.insert(":method".to_string(), method.as_bytes().to_vec());

@@ -6,7 +6,7 @@ mod envoy;
 mod toolchain;
 mod wasm;
 
-use anyhow::{Result, bail};
+use anyhow::{Context, Result, bail};
 use std::path::{Path, PathBuf};
 
 const USAGE: &str = "\
@@ -20,6 +20,8 @@ commands:
   wasm    build the filter to target/idemgate.wasm (and the host-test fixtures)
   test    the whole test suite: fmt, clippy (native and wasm32), Envoy config schema checks,
           unit tests, wasm build, then every test that loads the built wasm
+  fuzz    [--time 60]  every cargo-fuzz target in fuzz/ for that many seconds each (nightly;
+          installs cargo-fuzz when missing)
   soak    [--duration 10m]  mixed duplicate load through two gateways with Redis restarts,
           bounded in time; prints the summary and writes target/soak.md (see RELIABILITY.md)
 ";
@@ -40,6 +42,7 @@ fn run() -> Result<()> {
         Some("demo") => demo(&root, &args[1..]),
         Some("bench") => bench(&root, &args[1..]),
         Some("soak") => soak(&root, &args[1..]),
+        Some("fuzz") => fuzz(&root, &args[1..]),
         Some("-h" | "--help" | "help") | None => {
             print!("{USAGE}");
             Ok(())
@@ -105,7 +108,7 @@ fn test(root: &Path) -> Result<()> {
 fn soak(root: &Path, args: &[String]) -> Result<()> {
     let secs = match args {
         [] => 600,
-        [flag, value] if flag == "--duration" => soak_seconds(value)?,
+        [flag, value] if flag == "--duration" => seconds_arg(value)?,
         _ => bail!("usage: cargo xtask soak [--duration <seconds>s|<minutes>m]"),
     };
     toolchain::ensure_apt(&[
@@ -123,8 +126,42 @@ fn soak(root: &Path, args: &[String]) -> Result<()> {
     )
 }
 
+/// Runs every fuzz target for a bounded time. `fuzz/` is a workspace of its own on the
+/// nightly toolchain (rustup's `cargo +nightly`); findings land in `fuzz/artifacts/`.
+fn fuzz(root: &Path, args: &[String]) -> Result<()> {
+    let secs = match args {
+        [] => 60,
+        [flag, value] if flag == "--time" => seconds_arg(value)?,
+        _ => bail!("usage: cargo xtask fuzz [--time <seconds>s|<minutes>m]"),
+    };
+    let dir = root.join("fuzz");
+    let nightly = || {
+        let mut cargo = std::process::Command::new("cargo");
+        cargo.arg("+nightly").current_dir(&dir);
+        cargo
+    };
+    if !cmd::succeeds(nightly().args(["fuzz", "--version"])) {
+        cmd::step(
+            "install cargo-fuzz",
+            cmd::cargo().args(["install", "cargo-fuzz", "--locked"]),
+        )?;
+    }
+    let targets = cmd::output(nightly().args(["fuzz", "list"]))
+        .context("`cargo +nightly fuzz list` failed: is the nightly toolchain installed?")?;
+    for target in targets.lines().map(str::trim).filter(|t| !t.is_empty()) {
+        cmd::step(
+            &format!("fuzz {target} ({secs} s)"),
+            nightly().args(["fuzz", "run", target, "--"]).args([
+                format!("-max_total_time={secs}"),
+                "-print_final_stats=1".to_owned(),
+            ]),
+        )?;
+    }
+    Ok(())
+}
+
 /// `90s`, `10m` or plain seconds.
-fn soak_seconds(value: &str) -> Result<u64> {
+fn seconds_arg(value: &str) -> Result<u64> {
     let (number, unit) = match value.strip_suffix('m') {
         Some(minutes) => (minutes, 60),
         None => (value.strip_suffix('s').unwrap_or(value), 1),

@@ -50,7 +50,11 @@ fn malformed_keys_get_problems_and_equivalent_forms_are_one_key() {
     // Quoted (RFC 8941 sf-string) and bare forms are the same key: the second is a replay.
     assert_eq!(pay_as(&rig, "u1", "\"form-1\"").status(), 201);
     let bare = pay_as(&rig, "u1", "form-1");
-    assert_eq!(bare.reply.header("idempotent-replayed"), Some("true"), "{bare:?}");
+    assert_eq!(
+        bare.reply.header("idempotent-replayed"),
+        Some("true"),
+        "{bare:?}"
+    );
 
     // A bare CR inside a header value, and Content-Length with chunked (smuggling): the
     // HTTP layer refuses them before the filter; the gateway keeps serving.
@@ -89,8 +93,14 @@ fn malformed_keys_get_problems_and_equivalent_forms_are_one_key() {
     let granted = rig.counter("idemgate.requests.granted");
     for method in ["HEAD", "OPTIONS", "GET"] {
         let call = rig.send(method, "/payments", &[("idempotency-key", "k")], "");
-        assert_ne!(call.reply.header("content-type"), Some("application/problem+json"));
-        assert!(call.status() != 0 && call.status() != 503, "{method}: {call:?}");
+        assert_ne!(
+            call.reply.header("content-type"),
+            Some("application/problem+json")
+        );
+        assert!(
+            call.status() != 0 && call.status() != 503,
+            "{method}: {call:?}"
+        );
     }
     assert_eq!(rig.counter("idemgate.requests.granted"), granted);
 
@@ -102,7 +112,9 @@ fn malformed_keys_get_problems_and_equivalent_forms_are_one_key() {
     // No VM trapped: every worker still answers.
     assert_eq!(pay_as(&rig, "u1", "after-all").status(), 201);
     assert!(
-        rig.gateway_logs().iter().all(|l| !l.contains("RuntimeError")),
+        rig.gateway_logs()
+            .iter()
+            .all(|l| !l.contains("RuntimeError")),
         "no trap"
     );
 }
@@ -116,16 +128,29 @@ fn replay_never_crosses_scopes_and_nothing_stores_or_logs_raw_identities() {
     let alice = pay_as(&rig, "alice-7f3", "secret-key-91");
     let bob = pay_as(&rig, "bob-2c8", "secret-key-91");
     assert_eq!((alice.status(), bob.status()), (201, 201));
-    assert_eq!(bob.reply.header("idempotent-replayed"), None, "bob ran his own call");
-    assert_ne!(alice.reply.body, bob.reply.body, "each got their own payment");
+    assert_eq!(
+        bob.reply.header("idempotent-replayed"),
+        None,
+        "bob ran his own call"
+    );
+    assert_ne!(
+        alice.reply.body, bob.reply.body,
+        "each got their own payment"
+    );
     let again = pay_as(&rig, "alice-7f3", "secret-key-91");
     assert_eq!(again.reply.header("idempotent-replayed"), Some("true"));
-    assert_eq!(again.reply.body, alice.reply.body, "alice's replay is alice's");
+    assert_eq!(
+        again.reply.body, alice.reply.body,
+        "alice's replay is alice's"
+    );
     // Absent and empty scope headers are different callers too.
     let anonymous = rig.send(
         "POST",
         "/payments",
-        &[("idempotency-key", "secret-key-91"), ("content-type", "application/json")],
+        &[
+            ("idempotency-key", "secret-key-91"),
+            ("content-type", "application/json"),
+        ],
         r#"{"amount":7}"#,
     );
     assert_eq!(anonymous.reply.header("idempotent-replayed"), None);

@@ -19,7 +19,10 @@ fn attach(rig: &Rig, agent: &str, tool: &str) -> Call {
     rig.send(
         "POST",
         &format!("/agents/{agent}/tools"),
-        &[("content-type", "application/json"), ("x-demo-work-ms", "50")],
+        &[
+            ("content-type", "application/json"),
+            ("x-demo-work-ms", "50"),
+        ],
         &format!(r#"{{"tool":"{tool}"}}"#),
     )
 }
@@ -29,7 +32,11 @@ fn attach(rig: &Rig, agent: &str, tool: &str) -> Call {
 fn abort_then_retry(rig: &Rig) -> Call {
     send_and_abort(
         rig.addr,
-        &attach_request("a1", "first", "x-demo-detach: 1\r\nx-demo-work-ms: 1000\r\n"),
+        &attach_request(
+            "a1",
+            "first",
+            "x-demo-detach: 1\r\nx-demo-work-ms: 1000\r\n",
+        ),
         Duration::from_millis(300),
     );
     attach(rig, "a1", "retry")
@@ -48,7 +55,10 @@ fn client_abort_after_forwarding_holds_the_key_until_the_lease_ends() {
     let retry = until_status(200, Duration::from_secs(15), || attach(&rig, "a1", "retry"));
     assert_eq!(retry.status(), 200, "{retry:?}");
     let stats = rig.stats();
-    assert_eq!(stats.max_overlap, 1, "never ran beside the detached call: {stats:?}");
+    assert_eq!(
+        stats.max_overlap, 1,
+        "never ran beside the detached call: {stats:?}"
+    );
     assert_eq!(stats.stale_refused, 0);
     assert_eq!(stats.agent_tools["a1"], ["first", "retry"]);
     assert_eq!(rig.counter("idemgate.requests.abandoned_upstream"), 1);
@@ -79,7 +89,11 @@ fn client_abort_release_policy_lets_the_retry_run_beside_detached_work() {
     }
     let stats = rig.stats();
     assert_eq!(stats.max_overlap, 2, "{stats:?}");
-    assert_eq!(stats.agent_tools["a1"], ["retry"], "the stale write was refused");
+    assert_eq!(
+        stats.agent_tools["a1"],
+        ["retry"],
+        "the stale write was refused"
+    );
     assert_eq!(rig.counter("idemgate.requests.abandoned_upstream"), 0);
 }
 
@@ -97,7 +111,10 @@ fn client_abort_while_queued_or_while_the_body_streams_leaks_nothing() {
             addr,
             "POST",
             "/agents/q1/tools",
-            &[("content-type", "application/json"), ("x-demo-work-ms", "1000")],
+            &[
+                ("content-type", "application/json"),
+                ("x-demo-work-ms", "1000"),
+            ],
             r#"{"tool":"holder"}"#,
         )
     });

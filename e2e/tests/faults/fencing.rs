@@ -22,7 +22,10 @@ fn a_holder_partitioned_past_its_lease_is_fenced_out_by_the_backend() {
             addr,
             "POST",
             "/agents/a7/tools",
-            &[("content-type", "application/json"), ("x-demo-work-ms", "3000")],
+            &[
+                ("content-type", "application/json"),
+                ("x-demo-work-ms", "3000"),
+            ],
             r#"{"tool":"stalled"}"#,
         )
     });
@@ -37,19 +40,36 @@ fn a_holder_partitioned_past_its_lease_is_fenced_out_by_the_backend() {
         other_addr,
         "POST",
         "/agents/a7/tools",
-        &[("content-type", "application/json"), ("x-demo-work-ms", "50")],
+        &[
+            ("content-type", "application/json"),
+            ("x-demo-work-ms", "50"),
+        ],
         r#"{"tool":"next"}"#,
     );
-    assert_eq!(next.status(), 200, "granted once the lease ran out: {next:?}");
+    assert_eq!(
+        next.status(),
+        200,
+        "granted once the lease ran out: {next:?}"
+    );
     let stalled = stalled.join().unwrap();
-    assert_eq!(stalled.status(), 409, "the late write is refused: {stalled:?}");
-    assert!(stalled.reply.body.contains("stale fencing token"), "{stalled:?}");
+    assert_eq!(
+        stalled.status(),
+        409,
+        "the late write is refused: {stalled:?}"
+    );
+    assert!(
+        stalled.reply.body.contains("stale fencing token"),
+        "{stalled:?}"
+    );
     let stats = rig.stats();
     assert_eq!(stats.stale_refused, 1, "{stats:?}");
     assert_eq!(stats.agent_tools["a7"], ["next"]);
     let fences = &stats.fences["agent:a7"];
     assert_eq!(fences.len(), 1, "only the newer holder wrote: {stats:?}");
-    assert!(rig.counter("idemgate.sidecar.errors") >= 1, "renewals failed");
+    assert!(
+        rig.counter("idemgate.sidecar.errors") >= 1,
+        "renewals failed"
+    );
     rig.sidecar_proxy.set(Fault::None);
     other.shutdown();
     rig.assert_no_lock_held_after(Duration::from_secs(1));

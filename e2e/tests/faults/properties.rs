@@ -21,12 +21,26 @@ const KEYS: u8 = 2;
 
 #[derive(Debug, Clone)]
 enum Op {
-    Claim { client: u8, key: u8 },
-    Complete { client: u8, key: u8 },
-    Abort { client: u8, key: u8 },
-    Renew { client: u8, key: u8 },
+    Claim {
+        client: u8,
+        key: u8,
+    },
+    Complete {
+        client: u8,
+        key: u8,
+    },
+    Abort {
+        client: u8,
+        key: u8,
+    },
+    Renew {
+        client: u8,
+        key: u8,
+    },
     /// Someone who never held the key presents the holder's owner token, altered.
-    Forged { key: u8 },
+    Forged {
+        key: u8,
+    },
 }
 
 fn op() -> impl Strategy<Value = Op> {
@@ -164,8 +178,7 @@ impl Protocol {
                         (true, true, OwnerOutcome::Renewed { .. }) => {}
                         (true, false, OwnerOutcome::Released) => {
                             m.holder = None;
-                            if matches!(op, Op::Complete { .. }) && self.mode == Mode::Idempotency
-                            {
+                            if matches!(op, Op::Complete { .. }) && self.mode == Mode::Idempotency {
                                 m.completed = true;
                             }
                         }
@@ -181,7 +194,9 @@ impl Protocol {
                         continue;
                     };
                     let mut forged = owner.clone();
-                    let last = forged.pop().map_or('a', |c| if c == 'a' { 'b' } else { 'a' });
+                    let last = forged
+                        .pop()
+                        .map_or('a', |c| if c == 'a' { 'b' } else { 'a' });
                     forged.push(last);
                     assert_eq!(self.abort(&name(key), &forged), OwnerOutcome::Stale);
                     assert_eq!(
@@ -201,7 +216,9 @@ fn run(store: StoreConfig) {
         .enable_all()
         .build()
         .unwrap();
-    let sidecar = runtime.block_on(Sidecar::spawn(Config::loopback(store))).unwrap();
+    let sidecar = runtime
+        .block_on(Sidecar::spawn(Config::loopback(store)))
+        .unwrap();
     let case = AtomicU64::new(0);
     for mode in [Mode::Lock, Mode::Idempotency] {
         let protocol = Protocol {

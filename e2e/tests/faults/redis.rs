@@ -67,7 +67,8 @@ fn redis_slow_then_blackholed_answers_within_bounds_and_recovers() {
         ..Options::default()
     });
     // Slow: 200 ms each way on every Redis exchange. Everything still works, once per key.
-    rig.redis_proxy.set(Fault::Latency(Duration::from_millis(200)));
+    rig.redis_proxy
+        .set(Fault::Latency(Duration::from_millis(200)));
     let slow_keys = keys("redis-slow", 4);
     let calls = duplicate_payments(rig.addr, &slow_keys, 3, 100);
     assert_all_answered(&calls, &[201, 409]);

@@ -108,11 +108,7 @@ impl Rig {
         ));
         let backend_proxy = FaultProxy::start(backend_addr).expect("backend proxy");
 
-        let plugin = plugin_config(
-            options.sidecar_timeout,
-            options.plugin_extra,
-            options.rules,
-        );
+        let plugin = plugin_config(options.sidecar_timeout, options.plugin_extra, options.rules);
         let yaml = envoy_yaml(backend_proxy.addr(), sidecar_proxy.addr(), &plugin).replace(
             "timeout: 30s",
             &format!("timeout: {}", options.route_timeout),
@@ -159,10 +155,7 @@ impl Rig {
     /// A gateway like [`Rig::second_gateway`] calling the sidecar at `sidecar`.
     pub fn gateway_to(&self, sidecar: SocketAddr, rules: &str) -> LiveGateway {
         let plugin = plugin_config("1s", "", rules);
-        live_gateway(
-            &envoy_yaml(self.backend_proxy.addr(), sidecar, &plugin),
-            1,
-        )
+        live_gateway(&envoy_yaml(self.backend_proxy.addr(), sidecar, &plugin), 1)
     }
 
     /// Another sidecar process on the same Redis; killed by dropping the runtime.
@@ -242,7 +235,6 @@ impl Rig {
     pub fn send(&self, method: &str, path: &str, headers: &[(&str, &str)], body: &str) -> Call {
         send(self.addr, method, path, headers, body)
     }
-
 }
 
 impl Drop for Rig {

@@ -107,7 +107,10 @@ fn soak() {
                     gateways[n % 2],
                     "POST",
                     &format!("/agents/soak-{agent}/tools"),
-                    &[("content-type", "application/json"), ("x-demo-work-ms", "20")],
+                    &[
+                        ("content-type", "application/json"),
+                        ("x-demo-work-ms", "20"),
+                    ],
                     &format!(r#"{{"tool":"t{n}"}}"#),
                 );
                 n += 1;

@@ -30,8 +30,15 @@ fn a_trap_in_one_worker_neither_wedges_the_others_nor_leaks_the_key() {
     let other = gw.worker(1).stream();
     other.send_request(post("/payments", "trap-other", "{}"));
     gw.pump();
-    assert!(fence(&other).is_some(), "another key is granted on worker 1");
-    other.respond(201, HeaderMap::from([("content-type", "application/json")]), "{}");
+    assert!(
+        fence(&other).is_some(),
+        "another key is granted on worker 1"
+    );
+    other.respond(
+        201,
+        HeaderMap::from([("content-type", "application/json")]),
+        "{}",
+    );
     gw.pump();
 
     // The trapped worker fails its streams closed (Envoy's FAIL_CLOSED: 503).
