@@ -219,7 +219,7 @@ fn queued_lock_holders_run_in_arrival_order() {
 fn client_abort_releases_the_key_at_every_phase() {
     let stack = Stack::start();
     // `release`: aborts after forwarding free the key at once (the default, `hold`, keeps it
-    // until the lease ends: tests/faults.rs).
+    // until the lease ends: tests/faults/client_abort.rs).
     let rules =
         r#"[{"name":"payments","match":{"path_prefix":"/payments"},"on_client_abort":"release"}]"#;
     let gw = Gateway::boot(stack.addr, &config("", rules), 1);
