@@ -351,7 +351,12 @@ fn count_held(shared: &Shared, blackholed: bool, data: &[u8]) {
 
 #[cfg(test)]
 mod tests {
-    #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+    #![allow(
+        clippy::unwrap_used,
+        clippy::expect_used,
+        clippy::panic,
+        clippy::indexing_slicing
+    )]
 
     use super::*;
     use std::io::{ErrorKind, Read as _, Write as _};
