@@ -1,4 +1,5 @@
-//! End-to-end scenarios: the built filter in the host harness, a real sidecar, real Redis.
+//! End-to-end scenarios: the built filter in the host harness, a real sidecar, real Redis;
+//! `live` plays issue #6's scenarios through live gateways to the demo backend.
 
 #![allow(
     clippy::unwrap_used,
@@ -9,4 +10,5 @@
 
 mod util;
 
+mod live;
 mod scenarios;

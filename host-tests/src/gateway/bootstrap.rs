@@ -85,7 +85,7 @@ impl Bootstrap {
     /// timeout (above the longest queue wait).
     pub fn idemgate(backend: SocketAddr, sidecar: SocketAddr, plugin: &str) -> Self {
         Self::new(backend)
-            .route_timeout(Duration::from_secs(60))
+            .route_timeout(Duration::from_secs(90))
             .filter(FilterSpec::idemgate(plugin))
             .cluster(ClusterSpec::sidecar(sidecar))
     }
@@ -401,7 +401,7 @@ mod tests {
         assert_eq!(listener.name, LISTENER);
         assert_eq!(listener.address.port(), 0);
         assert_eq!(listener.routes[0].cluster, BACKEND);
-        assert_eq!(listener.routes[0].timeout, Some(Duration::from_secs(60)));
+        assert_eq!(listener.routes[0].timeout, Some(Duration::from_secs(90)));
         let wasm = listener.wasm.as_ref().unwrap();
         assert_eq!(wasm.settings.configuration, plugin.as_bytes());
         assert_eq!(wasm.settings.vm_id, IDEMGATE);
