@@ -1,11 +1,12 @@
 //! `cargo xtask demo`: plays the duplicate-call scenarios twice — straight to the backend,
 //! then through idemgate — and prints what each run did to the backend.
 
-use anyhow::Result;
+use anyhow::{Result, bail};
 use clap::Parser;
 use idemgate_demo::scenarios::{self, Run, Scenario};
 use idemgate_demo::stack::{Stack, StackConfig};
 use std::path::PathBuf;
+use std::process::ExitCode;
 use std::time::Duration;
 
 #[derive(Parser)]
@@ -27,8 +28,9 @@ struct Args {
     log_dir: PathBuf,
 }
 
-#[tokio::main]
-async fn main() -> Result<()> {
+/// The runtime is single-threaded on purpose: children are spawned on the main thread, and
+/// `PR_SET_PDEATHSIG` ties them to the thread that spawned them (see `stack`).
+fn main() -> ExitCode {
     let args = Args::parse();
     let config = StackConfig {
         bin_dir: args.bin_dir,
@@ -38,18 +40,85 @@ async fn main() -> Result<()> {
         workers: args.workers,
         log_dir: args.log_dir,
     };
-    // The stack lives in this frame: whichever branch finishes, dropping it kills every
-    // process it started.
-    tokio::select! {
-        result = demo(&config) => result,
-        _ = tokio::signal::ctrl_c() => {
-            eprintln!("\ninterrupted: stopping everything the demo started");
-            std::process::exit(130);
+    let runtime = match tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(runtime) => runtime,
+        Err(err) => {
+            eprintln!("idemgate-demo: {err}");
+            return ExitCode::FAILURE;
+        }
+    };
+    match runtime.block_on(run(&config)) {
+        Ok(Finished::Played) => ExitCode::SUCCESS,
+        Ok(Finished::Interrupted(signal)) => {
+            eprintln!("interrupted by {signal}: stopped everything the demo started");
+            // The shell convention for "killed by signal N".
+            ExitCode::from(128 + signal.number())
+        }
+        Err(err) => {
+            eprintln!("idemgate-demo: {err:#}");
+            ExitCode::FAILURE
         }
     }
 }
 
-async fn demo(config: &StackConfig) -> Result<()> {
+enum Finished {
+    Played,
+    Interrupted(Signal),
+}
+
+#[derive(Clone, Copy)]
+enum Signal {
+    Interrupt,
+    Terminate,
+}
+
+impl Signal {
+    fn number(self) -> u8 {
+        match self {
+            Signal::Interrupt => 2,
+            Signal::Terminate => 15,
+        }
+    }
+}
+
+impl std::fmt::Display for Signal {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Signal::Interrupt => "SIGINT",
+            Signal::Terminate => "SIGTERM",
+        })
+    }
+}
+
+/// Resolves on the first SIGINT (Ctrl-C) or SIGTERM. Installed before any child starts, so
+/// neither signal can take the demo down the default way (which runs no cleanup).
+struct Signals {
+    interrupt: tokio::signal::unix::Signal,
+    terminate: tokio::signal::unix::Signal,
+}
+
+impl Signals {
+    fn install() -> Result<Signals> {
+        use tokio::signal::unix::{SignalKind, signal};
+        Ok(Signals {
+            interrupt: signal(SignalKind::interrupt())?,
+            terminate: signal(SignalKind::terminate())?,
+        })
+    }
+
+    async fn recv(&mut self) -> Signal {
+        tokio::select! {
+            _ = self.interrupt.recv() => Signal::Interrupt,
+            _ = self.terminate.recv() => Signal::Terminate,
+        }
+    }
+}
+
+async fn run(config: &StackConfig) -> Result<Finished> {
+    let mut signals = Signals::install()?;
     println!(
         "starting the demo backend, the sidecar ({}) and the gateway ({} workers)...",
         if config.redis_url.is_some() {
@@ -59,7 +128,11 @@ async fn demo(config: &StackConfig) -> Result<()> {
         },
         config.workers
     );
-    let stack = Stack::start(config).await?;
+    // A start cut short drops the half-built stack, which kills what it had started.
+    let stack = tokio::select! {
+        stack = Stack::start(config) => stack?,
+        signal = signals.recv() => return Ok(Finished::Interrupted(signal)),
+    };
     println!(
         "  gateway {}  backend {}  sidecar {}  (logs in {})\n",
         stack.gateway,
@@ -67,6 +140,15 @@ async fn demo(config: &StackConfig) -> Result<()> {
         stack.sidecar,
         config.log_dir.display()
     );
+    let outcome = tokio::select! {
+        played = play_all(&stack) => played.map(|()| Finished::Played),
+        signal = signals.recv() => Ok(Finished::Interrupted(signal)),
+    };
+    stack.stop().await;
+    outcome
+}
+
+async fn play_all(stack: &Stack) -> Result<()> {
     let client = reqwest::Client::new();
     let max_call = Duration::from_secs(30);
     let run_id = std::process::id();
@@ -79,7 +161,7 @@ async fn demo(config: &StackConfig) -> Result<()> {
     let mut rows = Vec::new();
     for scenario in &scenarios {
         println!("▶ {}: {}", scenario.name, scenario.what);
-        for (label, base) in [("direct", &stack.backend), ("idemgate", &stack.gateway)] {
+        for (label, base) in [(DIRECT, &stack.backend), (GUARDED, &stack.gateway)] {
             client
                 .post(format!("{}/reset", stack.backend))
                 .send()
@@ -90,8 +172,22 @@ async fn demo(config: &StackConfig) -> Result<()> {
         }
     }
     print_table(&rows);
+    let damaged: Vec<&str> = rows
+        .iter()
+        .filter(|(_, label, run)| *label == GUARDED && damage(run) > 0)
+        .map(|(name, _, _)| *name)
+        .collect();
+    if !damaged.is_empty() {
+        bail!(
+            "through idemgate the backend still took damage in: {}",
+            damaged.join(", ")
+        );
+    }
     Ok(())
 }
+
+const DIRECT: &str = "direct";
+const GUARDED: &str = "idemgate";
 
 fn damage(run: &Run) -> u64 {
     let b = &run.backend;

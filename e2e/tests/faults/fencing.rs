@@ -14,7 +14,9 @@ fn a_holder_partitioned_past_its_lease_is_fenced_out_by_the_backend() {
         ..Options::default()
     });
     let other = rig.second_gateway(TOOLS);
-    let other_addr = other.listener_address("main").unwrap();
+    let other_addr = other
+        .listener_address(idemgate_host::gateway::bootstrap::LISTENER)
+        .unwrap();
     let addr = rig.addr;
     // Gateway A's holder runs 3 s; its lease is 1 s, renewed every 0.5 s from the tick.
     let stalled = std::thread::spawn(move || {

@@ -7,10 +7,11 @@
 //!                   └→ backend_proxy → demo backend
 //! ```
 
-use crate::util::{Reply, SIDECAR, envoy_yaml, http, live_gateway};
+use crate::util::{Reply, SIDECAR, http};
 use idemgate_demo::backend::{self, Backend, Stats, Timings};
 use idemgate_e2e::fault_proxy::FaultProxy;
 use idemgate_host::gateway::Gateway as LiveGateway;
+use idemgate_host::gateway::bootstrap::{self, Bootstrap, ClusterSpec, FilterSpec};
 use idemgate_sidecar::testing::RedisServer;
 use idemgate_sidecar::{Config as SidecarConfig, Sidecar};
 use std::net::SocketAddr;
@@ -28,7 +29,9 @@ pub struct Options {
     /// Extra top-level plugin fields (`"failure_mode":"open"`), or empty.
     pub plugin_extra: &'static str,
     /// The gateway's route timeout to the backend.
-    pub route_timeout: &'static str,
+    pub route_timeout: Duration,
+    /// The sidecar cluster speaks HTTP/2 (as `envoy/envoy.yaml`); HTTP/1.1 otherwise.
+    pub sidecar_http2: bool,
     /// The plugin's callout timeout (`sidecar.timeout`).
     pub sidecar_timeout: &'static str,
     /// The sidecar's Redis command timeout.
@@ -40,7 +43,8 @@ impl Default for Options {
         Options {
             rules: PAYMENTS,
             plugin_extra: "",
-            route_timeout: "30s",
+            route_timeout: Duration::from_secs(30),
+            sidecar_http2: true,
             sidecar_timeout: "1s",
             store_timeout: Duration::from_millis(500),
         }
@@ -109,12 +113,20 @@ impl Rig {
         let backend_proxy = FaultProxy::start(backend_addr).expect("backend proxy");
 
         let plugin = plugin_config(options.sidecar_timeout, options.plugin_extra, options.rules);
-        let yaml = envoy_yaml(backend_proxy.addr(), sidecar_proxy.addr(), &plugin).replace(
-            "timeout: 30s",
-            &format!("timeout: {}", options.route_timeout),
-        );
-        let gateway = live_gateway(&yaml, 2);
-        let addr = gateway.listener_address("main").expect("listener");
+        let sidecar_cluster = if options.sidecar_http2 {
+            ClusterSpec::sidecar(sidecar_proxy.addr())
+        } else {
+            ClusterSpec::at(SIDECAR, sidecar_proxy.addr())
+        };
+        let gateway = Bootstrap::new(backend_proxy.addr())
+            .route_timeout(options.route_timeout)
+            .filter(FilterSpec::idemgate(&plugin))
+            .cluster(sidecar_cluster)
+            .start(2)
+            .expect("the gateway starts (build target/idemgate.wasm: cargo xtask wasm)");
+        let addr = gateway
+            .listener_address(bootstrap::LISTENER)
+            .expect("listener");
         Rig {
             redis,
             redis_proxy,
@@ -155,7 +167,10 @@ impl Rig {
     /// A gateway like [`Rig::second_gateway`] calling the sidecar at `sidecar`.
     pub fn gateway_to(&self, sidecar: SocketAddr, rules: &str) -> LiveGateway {
         let plugin = plugin_config("1s", "", rules);
-        live_gateway(&envoy_yaml(self.backend_proxy.addr(), sidecar, &plugin), 1)
+        Bootstrap::idemgate(self.backend_proxy.addr(), sidecar, &plugin)
+            .route_timeout(Duration::from_secs(30))
+            .start(1)
+            .expect("the gateway starts")
     }
 
     /// Another sidecar process on the same Redis; killed by dropping the runtime.

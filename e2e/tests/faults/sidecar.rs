@@ -124,7 +124,11 @@ fn fake_sidecar(answer: &'static [u8]) -> SocketAddr {
 
 #[test]
 fn sidecar_answering_500_or_garbage_fails_closed() {
-    let rig = Rig::start(Options::default());
+    // HTTP/1.1 to the sidecar, so the fake answers below are what the callout client parses.
+    let rig = Rig::start(Options {
+        sidecar_http2: false,
+        ..Options::default()
+    });
     let answers: [&[u8]; 4] = [
         b"HTTP/1.1 500 Internal Server Error\r\ncontent-length: 0\r\nconnection: close\r\n\r\n",
         b"HTTP/1.1 200 OK\r\ncontent-type: application/x-idemgate-v1\r\ncontent-length: 9\r\nconnection: close\r\n\r\nnot json\n",
@@ -155,7 +159,12 @@ fn two_sidecars_one_dies_the_other_gateway_is_unaffected() {
     let rig = Rig::start(Options::default());
     let (runtime, doomed) = rig.another_sidecar();
     let other = rig.gateway_to(doomed.addr(), PAYMENTS);
-    let gateways = [rig.addr, other.listener_address("main").unwrap()];
+    let gateways = [
+        rig.addr,
+        other
+            .listener_address(idemgate_host::gateway::bootstrap::LISTENER)
+            .unwrap(),
+    ];
     let before: Vec<_> = (0..3)
         .flat_map(|wave| duplicates_on_both(gateways, wave))
         .collect();

@@ -55,7 +55,12 @@ fn soak() {
         ..Options::default()
     });
     let second = rig.second_gateway(RULES);
-    let gateways = [rig.addr, second.listener_address("main").unwrap()];
+    let gateways = [
+        rig.addr,
+        second
+            .listener_address(idemgate_host::gateway::bootstrap::LISTENER)
+            .unwrap(),
+    ];
     let stop = Arc::new(AtomicBool::new(false));
     let payment_keys = Arc::new(AtomicU64::new(0));
     let answers = Arc::new(AtomicU64::new(0));

@@ -8,7 +8,7 @@ use std::time::Duration;
 #[test]
 fn upstream_5xx_timeout_and_reset_release_the_key_and_the_retry_runs_again() {
     let rig = Rig::start(Options {
-        route_timeout: "1s",
+        route_timeout: Duration::from_secs(1),
         ..Options::default()
     });
     let addr = rig.addr;
