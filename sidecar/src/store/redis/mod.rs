@@ -28,7 +28,8 @@ use redis::aio::{ConnectionManager, ConnectionManagerConfig};
 use redis::cluster_async::ClusterConnection;
 use redis::sentinel::{SentinelClient, SentinelNodeConnectionInfo, SentinelServerType};
 use redis::{
-    ErrorKind, FromRedisValue, IntoConnectionInfo, RedisError, RetryMethod, ScriptInvocation, Value,
+    Cmd, ErrorKind, FromRedisValue, IntoConnectionInfo, RedisError, RetryMethod, Script,
+    ServerErrorKind, Value,
 };
 use std::sync::Arc;
 use std::time::Duration;
@@ -203,15 +204,15 @@ impl RedisStore {
         LockKeys::new(&self.prefix, key)
     }
 
-    /// Runs a script invocation on the current connection, bounded by the store timeout.
-    async fn eval<T: FromRedisValue>(&self, inv: &ScriptInvocation<'_>) -> StoreResult<T> {
+    /// Runs one command or script on the current connection, bounded by the store timeout.
+    async fn run<T: FromRedisValue>(&self, op: Op<'_>) -> StoreResult<T> {
         let run = async {
             match &self.conn {
-                Conn::Single(c) => inv.invoke_async(&mut c.clone()).await,
-                Conn::Cluster(c) => inv.invoke_async(&mut c.clone()).await,
+                Conn::Single(c) => op.send(&mut c.clone()).await,
+                Conn::Cluster(c) => op.send(&mut c.clone()).await,
                 Conn::Sentinel(s) => {
                     let result = match s.get().await {
-                        Ok(mut c) => inv.invoke_async(&mut c).await,
+                        Ok(mut c) => op.send(&mut c).await,
                         Err(e) => Err(e),
                     };
                     s.checked(result).await
@@ -227,41 +228,59 @@ impl RedisStore {
         }
     }
 
-    async fn query<T: FromRedisValue>(&self, cmd: &redis::Cmd) -> StoreResult<T> {
-        let run = async {
-            match &self.conn {
-                Conn::Single(c) => cmd.query_async(&mut c.clone()).await,
-                Conn::Cluster(c) => cmd.query_async(&mut c.clone()).await,
-                Conn::Sentinel(s) => {
-                    let result = match s.get().await {
-                        Ok(mut c) => cmd.query_async(&mut c).await,
-                        Err(e) => Err(e),
-                    };
-                    s.checked(result).await
-                }
-            }
-        };
-        match tokio::time::timeout(self.timeout, run).await {
-            Ok(result) => result.map_err(classify),
-            Err(_) => Err(StoreError::Transient("Redis timed out".into())),
-        }
-    }
-
     async fn release_script(
         &self,
-        script: &redis::Script,
+        script: &Script,
         key: &str,
         owner: Option<&str>,
     ) -> StoreResult<Value> {
         let k = self.keys(key);
-        let mut inv = script.prepare_invoke();
-        inv.key(&k.lock).key(&k.queue).key(&k.waiters).key(&k.fence);
+        let mut cmd = evalsha(script, &[&k.lock, &k.queue, &k.waiters, &k.fence]);
         if let Some(owner) = owner {
-            inv.arg(owner);
+            cmd.arg(owner);
         }
-        inv.arg(self.fence_ttl_ms).arg(&self.inbox_prefix);
-        self.eval(&inv).await
+        cmd.arg(self.fence_ttl_ms).arg(&self.inbox_prefix);
+        self.run(Op::Script(script, &cmd)).await
     }
+}
+
+/// What [`RedisStore::run`] sends.
+#[derive(Clone, Copy)]
+enum Op<'a> {
+    Command(&'a Cmd),
+    /// An `EVALSHA` built by [`evalsha`] for this script: loaded and retried once when the
+    /// server does not know the script (first use, restart, failover).
+    Script(&'a Script, &'a Cmd),
+}
+
+impl Op<'_> {
+    async fn send<C, T>(self, conn: &mut C) -> Result<T, RedisError>
+    where
+        C: redis::aio::ConnectionLike + Send,
+        T: FromRedisValue,
+    {
+        match self {
+            Op::Command(cmd) => cmd.query_async(conn).await,
+            Op::Script(script, cmd) => match cmd.query_async(conn).await {
+                Err(err) if err.kind() == ErrorKind::Server(ServerErrorKind::NoScript) => {
+                    script.load_async(conn).await?;
+                    cmd.query_async(conn).await
+                }
+                other => other,
+            },
+        }
+    }
+}
+
+/// `EVALSHA <sha> <numkeys> <keys...>`, ready for the script's ARGV: built straight into one
+/// command buffer (redis-rs's `ScriptInvocation` copies every key and argument twice).
+fn evalsha(script: &Script, keys: &[&str]) -> Cmd {
+    let mut cmd = redis::cmd("EVALSHA");
+    cmd.arg(script.get_hash()).arg(keys.len());
+    for key in keys {
+        cmd.arg(*key);
+    }
+    cmd
 }
 
 fn sentinel_client(cfg: &RedisConfig, master: &str) -> StoreResult<SentinelClient> {
@@ -450,13 +469,12 @@ impl Store for RedisStore {
             Mode::Idempotency => "idempotency",
             Mode::Lock => "lock",
         };
-        let mut inv = scripts::CLAIM.prepare_invoke();
-        inv.key(&k.lock)
-            .key(&k.queue)
-            .key(&k.waiters)
-            .key(&k.fence)
-            .key(&k.response)
-            .arg(args.owner)
+        let script = &*scripts::CLAIM;
+        let mut cmd = evalsha(
+            script,
+            &[&k.lock, &k.queue, &k.waiters, &k.fence, &k.response],
+        );
+        cmd.arg(args.owner)
             .arg(args.fingerprint.unwrap_or(""))
             .arg(mode)
             .arg(millis(args.lease))
@@ -465,7 +483,7 @@ impl Store for RedisStore {
             .arg(self.fence_ttl_ms)
             .arg(&self.inbox_prefix)
             .arg(&self.inbox);
-        let items: Vec<Value> = self.eval(&inv).await?;
+        let items: Vec<Value> = self.run(Op::Script(script, &cmd)).await?;
         decode_claim(&items)
     }
 
@@ -476,16 +494,13 @@ impl Store for RedisStore {
         release_if_granted: bool,
     ) -> StoreResult<LeaveStep> {
         let k = self.keys(key);
-        let mut inv = scripts::LEAVE.prepare_invoke();
-        inv.key(&k.lock)
-            .key(&k.queue)
-            .key(&k.waiters)
-            .key(&k.fence)
-            .arg(owner)
+        let script = &*scripts::LEAVE;
+        let mut cmd = evalsha(script, &[&k.lock, &k.queue, &k.waiters, &k.fence]);
+        cmd.arg(owner)
             .arg(if release_if_granted { "1" } else { "0" })
             .arg(self.fence_ttl_ms)
             .arg(&self.inbox_prefix);
-        let items: Vec<Value> = self.eval(&inv).await?;
+        let items: Vec<Value> = self.run(Op::Script(script, &cmd)).await?;
         match text(items.first()).as_deref() {
             Some("granted") => Ok(LeaveStep::Granted(grant_at(&items, 1)?)),
             Some("left") => Ok(LeaveStep::Left {
@@ -514,13 +529,12 @@ impl Store for RedisStore {
             ),
             None => ("0", 0, String::new(), Bytes::new()),
         };
-        let mut inv = scripts::COMPLETE.prepare_invoke();
-        inv.key(&k.lock)
-            .key(&k.queue)
-            .key(&k.waiters)
-            .key(&k.fence)
-            .key(&k.response)
-            .arg(owner)
+        let script = &*scripts::COMPLETE;
+        let mut cmd = evalsha(
+            script,
+            &[&k.lock, &k.queue, &k.waiters, &k.fence, &k.response],
+        );
+        cmd.arg(owner)
             .arg(millis(retention).max(1))
             .arg(store)
             .arg(status)
@@ -528,7 +542,7 @@ impl Store for RedisStore {
             .arg(body.as_ref())
             .arg(self.fence_ttl_ms)
             .arg(&self.inbox_prefix);
-        let reply: String = self.eval(&inv).await?;
+        let reply: String = self.run(Op::Script(script, &cmd)).await?;
         owner_outcome(&reply)
     }
 
@@ -541,9 +555,10 @@ impl Store for RedisStore {
 
     async fn renew(&self, key: &str, owner: &str, lease: Duration) -> StoreResult<OwnerOutcome> {
         let k = self.keys(key);
-        let mut inv = scripts::RENEW.prepare_invoke();
-        inv.key(&k.lock).arg(owner).arg(millis(lease));
-        let renewed: i64 = self.eval(&inv).await?;
+        let script = &*scripts::RENEW;
+        let mut cmd = evalsha(script, &[&k.lock]);
+        cmd.arg(owner).arg(millis(lease));
+        let renewed: i64 = self.run(Op::Script(script, &cmd)).await?;
         Ok(if renewed == 1 {
             OwnerOutcome::Renewed {
                 lease_ms: millis(lease),
@@ -555,12 +570,9 @@ impl Store for RedisStore {
 
     async fn inspect(&self, key: &str) -> StoreResult<KeyInfo> {
         let k = self.keys(key);
-        let mut inv = scripts::INSPECT.prepare_invoke();
-        inv.key(&k.lock)
-            .key(&k.queue)
-            .key(&k.fence)
-            .key(&k.response);
-        let items: Vec<Value> = self.eval(&inv).await?;
+        let script = &*scripts::INSPECT;
+        let cmd = evalsha(script, &[&k.lock, &k.queue, &k.fence, &k.response]);
+        let items: Vec<Value> = self.run(Op::Script(script, &cmd)).await?;
         let held = number(items.first())? == 1;
         let now_us = number(items.get(8))?;
         let status = match items.get(6) {
@@ -606,14 +618,14 @@ impl Store for RedisStore {
         // Bounded: at most 1000 SCAN round trips however large the keyspace.
         for _ in 0..1000 {
             let (next, batch): (u64, Vec<String>) = self
-                .query(
+                .run(Op::Command(
                     redis::cmd("SCAN")
                         .arg(cursor)
                         .arg("MATCH")
                         .arg(&pattern)
                         .arg("COUNT")
                         .arg(1000),
-                )
+                ))
                 .await?;
             found.extend(
                 batch
@@ -644,7 +656,7 @@ impl Store for RedisStore {
     }
 
     async fn ping(&self) -> StoreResult<()> {
-        let pong: String = self.query(&redis::cmd("PING")).await?;
+        let pong: String = self.run(Op::Command(&redis::cmd("PING"))).await?;
         if pong == "PONG" {
             Ok(())
         } else {
