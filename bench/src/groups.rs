@@ -213,22 +213,30 @@ fn sidecar() -> Result<Group> {
         .worker_threads(2)
         .enable_all()
         .build()?;
+    // The sidecar gets runtime threads of its own, as its own process would have.
+    let server = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .thread_name(sidecar_load::SIDECAR_THREADS)
+        .enable_all()
+        .build()?;
+    let server = server.handle();
     runtime.block_on(async {
         let redis = RedisServer::start().context("starting redis-server")?;
-        let redis_url = redis.url();
         let mut figures = Vec::new();
         for concurrency in [1usize, 64] {
             println!("  concurrency {concurrency}: raw Redis, sidecar on Redis, sidecar on memory");
             let raw = sidecar_load::repeat(LOAD_RUNS, || {
-                sidecar_load::raw_redis_round_trips(&redis_url, concurrency, LOAD_SECONDS)
+                sidecar_load::raw_redis_round_trips(&redis, concurrency, LOAD_SECONDS)
             })
             .await?;
             let on_redis = sidecar_load::repeat(LOAD_RUNS, || {
-                sidecar_load::sidecar_round_trips(redis.store_config(), concurrency, LOAD_SECONDS)
+                let store = redis.store_config();
+                sidecar_load::sidecar_round_trips(server, store, &redis, concurrency, LOAD_SECONDS)
             })
             .await?;
             let on_memory = sidecar_load::repeat(LOAD_RUNS, || {
-                sidecar_load::sidecar_round_trips(StoreConfig::Memory, concurrency, LOAD_SECONDS)
+                let store = StoreConfig::Memory;
+                sidecar_load::sidecar_round_trips(server, store, &redis, concurrency, LOAD_SECONDS)
             })
             .await?;
             let goal = (concurrency == 64).then_some(Goal::RatioAtLeast(0.5));
@@ -270,11 +278,16 @@ fn sidecar() -> Result<Group> {
             notes: vec![format!(
                 "Closed loop: each worker claims a fresh key (lock mode), completes it, repeats, \
                  for {LOAD_SECONDS} s; {LOAD_RUNS} runs per configuration. The sidecar runs \
-                 in-process and is driven over up to 4 h2c connections, as Envoy multiplexes \
+                 in-process on its own runtime (two worker threads, as its own process would \
+                 have) and is driven over up to 4 h2c connections, as Envoy multiplexes \
                  callouts per worker thread. The baseline is the minimal equivalent in raw \
-                 Redis — `SET key owner NX PX` then a compare-and-delete script — against the \
-                 same `redis-server` in the same run. Client, sidecar and Redis share the \
-                 machine's cores. Hand-off: a waiter long-polls while the holder completes; \
+                 Redis — `SET key owner NX PX` then a compare-and-delete script — over one \
+                 multiplexed (auto-pipelining) connection against the same `redis-server` in \
+                 the same run; the sidecar's own Redis connection is multiplexed the same way. \
+                 Client, sidecar and Redis share the machine's cores, so throughput follows \
+                 the CPU time all three spend per round trip: the CPU rows split it (thread \
+                 times from /proc for the bench client and the sidecar, `INFO cpu` for \
+                 Redis). Hand-off: a waiter long-polls while the holder completes; \
                  {HANDOFF_SAMPLES} samples per run, measured from just before the complete is \
                  sent to the waiter's grant arriving."
             )],
@@ -290,7 +303,7 @@ fn load_figures(
     goal: Option<Goal>,
 ) -> Vec<Figure> {
     let name = |what: &str| format!("sidecar on {store}, concurrency {concurrency}: {what}");
-    vec![
+    let mut figures = vec![
         Figure {
             name: name("throughput"),
             unit: "round trips/s",
@@ -312,7 +325,36 @@ fn load_figures(
             baseline: Some(("raw Redis".into(), raw.p99)),
             goal: None,
         },
-    ]
+    ];
+    if concurrency > 1 {
+        // Where the CPU went: on a saturated machine throughput is the inverse of the total.
+        let cpu = |what: &str, value, baseline: Option<(&str, Summary)>| Figure {
+            name: name(&format!("CPU per round trip, {what}")),
+            unit: "µs",
+            value,
+            baseline: baseline.map(|(n, b)| (n.to_owned(), b)),
+            goal: None,
+        };
+        figures.extend([
+            cpu(
+                "all processes",
+                run.cpu_total,
+                Some(("raw Redis, client + server", raw.cpu_total)),
+            ),
+            cpu(
+                "bench client",
+                run.cpu_client,
+                Some(("raw Redis client", raw.cpu_client)),
+            ),
+            cpu("sidecar", run.cpu_sidecar, None),
+            cpu(
+                "redis-server",
+                run.cpu_redis,
+                Some(("raw Redis server", raw.cpu_redis)),
+            ),
+        ]);
+    }
+    figures
 }
 
 fn machine() -> Machine {

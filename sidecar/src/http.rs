@@ -98,7 +98,10 @@ fn route_label(path: &str) -> &'static str {
         HEALTHZ => HEALTHZ,
         READYZ => READYZ,
         METRICS => METRICS,
-        p if p.strip_prefix(ADMIN_KEYS).is_some_and(|k| k.len() > 1 && k.starts_with('/')) => {
+        p if p
+            .strip_prefix(ADMIN_KEYS)
+            .is_some_and(|k| k.len() > 1 && k.starts_with('/')) =>
+        {
             ADMIN_KEY
         }
         _ => "unmatched",

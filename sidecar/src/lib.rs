@@ -30,6 +30,6 @@ mod store;
 pub mod testing;
 mod waiters;
 
-pub use config::{Cli, Config, ConfigError, RedisConfig, RedisTopology, StoreConfig};
+pub use config::{Cli, Config, ConfigError, RedisConfig, RedisTls, RedisTopology, StoreConfig};
 pub use server::{ServerError, Sidecar, run};
 pub use store::{CompletedInfo, HolderInfo, KeyInfo, KeyState, StoreError};

@@ -12,4 +12,5 @@ mod util;
 mod cluster;
 mod http_api;
 mod redis_faults;
+mod redis_tls;
 mod suite;
