@@ -6,8 +6,7 @@ use anyhow::{Context, Result};
 use bytes::Bytes;
 use http_body_util::{BodyExt, Empty, Full};
 use hyper_util::rt::TokioIo;
-use idemgate_host::gateway::config::EnvoyConfig;
-use idemgate_host::gateway::{Gateway, GatewayOptions};
+use idemgate_host::gateway::bootstrap::{Bootstrap, FilterSpec, LISTENER};
 use std::net::SocketAddr;
 use std::path::Path;
 use std::sync::Arc;
@@ -48,50 +47,6 @@ pub fn upstream() -> Result<SocketAddr> {
         });
     });
     Ok(address)
-}
-
-fn gateway_yaml(backend: SocketAddr, wasm: Option<&Path>) -> String {
-    let filter = wasm.map_or_else(String::new, |path| {
-        format!(
-            r#"- name: envoy.filters.http.wasm
-            typed_config:
-              "@type": type.googleapis.com/envoy.extensions.filters.http.wasm.v3.Wasm
-              config:
-                name: noop
-                vm_config: {{ vm_id: bench, code: {{ local: {{ filename: "{}" }} }} }}
-          "#,
-            path.display()
-        )
-    });
-    format!(
-        r#"
-static_resources:
-  listeners:
-  - name: main
-    address: {{ socket_address: {{ address: 127.0.0.1, port_value: 0 }} }}
-    filter_chains:
-    - filters:
-      - name: envoy.filters.network.http_connection_manager
-        typed_config:
-          "@type": type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager
-          stat_prefix: bench
-          route_config:
-            virtual_hosts:
-            - name: all
-              domains: ["*"]
-              routes: [{{ match: {{ prefix: "/" }}, route: {{ cluster: backend }} }}]
-          http_filters:
-          {filter}- name: envoy.filters.http.router
-            typed_config:
-              "@type": type.googleapis.com/envoy.extensions.filters.http.router.v3.Router
-  clusters:
-  - name: backend
-    connect_timeout: 1s
-    load_assignment:
-      endpoints: [{{ lb_endpoints: [{{ endpoint: {{ address: {{ socket_address: {{ address: 127.0.0.1, port_value: {} }} }} }} }}] }}]
-"#,
-        backend.port()
-    )
 }
 
 /// Closed-loop load: `connections` keep-alive clients for `seconds`.
@@ -140,9 +95,13 @@ fn load(address: SocketAddr, connections: usize, seconds: u64) -> Result<f64> {
 
 /// Requests per second through a gateway with `wasm` as its only filter (`None`: no filter).
 pub fn throughput(backend: SocketAddr, wasm: Option<&Path>, seconds: u64) -> Result<f64> {
-    let config = EnvoyConfig::from_yaml(&gateway_yaml(backend, wasm), Path::new("."))?;
-    let gateway = Gateway::start(config, GatewayOptions::default())?;
-    let address = gateway.listener_address("main").context("no listener")?;
+    let bootstrap = Bootstrap::new(backend);
+    let bootstrap = match wasm {
+        Some(path) => bootstrap.filter(FilterSpec::new("noop", "bench", path)),
+        None => bootstrap,
+    };
+    let gateway = bootstrap.start(1)?;
+    let address = gateway.listener_address(LISTENER).context("no listener")?;
     let rps = load(address, CONNECTIONS, seconds);
     gateway.shutdown();
     rps

@@ -29,6 +29,8 @@ use std::time::{Duration, Instant};
 
 /// Header carrying the fencing token idemgate stamps on forwarded requests.
 pub const FENCING_HEADER: &str = "x-fencing-token";
+/// Header a degraded gateway marks the calls it lets through with.
+pub const DEGRADED_HEADER: &str = "x-idemgate-degraded";
 /// Header naming a call in [`Stats::order`].
 pub const SEQ_HEADER: &str = "x-demo-seq";
 /// Header overriding the work time of one call, in milliseconds.
@@ -70,6 +72,9 @@ pub struct Stats {
     pub double_charges: u64,
     /// Writes refused because their fencing token was older than one already seen.
     pub stale_refused: u64,
+    /// Calls a degraded gateway let through unguarded (`x-idemgate-degraded` set: the
+    /// sidecar was unreachable and the failure mode is `open` or `local`).
+    pub degraded: u64,
     /// Highest number of calls executing at once on one resource (1 = never overlapped).
     pub max_overlap: u32,
     /// Per resource, the `x-demo-seq` labels in the order their work started.
@@ -176,6 +181,9 @@ impl<'a> Execution<'a> {
         *running += 1;
         let running = *running;
         ledger.stats.max_overlap = ledger.stats.max_overlap.max(running);
+        if headers.contains_key(DEGRADED_HEADER) {
+            ledger.stats.degraded += 1;
+        }
         if let Some(seq) = header(headers, SEQ_HEADER) {
             ledger
                 .stats

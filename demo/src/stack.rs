@@ -1,6 +1,8 @@
 //! Starting idemgate's processes on free loopback ports — the sidecar, the demo backend and
-//! the harness gateway running `envoy/envoy.yaml` — and stopping every one of them when the
-//! [`Stack`] is dropped (normal exit, error, or Ctrl-C), so nothing is left running.
+//! the harness gateway running `envoy/envoy.yaml` — and stopping every one of them, so
+//! nothing is left running: [`Stack::stop`] kills and reaps them; dropping the [`Stack`]
+//! (an error, a cancelled start) kills them; and on Linux each child is started with
+//! `PR_SET_PDEATHSIG`, so the kernel kills it even if the demo itself is killed outright.
 
 use anyhow::{Context, Result, bail};
 use std::net::{SocketAddr, TcpListener};
@@ -98,6 +100,7 @@ impl Stack {
             .log_dir
             .join(format!("{}.log", name.replace(' ', "-")));
         let log = std::fs::File::create(&log_path)?;
+        die_with_parent(&mut command);
         let child = command
             .stdin(Stdio::null())
             .stdout(log.try_clone()?)
@@ -109,6 +112,22 @@ impl Stack {
             })?;
         self.children.push((name, child));
         Ok(())
+    }
+
+    /// Kills every process and waits (bounded) until each has exited, so their ports are
+    /// free when this returns.
+    pub async fn stop(mut self) {
+        for (_, child) in &mut self.children {
+            let _ = child.start_kill();
+        }
+        for (name, child) in &mut self.children {
+            if tokio::time::timeout(Duration::from_secs(10), child.wait())
+                .await
+                .is_err()
+            {
+                eprintln!("the {name} did not exit within 10 s of being killed");
+            }
+        }
     }
 
     /// Waits (bounded) until `addr` accepts connections, failing early if the process died.
@@ -134,3 +153,27 @@ impl Stack {
 fn free_port() -> Result<SocketAddr> {
     Ok(TcpListener::bind("127.0.0.1:0")?.local_addr()?)
 }
+
+/// Asks the kernel to SIGKILL the child when the thread that spawned it exits — with the
+/// demo's single-threaded runtime, when the demo exits by any means, SIGKILL included.
+#[cfg(target_os = "linux")]
+fn die_with_parent(command: &mut Command) {
+    let parent = std::process::id();
+    // SAFETY: between fork and exec the closure only makes async-signal-safe calls
+    // (prctl, getppid) and allocates nothing on its success path.
+    unsafe {
+        command.pre_exec(move || {
+            if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL) == -1 {
+                return Err(std::io::Error::last_os_error());
+            }
+            // The demo may have died before prctl took effect: then nobody will stop us.
+            if u32::try_from(libc::getppid()).ok() != Some(parent) {
+                return Err(std::io::Error::other("the demo exited"));
+            }
+            Ok(())
+        });
+    }
+}
+
+#[cfg(not(target_os = "linux"))]
+fn die_with_parent(_command: &mut Command) {}

@@ -1,4 +1,6 @@
-//! End-to-end scenarios: the built filter in the host harness, a real sidecar, real Redis.
+//! End-to-end scenarios: the built filter in the host harness, a real sidecar, real Redis;
+//! `live` plays issue #6's scenarios through live gateways to the demo backend; `demo` runs
+//! the demo driver's binary.
 
 #![allow(
     clippy::unwrap_used,
@@ -9,4 +11,6 @@
 
 mod util;
 
+mod demo;
+mod live;
 mod scenarios;

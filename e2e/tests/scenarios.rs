@@ -2,6 +2,7 @@
 
 use crate::util::*;
 use idemgate_host::HeaderMap;
+use idemgate_host::gateway::bootstrap::{Bootstrap, LISTENER};
 use idemgate_host::testing::Request;
 
 const PAYMENTS: &str = r#"[{"name":"payments","match":{"path_prefix":"/payments"}}]"#;
@@ -536,8 +537,10 @@ fn live_gateway_concurrent_duplicates_make_one_backend_call_and_all_get_its_resp
         "",
         r#"[{"name":"payments","match":{"path_prefix":"/payments"},"on_conflict":"queue","queue":{"max_wait":"20s","max_queue":32}}]"#,
     );
-    let gateway = live_gateway(&envoy_yaml(backend, stack.addr, &plugin), 4);
-    let addr = gateway.listener_address("main").unwrap();
+    let gateway = Bootstrap::idemgate(backend, stack.addr, &plugin)
+        .start(4)
+        .expect("gateway starts (build target/idemgate.wasm with `cargo xtask wasm`)");
+    let addr = gateway.listener_address(LISTENER).unwrap();
     let clients: Vec<_> = (0..16)
         .map(|_| {
             std::thread::spawn(move || {

@@ -1,85 +1,40 @@
 //! The gateway serving real HTTP through the probe fixture.
 
 use crate::util::{eventually, http, upstream};
-use idemgate_host::gateway::config::EnvoyConfig;
+use idemgate_host::gateway::bootstrap::{Bootstrap, ClusterSpec, FilterSpec, LISTENER};
+use idemgate_host::gateway::config::{ConfigError, EnvoyConfig};
 use idemgate_host::gateway::{Gateway, GatewayOptions};
-use std::collections::HashMap;
 use std::io::Write;
-use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::net::{SocketAddr, TcpStream};
 use std::path::Path;
 use std::sync::atomic::Ordering;
 
-fn envoy_yaml(backend: SocketAddr, sidecar: SocketAddr, wasm: &str) -> String {
-    format!(
-        r#"
-admin:
-  address: {{ socket_address: {{ address: 127.0.0.1, port_value: 0 }} }}
-static_resources:
-  listeners:
-  - name: main
-    address: {{ socket_address: {{ address: 127.0.0.1, port_value: 0 }} }}
-    filter_chains:
-    - filters:
-      - name: envoy.filters.network.http_connection_manager
-        typed_config:
-          "@type": type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager
-          stat_prefix: ingress
-          route_config:
-            virtual_hosts:
-            - name: all
-              domains: ["*"]
-              routes:
-              - match: {{ prefix: "/" }}
-                route: {{ cluster: backend, timeout: 10s }}
-          http_filters:
-          {wasm}
-          - name: envoy.filters.http.router
-            typed_config:
-              "@type": type.googleapis.com/envoy.extensions.filters.http.router.v3.Router
-  clusters:
-  - name: backend
-    type: STATIC
-    connect_timeout: 1s
-    load_assignment:
-      cluster_name: backend
-      endpoints:
-      - lb_endpoints:
-        - endpoint: {{ address: {{ socket_address: {{ address: 127.0.0.1, port_value: {} }} }} }}
-  - name: sidecar
-    type: STRICT_DNS
-    connect_timeout: 1s
-    circuit_breakers:
-      thresholds:
-      - priority: DEFAULT
-        max_connections: 64
-        max_pending_requests: 10000
-        max_requests: 10000
-        max_retries: 3
-    load_assignment:
-      cluster_name: sidecar
-      endpoints:
-      - lb_endpoints:
-        - endpoint: {{ address: {{ socket_address: {{ address: localhost, port_value: {} }} }} }}
-"#,
-        backend.port(),
-        sidecar.port()
-    )
+/// The probe fixture, as the tests below configure it.
+fn probe_filter() -> FilterSpec {
+    FilterSpec::fixture("probe")
+        .root_id("probe_root")
+        .configuration("gateway")
 }
 
-const PROBE_FILTER: &str = r#"- name: envoy.filters.http.wasm
-            typed_config:
-              "@type": type.googleapis.com/envoy.extensions.filters.http.wasm.v3.Wasm
-              config:
-                name: probe
-                root_id: probe_root
-                vm_config:
-                  vm_id: probe_vm
-                  runtime: envoy.wasm.runtime.v8
-                  code: { local: { filename: target/fixtures/probe.wasm } }
-                configuration:
-                  "@type": type.googleapis.com/google.protobuf.StringValue
-                  value: "gateway"
-                failure_policy: FAIL_CLOSED"#;
+/// A gateway config with `filter` (none: the router alone) and a `sidecar` cluster.
+fn bootstrap(backend: SocketAddr, sidecar: SocketAddr, filter: Option<FilterSpec>) -> Bootstrap {
+    let bootstrap = Bootstrap::new(backend)
+        .admin()
+        .route_timeout(std::time::Duration::from_secs(10))
+        .cluster(ClusterSpec::dns("sidecar", "localhost", sidecar.port()).max_requests(10_000));
+    match filter {
+        Some(filter) => bootstrap.filter(filter),
+        None => bootstrap,
+    }
+}
+
+/// Parses the probe config after `edit` changed its value tree.
+fn parse_edited(edit: impl FnOnce(&mut serde_json::Value)) -> Result<EnvoyConfig, ConfigError> {
+    let unused: SocketAddr = "127.0.0.1:1".parse().unwrap();
+    let mut value = bootstrap(unused, unused, Some(probe_filter())).to_value();
+    edit(&mut value);
+    EnvoyConfig::from_yaml(&serde_yaml::to_string(&value).unwrap(), Path::new("."))
+}
 
 struct Running {
     gateway: Gateway,
@@ -88,27 +43,20 @@ struct Running {
 
 impl Running {
     fn main(&self) -> SocketAddr {
-        self.gateway.listener_address("main").unwrap()
+        self.gateway.listener_address(LISTENER).unwrap()
     }
 }
 
-fn start(filter: &str, concurrency: usize) -> Running {
+fn start(filter: Option<FilterSpec>, concurrency: usize) -> Running {
     let (backend, backend_hits) = upstream(None);
     let (sidecar, _) = upstream(Some("lock-9"));
-    let root = idemgate_host::target_dir().join("..");
-    let config = EnvoyConfig::from_yaml(&envoy_yaml(backend, sidecar, filter), &root).unwrap();
-    let mut listeners = HashMap::new();
-    listeners.insert("main".to_owned(), TcpListener::bind("127.0.0.1:0").unwrap());
-    let gateway = Gateway::start(
-        config,
-        GatewayOptions {
+    let gateway = bootstrap(backend, sidecar, filter)
+        .start_with(GatewayOptions {
             concurrency,
-            listeners,
             access_log: true,
             ..GatewayOptions::default()
-        },
-    )
-    .unwrap();
+        })
+        .unwrap();
     Running {
         gateway,
         backend_hits,
@@ -117,7 +65,7 @@ fn start(filter: &str, concurrency: usize) -> Running {
 
 #[test]
 fn header_mutations_reach_the_upstream_and_the_client() {
-    let running = start(PROBE_FILTER, 2);
+    let running = start(Some(probe_filter()), 2);
     let reply = http(
         running.main(),
         "POST",
@@ -157,7 +105,7 @@ fn header_mutations_reach_the_upstream_and_the_client() {
 
 #[test]
 fn a_local_reply_never_reaches_the_upstream() {
-    let running = start(PROBE_FILTER, 1);
+    let running = start(Some(probe_filter()), 1);
     let reply = http(
         running.main(),
         "GET",
@@ -173,7 +121,7 @@ fn a_local_reply_never_reaches_the_upstream() {
 
 #[test]
 fn a_callout_goes_to_the_loopback_sidecar_over_a_real_socket() {
-    let running = start(PROBE_FILTER, 1);
+    let running = start(Some(probe_filter()), 1);
     let reply = http(running.main(), "GET", "/pay", &[("x-probe", "callout")], "");
     assert_eq!(reply.status, 200, "{reply:?}");
     assert!(reply.body.contains("x-lock: lock-9"), "{}", reply.body);
@@ -181,7 +129,7 @@ fn a_callout_goes_to_the_loopback_sidecar_over_a_real_socket() {
 
 #[test]
 fn a_client_abort_releases_the_stream() {
-    let running = start(PROBE_FILTER, 1);
+    let running = start(Some(probe_filter()), 1);
     let mut socket = TcpStream::connect(running.main()).unwrap();
     socket
         .write_all(b"GET /held HTTP/1.1\r\nhost: x\r\nx-probe: pause\r\n\r\n")
@@ -218,7 +166,7 @@ fn a_client_abort_releases_the_stream() {
 
 #[test]
 fn without_a_wasm_filter_the_router_just_proxies() {
-    let running = start("", 1);
+    let running = start(None, 1);
     let reply = http(running.main(), "PUT", "/x", &[], "body");
     assert_eq!(reply.status, 200);
     assert!(reply.body.ends_with("body"));
@@ -226,24 +174,22 @@ fn without_a_wasm_filter_the_router_just_proxies() {
 
 #[test]
 fn unsupported_fields_are_rejected_with_their_path() {
-    let yaml = envoy_yaml("127.0.0.1:1".parse().unwrap(), "127.0.0.1:2".parse().unwrap(), PROBE_FILTER)
-        .replace("connect_timeout: 1s\n    load_assignment:\n      cluster_name: backend", "connect_timeout: 1s\n    circuit_breakers: {}\n    load_assignment:\n      cluster_name: backend");
-    let err = EnvoyConfig::from_yaml(&yaml, Path::new("."))
-        .unwrap_err()
-        .to_string();
+    let err = parse_edited(|v| {
+        v["static_resources"]["clusters"][0]["circuit_breakers"] = serde_json::json!({});
+    })
+    .unwrap_err()
+    .to_string();
     assert!(err.contains("circuit_breakers"), "{err}");
     assert!(err.contains("static_resources.clusters[0]"), "{err}");
 }
 
 #[test]
 fn the_wasm_chain_must_end_with_the_router() {
-    let yaml = envoy_yaml(
-        "127.0.0.1:1".parse().unwrap(),
-        "127.0.0.1:2".parse().unwrap(),
-        PROBE_FILTER,
-    )
-    .replace("envoy.filters.http.router\n", "envoy.filters.http.lua\n");
-    let err = EnvoyConfig::from_yaml(&yaml, Path::new("."))
+    let err =
+        parse_edited(|v| {
+            v["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
+                ["http_filters"][1]["name"] = "envoy.filters.http.lua".into();
+        })
         .unwrap_err()
         .to_string();
     assert!(err.contains("http_filters"), "{err}");
@@ -252,7 +198,7 @@ fn the_wasm_chain_must_end_with_the_router() {
 #[test]
 fn h2c_prior_knowledge_clients_are_served() {
     use http_body_util::{BodyExt, Full};
-    let running = start(PROBE_FILTER, 1);
+    let running = start(Some(probe_filter()), 1);
     let address = running.main();
     let runtime = tokio::runtime::Builder::new_current_thread()
         .enable_all()
@@ -288,21 +234,12 @@ fn h2c_prior_knowledge_clients_are_served() {
     );
 }
 
-const SHARED_FILTER: &str = r#"- name: envoy.filters.http.wasm
-            typed_config:
-              "@type": type.googleapis.com/envoy.extensions.filters.http.wasm.v3.Wasm
-              config:
-                name: shared
-                vm_config:
-                  vm_id: shared_vm
-                  code: { local: { filename: target/fixtures/shared.wasm } }
-                configuration:
-                  "@type": type.googleapis.com/google.protobuf.StringValue
-                  value: "tick_ms=20""#;
-
 #[test]
 fn live_workers_tick_and_publish_plugin_metrics_on_the_admin_endpoint() {
-    let running = start(SHARED_FILTER, 2);
+    let running = start(
+        Some(FilterSpec::fixture("shared").configuration("tick_ms=20")),
+        2,
+    );
     let shared = std::sync::Arc::clone(running.gateway.shared());
     eventually("every worker ticking twice", || {
         let ticks = shared
@@ -340,12 +277,15 @@ fn live_workers_tick_and_publish_plugin_metrics_on_the_admin_endpoint() {
 
 #[test]
 fn http2_cluster_options_and_circuit_breakers_are_understood() {
-    let yaml = envoy_yaml("127.0.0.1:1".parse().unwrap(), "127.0.0.1:2".parse().unwrap(), PROBE_FILTER)
-        .replace(
-            "  - name: sidecar\n    type: STRICT_DNS\n",
-            "  - name: sidecar\n    type: STRICT_DNS\n    typed_extension_protocol_options:\n      envoy.extensions.upstreams.http.v3.HttpProtocolOptions:\n        \"@type\": type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions\n        explicit_http_config:\n          http2_protocol_options:\n            max_concurrent_streams: 100\n",
-        );
-    let config = EnvoyConfig::from_yaml(&yaml, Path::new(".")).unwrap();
+    let unused: SocketAddr = "127.0.0.1:1".parse().unwrap();
+    let config = Bootstrap::new(unused)
+        .cluster(
+            ClusterSpec::dns("sidecar", "localhost", 2)
+                .http2(100)
+                .max_requests(10_000),
+        )
+        .config()
+        .unwrap();
     let sidecar = &config.clusters["sidecar"];
     assert!(sidecar.http2);
     assert_eq!(sidecar.max_concurrent_streams, Some(100));
@@ -354,10 +294,12 @@ fn http2_cluster_options_and_circuit_breakers_are_understood() {
         config.clusters["backend"].max_requests, 1024,
         "Envoy's default"
     );
-    let high = yaml.replace("priority: DEFAULT", "priority: HIGH");
-    let err = EnvoyConfig::from_yaml(&high, Path::new("."))
-        .unwrap_err()
-        .to_string();
+    let err = parse_edited(|v| {
+        v["static_resources"]["clusters"][1]["circuit_breakers"]["thresholds"][0]["priority"] =
+            "HIGH".into();
+    })
+    .unwrap_err()
+    .to_string();
     assert!(
         err.contains("circuit_breakers.thresholds[0].priority"),
         "{err}"

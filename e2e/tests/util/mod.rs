@@ -1,5 +1,8 @@
 //! Scenario fixtures: a Redis + sidecar stack, gateways (a `TestHost` each, i.e. one Envoy
-//! process, with N worker VMs running `target/idemgate.wasm`) and callout pumping.
+//! process, with N worker VMs running `target/idemgate.wasm`) and callout pumping; [`live`]
+//! runs the same stack behind live gateways with the demo backend as upstream.
+
+pub mod live;
 
 use idemgate_host::testing::{Request, TestHost, TestStream, TestVm};
 use idemgate_sidecar::testing::RedisServer;
@@ -17,20 +20,25 @@ pub const VM_ID: &str = "idemgate";
 /// A real `redis-server` and an in-process sidecar in front of it.
 pub struct Stack {
     /// Runs as long as the stack (stopped on drop).
-    _redis: RedisServer,
-    runtime: tokio::runtime::Runtime,
+    redis: RedisServer,
+    /// The sidecar's own runtime: shutting it down kills the sidecar outright.
+    runtime: Option<tokio::runtime::Runtime>,
     sidecar: Option<Sidecar>,
     pub addr: SocketAddr,
+}
+
+fn sidecar_runtime() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .expect("tokio runtime")
 }
 
 impl Stack {
     pub fn start() -> Stack {
         let redis = RedisServer::start().expect("redis-server starts (apt install redis-server)");
-        let runtime = tokio::runtime::Builder::new_multi_thread()
-            .worker_threads(2)
-            .enable_all()
-            .build()
-            .expect("tokio runtime");
+        let runtime = sidecar_runtime();
         let sidecar = runtime
             .block_on(Sidecar::spawn(SidecarConfig::loopback(
                 redis.store_config(),
@@ -38,11 +46,63 @@ impl Stack {
             .expect("sidecar starts");
         let addr = sidecar.addr();
         Stack {
-            _redis: redis,
-            runtime,
+            redis,
+            runtime: Some(runtime),
             sidecar: Some(sidecar),
             addr,
         }
+    }
+
+    /// Kills the sidecar as a crash would: its runtime is dropped with every connection and
+    /// long-poll in flight, nothing is released, Redis keeps what it holds.
+    pub fn kill_sidecar(&mut self) {
+        drop(self.sidecar.take());
+        if let Some(runtime) = self.runtime.take() {
+            runtime.shutdown_background();
+        }
+        // Bounded: the listener closes as the runtime's workers wind down.
+        let deadline = std::time::Instant::now() + Duration::from_secs(20);
+        while TcpStream::connect(self.addr).is_ok() {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "the killed sidecar still accepts"
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    /// Starts a new sidecar on the killed one's address, over the same Redis.
+    pub fn restart_sidecar(&mut self) {
+        let runtime = sidecar_runtime();
+        let config = SidecarConfig {
+            listen: self.addr,
+            ..SidecarConfig::loopback(self.redis.store_config())
+        };
+        let deadline = std::time::Instant::now() + Duration::from_secs(20);
+        let sidecar = loop {
+            match runtime.block_on(Sidecar::spawn(config.clone())) {
+                Ok(sidecar) => break sidecar,
+                Err(e) => assert!(
+                    std::time::Instant::now() < deadline,
+                    "the sidecar cannot bind {} again: {e}",
+                    self.addr
+                ),
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        };
+        self.sidecar = Some(sidecar);
+        self.runtime = Some(runtime);
+    }
+
+    /// The sidecar's `idemgate_sidecar_waiters` gauge: claims waiting in its queues.
+    pub fn waiters(&self) -> u64 {
+        let metrics = http(self.addr, "GET", "/metrics", &[], "");
+        metrics
+            .body
+            .lines()
+            .find_map(|l| l.strip_prefix("idemgate_sidecar_waiters "))
+            .and_then(|v| v.trim().parse().ok())
+            .unwrap_or(0)
     }
 }
 
@@ -79,8 +139,8 @@ pub fn claim_key(vm: &TestVm, token: u32) -> String {
 
 impl Drop for Stack {
     fn drop(&mut self) {
-        if let Some(sidecar) = self.sidecar.take() {
-            let _ = self.runtime.block_on(sidecar.shutdown());
+        if let (Some(sidecar), Some(runtime)) = (self.sidecar.take(), self.runtime.as_ref()) {
+            let _ = runtime.block_on(sidecar.shutdown());
         }
     }
 }
@@ -321,89 +381,4 @@ pub fn http(
         headers,
         body: body.to_string(),
     }
-}
-
-/// An Envoy config: listener `main` → cluster `backend`, the idemgate filter with `plugin`
-/// configuration, and cluster `idemgate_sidecar`.
-pub fn envoy_yaml(backend: SocketAddr, sidecar: SocketAddr, plugin: &str) -> String {
-    format!(
-        r#"
-static_resources:
-  listeners:
-  - name: main
-    address: {{ socket_address: {{ address: 127.0.0.1, port_value: 0 }} }}
-    filter_chains:
-    - filters:
-      - name: envoy.filters.network.http_connection_manager
-        typed_config:
-          "@type": type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager
-          stat_prefix: ingress
-          route_config:
-            virtual_hosts:
-            - name: all
-              domains: ["*"]
-              routes:
-              - match: {{ prefix: "/" }}
-                route: {{ cluster: backend, timeout: 30s }}
-          http_filters:
-          - name: envoy.filters.http.wasm
-            typed_config:
-              "@type": type.googleapis.com/envoy.extensions.filters.http.wasm.v3.Wasm
-              config:
-                name: idemgate
-                root_id: idemgate
-                vm_config:
-                  vm_id: {VM_ID}
-                  runtime: envoy.wasm.runtime.v8
-                  code: {{ local: {{ filename: target/idemgate.wasm }} }}
-                configuration:
-                  "@type": type.googleapis.com/google.protobuf.StringValue
-                  value: '{plugin}'
-                failure_policy: FAIL_CLOSED
-          - name: envoy.filters.http.router
-            typed_config:
-              "@type": type.googleapis.com/envoy.extensions.filters.http.router.v3.Router
-  clusters:
-  - name: backend
-    type: STATIC
-    connect_timeout: 1s
-    load_assignment:
-      cluster_name: backend
-      endpoints:
-      - lb_endpoints:
-        - endpoint: {{ address: {{ socket_address: {{ address: 127.0.0.1, port_value: {} }} }} }}
-  - name: {SIDECAR}
-    type: STATIC
-    connect_timeout: 1s
-    load_assignment:
-      cluster_name: {SIDECAR}
-      endpoints:
-      - lb_endpoints:
-        - endpoint: {{ address: {{ socket_address: {{ address: 127.0.0.1, port_value: {} }} }} }}
-"#,
-        backend.port(),
-        sidecar.port()
-    )
-}
-
-/// The live gateway (`idemgate_host::gateway`) with `workers` worker threads.
-pub fn live_gateway(yaml: &str, workers: usize) -> idemgate_host::gateway::Gateway {
-    use idemgate_host::gateway::config::EnvoyConfig;
-    use idemgate_host::gateway::{Gateway as Live, GatewayOptions};
-    let root = idemgate_host::target_dir().join("..");
-    let config = EnvoyConfig::from_yaml(yaml, &root).expect("envoy config");
-    let mut listeners = std::collections::HashMap::new();
-    listeners.insert(
-        "main".to_owned(),
-        TcpListener::bind("127.0.0.1:0").expect("bind"),
-    );
-    Live::start(
-        config,
-        GatewayOptions {
-            concurrency: workers,
-            listeners,
-            ..GatewayOptions::default()
-        },
-    )
-    .expect("gateway starts (build target/idemgate.wasm with `cargo xtask wasm`)")
 }

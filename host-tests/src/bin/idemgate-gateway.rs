@@ -60,11 +60,7 @@ fn main() -> Result<()> {
         config.set_port(name, port)?;
     }
     if let Some(path) = &args.wasm_path {
-        for listener in &mut config.listeners {
-            if let Some(wasm) = listener.wasm.as_mut() {
-                wasm.code = path.clone();
-            }
-        }
+        config.set_wasm_path(path);
     }
     let gateway = Gateway::start(
         config.clone(),

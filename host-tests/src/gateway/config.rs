@@ -734,6 +734,14 @@ impl EnvoyConfig {
         })
     }
 
+    /// Runs `code` in every wasm filter instead of its `vm_config.code.local.filename`
+    /// (`--wasm-path`; the shipped config names where a deployment installs the module).
+    pub fn set_wasm_path(&mut self, code: &Path) {
+        for wasm in self.listeners.iter_mut().filter_map(|l| l.wasm.as_mut()) {
+            wasm.code = code.to_owned();
+        }
+    }
+
     /// Applies a `--set-port name=PORT` override to the listener or cluster called `name`
     /// (or `admin`).
     pub fn set_port(&mut self, name: &str, port: u16) -> Result<(), ConfigError> {

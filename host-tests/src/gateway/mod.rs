@@ -5,6 +5,7 @@
 //! real sockets. Embeddable: [`Gateway::start`] on pre-bound sockets, then
 //! [`Gateway::shutdown`].
 
+pub mod bootstrap;
 pub mod config;
 mod stream;
 
