@@ -44,6 +44,8 @@ pub enum Kind {
     NoRule,
     LocalDuplicate,
     SidecarClaim,
+    /// The three above in turn: the memory run's traffic, touching every path.
+    Mixed,
 }
 
 impl Kind {
@@ -54,6 +56,7 @@ impl Kind {
             Kind::NoRule => "no-rule",
             Kind::LocalDuplicate => "local-duplicate",
             Kind::SidecarClaim => "sidecar-claim",
+            Kind::Mixed => "mixed",
         }
     }
 
@@ -69,6 +72,7 @@ impl Kind {
             Kind::NoRule => "request matching no rule",
             Kind::LocalDuplicate => "duplicate rejected by the local tier (409)",
             Kind::SidecarClaim => "claim through the sidecar (claim + upstream + complete)",
+            Kind::Mixed => "no-rule, local duplicate and sidecar claim in turn",
         }
     }
 }
@@ -85,7 +89,12 @@ impl Driver {
     /// Boots `module` (the no-op filter ignores the configuration and only takes
     /// [`Kind::NoRule`] requests).
     pub fn boot(module: &Path, kind: Kind) -> Result<Driver> {
-        let module = WasmModule::load(module)?;
+        Driver::start(&WasmModule::load(module)?, kind)
+    }
+
+    /// Starts a VM of an already compiled module: instantiation and Envoy's start sequence
+    /// (`_initialize`, `on_vm_start`, `on_configure`).
+    pub fn start(module: &WasmModule, kind: Kind) -> Result<Driver> {
         let clock = Clock::virtual_clock();
         let shared = Arc::new(SharedState::new(clock.clone(), None, 0));
         let settings = PluginSettings {
@@ -99,14 +108,14 @@ impl Driver {
             SIDECAR.to_owned(),
             Cluster::named(SIDECAR),
         )]));
-        let vm = Vm::boot(&module, Arc::new(settings), clusters, shared, 0)?;
+        let vm = Vm::boot(module, Arc::new(settings), clusters, shared, 0)?;
         let mut driver = Driver {
             vm,
             clock,
             kind,
             seq: 0,
         };
-        if kind == Kind::LocalDuplicate {
+        if matches!(kind, Kind::LocalDuplicate | Kind::Mixed) {
             driver.hold_bot()?;
         }
         Ok(driver)
@@ -140,7 +149,17 @@ impl Driver {
             Kind::NoRule => self.no_rule(),
             Kind::LocalDuplicate => self.local_duplicate(),
             Kind::SidecarClaim => self.sidecar_claim(),
+            Kind::Mixed => match self.seq % 3 {
+                0 => self.no_rule(),
+                1 => self.local_duplicate(),
+                _ => self.sidecar_claim(),
+            },
         }
+    }
+
+    /// The VM's linear memory (bytes).
+    pub fn memory_bytes(&self) -> usize {
+        self.vm.memory_bytes()
     }
 
     fn no_rule(&mut self) -> Result<()> {

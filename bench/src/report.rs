@@ -10,6 +10,7 @@ pub enum Goal {
     RatioAtMost(f64),
     RatioAtLeast(f64),
     AtMost(f64),
+    AtLeast(f64),
 }
 
 impl Goal {
@@ -18,6 +19,7 @@ impl Goal {
             Goal::RatioAtMost(r) => format!("≤ {r}×"),
             Goal::RatioAtLeast(r) => format!("≥ {r}×"),
             Goal::AtMost(v) => format!("≤ {} {unit}", number(*v)),
+            Goal::AtLeast(v) => format!("≥ {} {unit}", number(*v)),
         }
     }
 
@@ -26,6 +28,7 @@ impl Goal {
             Goal::RatioAtMost(r) => ratio.map(|x| x <= r),
             Goal::RatioAtLeast(r) => ratio.map(|x| x >= r),
             Goal::AtMost(v) => Some(value <= v),
+            Goal::AtLeast(v) => Some(value >= v),
         }
     }
 }
@@ -158,7 +161,9 @@ pub fn section(machine: &Machine, group: &Group, chart: &str) -> String {
 
 /// Numbers as people read them: thousands separated, at most 3 significant decimals.
 pub fn number(v: f64) -> String {
-    if v.abs() >= 1000.0 {
+    if v == v.trunc() && v.abs() < 1000.0 {
+        format!("{v:.0}")
+    } else if v.abs() >= 1000.0 {
         let whole = v.round() as i64;
         let digits = whole.abs().to_string();
         let mut grouped = String::new();
@@ -197,6 +202,8 @@ mod tests {
         assert_eq!(number(123.4), "123");
         assert_eq!(number(12.34), "12.3");
         assert_eq!(number(0.1234), "0.123");
+        assert_eq!(number(0.0), "0");
+        assert_eq!(number(7.0), "7");
     }
 
     #[test]
