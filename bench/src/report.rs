@@ -90,8 +90,16 @@ pub const INTRO: &str = "# idemgate benchmarks
 Written by `cargo xtask bench` (one group: `cargo xtask bench <group>`). Every ratio compares \
 against a baseline measured in the same run on the same machine; figures are medians of \
 repeated runs with their spread (half the min–max range, relative to the median). Instruction \
-counts come from `valgrind --tool=callgrind` and repeat within a few percent (hash seeds vary between runs); wall-clock figures on \
-a shared 2-core VM drift by up to 1.5× between runs, so read them as ratios.
+counts come from `valgrind --tool=callgrind` and repeat within a few percent (hash seeds vary \
+between runs): they are the stable figures. Wall-clock figures on a shared 2-core VM drift by up \
+to 1.5× between runs, and more while other builds run beside the bench (as they did when the \
+committed figures were taken), so read them as ratios to their same-run baselines.
+
+Groups: `plugin` (cost per request in the VM, compile, VM start, memory, size), `host` (the \
+gateway with and without a filter), `sidecar` (claim+complete against raw Redis), `queue` \
+(hand-off between callers queued on one resource), `storm` (1,000 identical requests at once), \
+`e2e` (wrk through the gateway). A correctness check that fails (e.g. more than one backend \
+execution in the storm) makes the command exit non-zero; a missed performance goal does not.
 ";
 
 /// One group's section: what it measured, on which machine, with which command.
