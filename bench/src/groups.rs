@@ -642,16 +642,18 @@ fn duplicate_storm(modules: &Modules) -> Result<Group> {
             goal: Some(Goal::AtLeast(90.0)),
         },
     ];
-    let answers: Vec<String> = ours
-        .iter()
-        .map(|r| {
-            r.statuses
-                .iter()
-                .map(|(status, n)| format!("{n}× {status}"))
-                .collect::<Vec<_>>()
-                .join(", ")
-        })
-        .collect();
+    let answers = |runs: &[StormRun]| {
+        runs.iter()
+            .map(|r| {
+                r.statuses
+                    .iter()
+                    .map(|(status, n)| format!("{n}× {status}"))
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            })
+            .collect::<Vec<_>>()
+            .join("; ")
+    };
     Ok(Group {
         title: "Duplicate storm: 1,000 identical requests at once",
         command: "cargo xtask bench storm".into(),
@@ -670,13 +672,17 @@ fn duplicate_storm(modules: &Modules) -> Result<Group> {
              are connected; the demo backend works {work} ms on a call and counts executions. \
              The sidecar (Redis store) counts the claims it answered: every claim beyond the \
              first is a duplicate the local tier did not catch. Latency runs from the release \
-             to the answer. Baseline: the same storm through the same gateway with the no-op \
-             filter, where every request executes. Answers per idemgate run: {answers}. \
-             {GATEWAY_RUNS} runs.",
+             to the answer; the client sending all of them shares the 2 cores with the \
+             gateway, so it is the storm's whole turnaround, not the filter's decision time \
+             (that is the plugin group's local-duplicate figure). Baseline: the same storm \
+             through the same gateway with the no-op filter, where every request reaches the \
+             backend. Answers per run, idemgate: {ours}; no-op filter: {base}. {GATEWAY_RUNS} \
+             runs.",
             requests = storm::REQUESTS,
             workers = storm::WORKERS,
             work = storm::WORK_MS,
-            answers = answers.join("; ")
+            ours = answers(&ours),
+            base = answers(&base),
         )],
     })
 }
@@ -746,13 +752,16 @@ fn end_to_end(modules: &Modules) -> Result<Group> {
             baseline: noop(|r| r.p99_us)?,
             goal: None,
         });
+        let total = |runs: &[WrkRun], f: fn(&WrkRun) -> u64| {
+            report::number(runs.iter().map(f).sum::<u64>() as f64)
+        };
         non_2xx.push(format!(
             "{}: {} of {} (idemgate), {} of {} (no-op)",
             mix.describe(),
-            ours.iter().map(|r| r.non_2xx).sum::<u64>(),
-            ours.iter().map(|r| r.requests).sum::<u64>(),
-            base.iter().map(|r| r.non_2xx).sum::<u64>(),
-            base.iter().map(|r| r.requests).sum::<u64>(),
+            total(ours, |r| r.non_2xx),
+            total(ours, |r| r.requests),
+            total(base, |r| r.non_2xx),
+            total(base, |r| r.requests),
         ));
     }
     Ok(Group {
