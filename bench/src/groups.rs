@@ -509,6 +509,15 @@ fn queue(modules: &Modules) -> Result<Group> {
             goal: Some(Goal::AtMost(5000.0)),
         });
         figures.push(Figure {
+            name: format!(
+                "queue on {store}: of a hand-off, inside the sidecar (grant → answer), mean"
+            ),
+            unit: "µs",
+            value: summary_of(runs.iter().map(|r| r.sidecar_handoff_us))?,
+            baseline: None,
+            goal: None,
+        });
+        figures.push(Figure {
             name: format!("queue on {store}: first call's start → last call's end"),
             unit: "s",
             value: total(runs)?,
@@ -562,7 +571,8 @@ fn queue(modules: &Modules) -> Result<Group> {
              rule rejects (409) and each caller retries every 100 ms. The gap includes the \
              finished call's response through the filter, its release callout (dispatched on \
              the plugin's 1 ms root tick), the sidecar's grant to the next waiter, and that \
-             request's way to the backend. {GATEWAY_RUNS} runs per configuration; \
+             request's way to the backend; the sidecar's own part of it is read from its \
+             `handoff_seconds` metric. {GATEWAY_RUNS} runs per configuration; \
              p50/p99 are per run (99 gaps each), then the median over runs. Wall-clock figures \
              on a 2-core VM shared with other builds: compare within the run.",
             callers = queue_handoff::CALLERS,

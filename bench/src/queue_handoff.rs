@@ -8,8 +8,8 @@
 //! The classic baseline, run against the same stack kind in the same run: the plugin
 //! rejects (409) and each caller retries every 100 ms until it gets through.
 
-use crate::client::Connection;
-use crate::stack::Stack;
+use crate::client::{self, Connection};
+use crate::stack::{Stack, prometheus_sum};
 use anyhow::{Context, Result, bail};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -39,6 +39,9 @@ pub struct HandoffRun {
     /// Most calls the backend saw working at once on one resource (must stay 1).
     pub max_overlap: u32,
     pub lost_updates: u64,
+    /// The sidecar's own share of a hand-off: from its store's grant to the waiter's
+    /// answer leaving, mean (µs; `handoff_seconds` in its `/metrics`).
+    pub sidecar_handoff_us: f64,
 }
 
 /// Runs `CALLERS` calls for `agent`, each retrying on 409 every `retry` when given.
@@ -94,6 +97,13 @@ pub fn run(stack: &Stack, agent: &str, retry: Option<Duration>) -> Result<Handof
         }
         Ok::<_, anyhow::Error>(total)
     })?;
+    let metrics = runtime.block_on(client::get(stack.sidecar_addr, "/metrics"))?;
+    let handoffs = prometheus_sum(&metrics, "idemgate_sidecar_handoff_seconds_count");
+    let sidecar_handoff_us = if handoffs > 0.0 {
+        prometheus_sum(&metrics, "idemgate_sidecar_handoff_seconds_sum") / handoffs * 1e6
+    } else {
+        f64::NAN
+    };
     let stats = backend.stats();
     let spans = stats
         .spans
@@ -109,6 +119,7 @@ pub fn run(stack: &Stack, agent: &str, retry: Option<Duration>) -> Result<Handof
         executions: stats.executions,
         max_overlap: stats.max_overlap,
         lost_updates: stats.lost_updates,
+        sidecar_handoff_us,
     })
 }
 
