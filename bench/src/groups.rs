@@ -249,8 +249,9 @@ fn vm_note() -> String {
          (Cranelift, parallel compilation) and no code cache, {COMPILE_RUNS} runs; wall time on \
          a shared machine. VM start: instantiation plus Envoy's start sequence with the \
          plugin's configuration, mean of {START_BOOTS} starts, {START_RUNS} runs. Memory: one \
-         VM driven through {} requests (idemgate: a request matching no rule, a local-tier \
-         duplicate and a sidecar claim with a fresh key, in turn; the no-op filter: requests \
+         VM driven through {} requests (idemgate: a request matching no rule, a sidecar \
+         claim with a fresh key, and a duplicate of that completed call replayed by the local \
+         tier, in turn; the no-op filter: requests \
          it passes), its linear memory read at each checkpoint; linear memory never shrinks, \
          so flat means no request leaves anything behind.",
         report::number(MEMORY_CHECKPOINTS.last().copied().unwrap_or_default() as f64)

@@ -44,7 +44,9 @@ pub enum Kind {
     NoRule,
     LocalDuplicate,
     SidecarClaim,
-    /// The three above in turn: the memory run's traffic, touching every path.
+    /// The memory run's traffic, touching every path without holding a call open: a
+    /// request matching no rule, a sidecar claim with a fresh key, and a duplicate of that
+    /// completed call replayed by the local tier, in turn.
     Mixed,
 }
 
@@ -72,7 +74,7 @@ impl Kind {
             Kind::NoRule => "request matching no rule",
             Kind::LocalDuplicate => "duplicate rejected by the local tier (409)",
             Kind::SidecarClaim => "claim through the sidecar (claim + upstream + complete)",
-            Kind::Mixed => "no-rule, local duplicate and sidecar claim in turn",
+            Kind::Mixed => "no-rule, sidecar claim and local replay in turn",
         }
     }
 }
@@ -115,7 +117,7 @@ impl Driver {
             kind,
             seq: 0,
         };
-        if matches!(kind, Kind::LocalDuplicate | Kind::Mixed) {
+        if kind == Kind::LocalDuplicate {
             driver.hold_bot()?;
         }
         Ok(driver)
@@ -151,8 +153,8 @@ impl Driver {
             Kind::SidecarClaim => self.sidecar_claim(),
             Kind::Mixed => match self.seq % 3 {
                 0 => self.no_rule(),
-                1 => self.local_duplicate(),
-                _ => self.sidecar_claim(),
+                1 => self.sidecar_claim(),
+                _ => self.local_replay(),
             },
         }
     }
@@ -183,6 +185,28 @@ impl Driver {
             .any(|e| matches!(e, StreamEvent::LocalReply(r) if r.status == 409));
         if !rejected || !self.vm.take_new_callouts().is_empty() {
             bail!("a duplicate was not rejected locally: {events:?}");
+        }
+        self.vm.remove_stream(id);
+        Ok(())
+    }
+
+    /// A duplicate of the previous request (a completed sidecar claim): replayed from the
+    /// local tier, no callout.
+    fn local_replay(&mut self) -> Result<()> {
+        let key = format!("key-{}", self.seq.saturating_sub(1));
+        let id = self.vm.new_stream(StreamInfo::default());
+        self.vm.headers(
+            id,
+            Direction::Request,
+            request("POST", "/payments", Some(&key)),
+            true,
+        );
+        let events = self.vm.take_events(id);
+        let replayed = events
+            .iter()
+            .any(|e| matches!(e, StreamEvent::LocalReply(r) if r.status == 201));
+        if !replayed || !self.vm.take_new_callouts().is_empty() {
+            bail!("a duplicate of a completed call was not replayed locally: {events:?}");
         }
         self.vm.remove_stream(id);
         Ok(())
