@@ -573,7 +573,10 @@ fn queue(modules: &Modules) -> Result<Group> {
              finished call's response through the filter, its release callout (dispatched on \
              the plugin's 1 ms root tick), the sidecar's grant to the next waiter, and that \
              request's way to the backend; the sidecar's own part of it is read from its \
-             `handoff_seconds` metric. {GATEWAY_RUNS} runs per configuration; \
+             `handoff_seconds` metric, so the rest of the gap is the gateway's path (the \
+             release callout leaving on the plugin's 1 ms root tick, the grant reaching the \
+             waiting request's worker, the resumed request's trip to the backend), whose wake-ups are what a loaded 2-core VM delays most. \
+             {GATEWAY_RUNS} runs per configuration; \
              p50/p99 are per run (99 gaps each), then the median over runs. Wall-clock figures \
              on a 2-core VM shared with other builds: compare within the run.",
             callers = queue_handoff::CALLERS,

@@ -166,8 +166,12 @@ impl Stack {
         self.plugin_metrics().get(name).map_or(0, |m| m.value)
     }
 
-    /// Stops the gateway, then the sidecar.
+    /// Stops the gateway, then the sidecar, reporting how the sidecar ended.
     pub fn stop(mut self) -> Result<()> {
+        self.halt()
+    }
+
+    fn halt(&mut self) -> Result<()> {
         if let Some(gateway) = self.gateway.take() {
             gateway.shutdown();
         }
@@ -180,12 +184,8 @@ impl Stack {
 
 impl Drop for Stack {
     fn drop(&mut self) {
-        if let Some(gateway) = self.gateway.take() {
-            gateway.shutdown();
-        }
-        if let Some(sidecar) = self.sidecar.take() {
-            let _ = self.runtime.block_on(sidecar.shutdown());
-        }
+        // Dropped on an error path: the error being returned matters more than this one.
+        let _ = self.halt();
     }
 }
 
