@@ -44,6 +44,10 @@ pub enum Kind {
     NoRule,
     LocalDuplicate,
     SidecarClaim,
+    /// The memory run's traffic, touching every path without holding a call open: a
+    /// request matching no rule, a sidecar claim with a fresh key, and a duplicate of that
+    /// completed call replayed by the local tier, in turn.
+    Mixed,
 }
 
 impl Kind {
@@ -54,6 +58,7 @@ impl Kind {
             Kind::NoRule => "no-rule",
             Kind::LocalDuplicate => "local-duplicate",
             Kind::SidecarClaim => "sidecar-claim",
+            Kind::Mixed => "mixed",
         }
     }
 
@@ -69,6 +74,7 @@ impl Kind {
             Kind::NoRule => "request matching no rule",
             Kind::LocalDuplicate => "duplicate rejected by the local tier (409)",
             Kind::SidecarClaim => "claim through the sidecar (claim + upstream + complete)",
+            Kind::Mixed => "no-rule, sidecar claim and local replay in turn",
         }
     }
 }
@@ -85,7 +91,12 @@ impl Driver {
     /// Boots `module` (the no-op filter ignores the configuration and only takes
     /// [`Kind::NoRule`] requests).
     pub fn boot(module: &Path, kind: Kind) -> Result<Driver> {
-        let module = WasmModule::load(module)?;
+        Driver::start(&WasmModule::load(module)?, kind)
+    }
+
+    /// Starts a VM of an already compiled module: instantiation and Envoy's start sequence
+    /// (`_initialize`, `on_vm_start`, `on_configure`).
+    pub fn start(module: &WasmModule, kind: Kind) -> Result<Driver> {
         let clock = Clock::virtual_clock();
         let shared = Arc::new(SharedState::new(clock.clone(), None, 0));
         let settings = PluginSettings {
@@ -99,7 +110,7 @@ impl Driver {
             SIDECAR.to_owned(),
             Cluster::named(SIDECAR),
         )]));
-        let vm = Vm::boot(&module, Arc::new(settings), clusters, shared, 0)?;
+        let vm = Vm::boot(module, Arc::new(settings), clusters, shared, 0)?;
         let mut driver = Driver {
             vm,
             clock,
@@ -140,7 +151,17 @@ impl Driver {
             Kind::NoRule => self.no_rule(),
             Kind::LocalDuplicate => self.local_duplicate(),
             Kind::SidecarClaim => self.sidecar_claim(),
+            Kind::Mixed => match self.seq % 3 {
+                0 => self.no_rule(),
+                1 => self.sidecar_claim(),
+                _ => self.local_replay(),
+            },
         }
+    }
+
+    /// The VM's linear memory (bytes).
+    pub fn memory_bytes(&self) -> usize {
+        self.vm.memory_bytes()
     }
 
     fn no_rule(&mut self) -> Result<()> {
@@ -164,6 +185,28 @@ impl Driver {
             .any(|e| matches!(e, StreamEvent::LocalReply(r) if r.status == 409));
         if !rejected || !self.vm.take_new_callouts().is_empty() {
             bail!("a duplicate was not rejected locally: {events:?}");
+        }
+        self.vm.remove_stream(id);
+        Ok(())
+    }
+
+    /// A duplicate of the previous request (a completed sidecar claim): replayed from the
+    /// local tier, no callout.
+    fn local_replay(&mut self) -> Result<()> {
+        let key = format!("key-{}", self.seq.saturating_sub(1));
+        let id = self.vm.new_stream(StreamInfo::default());
+        self.vm.headers(
+            id,
+            Direction::Request,
+            request("POST", "/payments", Some(&key)),
+            true,
+        );
+        let events = self.vm.take_events(id);
+        let replayed = events
+            .iter()
+            .any(|e| matches!(e, StreamEvent::LocalReply(r) if r.status == 201));
+        if !replayed || !self.vm.take_new_callouts().is_empty() {
+            bail!("a duplicate of a completed call was not replayed locally: {events:?}");
         }
         self.vm.remove_stream(id);
         Ok(())
