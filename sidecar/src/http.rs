@@ -18,8 +18,8 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use bytes::Bytes;
 use idemgate_wire::{
-    AbortRequest, ClaimRequest, CompleteRequest, FieldError, Problem, RenewRequest, paths,
-    problem_types,
+    AbortRequest, ClaimRequest, CompleteRequest, FieldError, Problem, RateRequest, RenewRequest,
+    paths, problem_types,
 };
 use serde::Deserialize;
 use std::net::SocketAddr;
@@ -51,6 +51,7 @@ pub(crate) fn router<S: Store>(app: Arc<App<S>>) -> Router {
         .route(paths::COMPLETE, post(complete::<S>))
         .route(paths::ABORT, post(abort::<S>))
         .route(paths::RENEW, post(renew::<S>))
+        .route(paths::RATE, post(rate::<S>))
         .route("/admin/v1/keys", get(list_keys::<S>))
         .route("/admin/v1/keys/{*key}", get(inspect_key::<S>))
         .route("/admin/v1/release", post(force_release::<S>))
@@ -304,6 +305,17 @@ async fn claim<S: Store>(State(app): AppState<S>, req: Request) -> Answer {
     app.config.limits.claim(&req).map_err(field_problem)?;
     let (outcome, payload) = app.locks.claim(&req).await.map_err(|e| app.lock_error(e))?;
     Ok(framed(&outcome, &payload))
+}
+
+async fn rate<S: Store>(State(app): AppState<S>, req: Request) -> Answer {
+    let frame = read_body(&app, req).await?;
+    let (req, _): (RateRequest, _) = decode(&frame, false)?;
+    req.validate(app.config.limits.max_key_len)
+        .map_err(field_problem)?;
+    let outcome = crate::rate::check(app.locks.store().as_ref(), &req)
+        .await
+        .map_err(|e| app.store_error(&e))?;
+    Ok(framed(&outcome, &[]))
 }
 
 async fn complete<S: Store>(State(app): AppState<S>, req: Request) -> Answer {

@@ -11,5 +11,6 @@ mod util;
 
 mod cluster;
 mod http_api;
+mod rate;
 mod redis_faults;
 mod suite;
