@@ -67,15 +67,16 @@ fn local_limit_holds_across_four_workers_exactly() {
     );
     let streams = burst(&gw.workers, "alice", "a", 15);
     assert_eq!(streams.len(), 60);
-    assert_eq!(count_limited(&streams), 40, "exactly the burst of 20 passes");
+    assert_eq!(
+        count_limited(&streams),
+        40,
+        "exactly the burst of 20 passes"
+    );
     let limited = streams
         .iter()
         .find(|s| s.response_status() == Some(429))
         .unwrap();
-    assert_eq!(
-        problem_type(limited),
-        "urn:idemgate:problem:rate-limited"
-    );
+    assert_eq!(problem_type(limited), "urn:idemgate:problem:rate-limited");
     let headers = limited.response_headers().unwrap();
     assert_eq!(headers.get("retry-after").as_deref(), Some("1"));
     assert_eq!(
@@ -175,7 +176,10 @@ fn global_limit_holds_across_two_gateways() {
         .sum();
     assert_eq!(total as usize, streams.len() - allowed);
     // The allowed ones went on to their claim and upstream, fenced.
-    assert_eq!(streams.iter().filter(|s| fence(s).is_some()).count(), allowed);
+    assert_eq!(
+        streams.iter().filter(|s| fence(s).is_some()).count(),
+        allowed
+    );
 }
 
 #[test]
@@ -200,7 +204,12 @@ fn global_retry_after_is_enough_and_the_quota_is_exposed() {
         exposed.get("ratelimit-policy").as_deref(),
         Some("\"scope\";q=2;w=1")
     );
-    assert!(exposed.get("ratelimit").unwrap().starts_with("\"scope\";r="));
+    assert!(
+        exposed
+            .get("ratelimit")
+            .unwrap()
+            .starts_with("\"scope\";r=")
+    );
     let mut limited = None;
     for i in 0..5 {
         let s = send(&format!("k-more-{i}"));
@@ -225,7 +234,11 @@ fn global_retry_after_is_enough_and_the_quota_is_exposed() {
 #[test]
 fn global_tier_down_follows_the_failure_mode() {
     // closed (default): 503; local: this gateway's table decides.
-    let gw = Gateway::boot(dead_address(), &config("", &limited("global", 1, "1m", 1)), 1);
+    let gw = Gateway::boot(
+        dead_address(),
+        &config("", &limited("global", 1, "1m", 1)),
+        1,
+    );
     let s = gw.worker(0).stream();
     s.send_request(request("gina", "k"));
     gw.pump();

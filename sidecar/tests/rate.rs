@@ -133,22 +133,25 @@ async fn checks_stop_at_the_first_limited_one(backend: Backend) {
 
 async fn malformed_checks_are_refused(backend: Backend) {
     let h = Harness::start(backend).await;
-    for checks in [
-        vec![],
-        vec![check("k", 0, 1)],
-        vec![check("k", 1, 0)],
-        vec![check("", 1, 1)],
-        vec![check("k", 1, 1); 5],
+    let (bad, too_large) = (
+        idemgate_wire::problem_types::BAD_REQUEST,
+        idemgate_wire::problem_types::TOO_LARGE,
+    );
+    for (checks, status, type_uri) in [
+        (vec![], 400, bad),
+        (vec![check("k", 0, 1)], 400, bad),
+        (vec![check("k", 1, 0)], 400, bad),
+        (vec![check("k", 3_600_000_000, 25)], 400, bad),
+        (vec![check("", 1, 1)], 400, bad),
+        (vec![check(&"k".repeat(129), 1, 1)], 413, too_large),
+        (vec![check("k", 1, 1); 5], 413, too_large),
     ] {
         let reply = h
             .client
             .post(paths::RATE, &RateRequest { checks }, &[])
             .await;
-        assert!(reply.status.is_client_error(), "{}", reply.status);
-        assert_eq!(
-            reply.problem().type_uri,
-            idemgate_wire::problem_types::BAD_REQUEST
-        );
+        assert_eq!(reply.status, status);
+        assert_eq!(reply.problem().type_uri, type_uri);
     }
 }
 

@@ -53,7 +53,10 @@ pub fn build_with(root: &Path, route: Route) -> Result<PathBuf> {
     let mut filter_build = cargo(root, route, WASI, &["build", "--profile", FILTER_PROFILE]);
     filter_build.args(["-p", FILTER_PACKAGE]);
     if route == Route::Debian {
-        filter_build.env("RUSTFLAGS", format!("{DEBIAN_WASI_RUSTFLAGS} {IMMEDIATE_ABORT}"));
+        filter_build.env(
+            "RUSTFLAGS",
+            format!("{DEBIAN_WASI_RUSTFLAGS} {IMMEDIATE_ABORT}"),
+        );
     }
     cmd::step("wasm build (the filter)", &mut filter_build)?;
     let mut build = cargo(root, route, WASI, &["build", "--profile", PROFILE]);
@@ -76,7 +79,12 @@ pub fn build_with(root: &Path, route: Route) -> Result<PathBuf> {
         )?;
     }
     copy(
-        &built(root, UNKNOWN, PROFILE, &format!("fixture-{UNKNOWN_FIXTURE}")),
+        &built(
+            root,
+            UNKNOWN,
+            PROFILE,
+            &format!("fixture-{UNKNOWN_FIXTURE}"),
+        ),
         &target.join(format!("fixtures/{UNKNOWN_FIXTURE}-unknown.wasm")),
     )?;
     let size = std::fs::metadata(&filter)?.len();
