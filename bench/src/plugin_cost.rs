@@ -27,14 +27,18 @@ use std::time::{Duration, Instant};
 const SIDECAR: &str = "idemgate_sidecar";
 
 /// The filter's configuration for every kind: `/bots/{id}/start` rejects duplicates of a
-/// running call (lock mode), `/payments` is idempotent; `GET /` matches neither.
+/// running call (lock mode), `/payments` is idempotent, `/limited` allows one request an
+/// hour per caller (local rate tier); `GET /` matches none.
 const CONFIG: &str = r#"{
   "sidecar": {"cluster": "idemgate_sidecar"},
   "rules": [
     {"name": "start-bot", "match": {"methods": ["POST"], "path_template": "/bots/{bot_id}/start"},
      "mode": "lock", "key": {"path_param": "bot_id"}, "on_conflict": "reject"},
     {"name": "payments", "match": {"methods": ["POST"], "path_prefix": "/payments"},
-     "mode": "idempotency", "scope": {"headers": ["x-user-id"]}}
+     "mode": "idempotency", "scope": {"headers": ["x-user-id"]}},
+    {"name": "limited", "match": {"methods": ["POST"], "path_prefix": "/limited"},
+     "scope": {"headers": ["x-user-id"]},
+     "rate": {"tier": "local", "limits": [{"by": "scope", "requests": 1, "per": "1h"}]}}
   ]
 }"#;
 
@@ -48,10 +52,16 @@ pub enum Kind {
     /// request matching no rule, a sidecar claim with a fresh key, and a duplicate of that
     /// completed call replayed by the local tier, in turn.
     Mixed,
+    RateLimited,
 }
 
 impl Kind {
-    pub const ALL: [Kind; 3] = [Kind::NoRule, Kind::LocalDuplicate, Kind::SidecarClaim];
+    pub const ALL: [Kind; 4] = [
+        Kind::NoRule,
+        Kind::LocalDuplicate,
+        Kind::SidecarClaim,
+        Kind::RateLimited,
+    ];
 
     pub fn name(self) -> &'static str {
         match self {
@@ -59,6 +69,7 @@ impl Kind {
             Kind::LocalDuplicate => "local-duplicate",
             Kind::SidecarClaim => "sidecar-claim",
             Kind::Mixed => "mixed",
+            Kind::RateLimited => "rate-limited",
         }
     }
 
@@ -75,6 +86,7 @@ impl Kind {
             Kind::LocalDuplicate => "duplicate rejected by the local tier (409)",
             Kind::SidecarClaim => "claim through the sidecar (claim + upstream + complete)",
             Kind::Mixed => "no-rule, sidecar claim and local replay in turn",
+            Kind::RateLimited => "request over its rate limit (local tier, 429)",
         }
     }
 }
@@ -117,8 +129,10 @@ impl Driver {
             kind,
             seq: 0,
         };
-        if kind == Kind::LocalDuplicate {
-            driver.hold_bot()?;
+        match kind {
+            Kind::LocalDuplicate => driver.hold_bot()?,
+            Kind::RateLimited => driver.spend_rate()?,
+            _ => {}
         }
         Ok(driver)
     }
@@ -144,6 +158,27 @@ impl Driver {
         Ok(())
     }
 
+    /// One `/limited` request: it spends the caller's hourly unit (its claim left unanswered),
+    /// so every later one is over the limit.
+    fn spend_rate(&mut self) -> Result<()> {
+        let id = self.vm.new_stream(StreamInfo::default());
+        self.vm.headers(
+            id,
+            Direction::Request,
+            request("POST", "/limited", Some("spent")),
+            true,
+        );
+        if self
+            .vm
+            .take_events(id)
+            .iter()
+            .any(|e| matches!(e, StreamEvent::LocalReply(_)))
+        {
+            bail!("the first limited-rule call was answered locally");
+        }
+        Ok(())
+    }
+
     /// Runs one request of this driver's kind to its end.
     pub fn one(&mut self) -> Result<()> {
         self.seq += 1;
@@ -156,7 +191,28 @@ impl Driver {
                 1 => self.sidecar_claim(),
                 _ => self.local_replay(),
             },
+            Kind::RateLimited => self.rate_limited(),
         }
+    }
+
+    fn rate_limited(&mut self) -> Result<()> {
+        let key = format!("key-{}", self.seq);
+        let id = self.vm.new_stream(StreamInfo::default());
+        self.vm.headers(
+            id,
+            Direction::Request,
+            request("POST", "/limited", Some(&key)),
+            true,
+        );
+        let events = self.vm.take_events(id);
+        let limited = events
+            .iter()
+            .any(|e| matches!(e, StreamEvent::LocalReply(r) if r.status == 429));
+        if !limited || !self.vm.take_new_callouts().is_empty() {
+            bail!("the request was not limited locally: {events:?}");
+        }
+        self.vm.remove_stream(id);
+        Ok(())
     }
 
     /// The VM's linear memory (bytes).

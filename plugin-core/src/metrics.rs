@@ -28,10 +28,14 @@ pub enum Counter {
     ReleaseRetries,
     ReleaseFailures,
     Abandoned,
+    RateAllowedLocal,
+    RateLimitedLocal,
+    RateAllowedGlobal,
+    RateLimitedGlobal,
 }
 
 impl Counter {
-    pub const ALL: [Counter; 23] = [
+    pub const ALL: [Counter; 27] = [
         Counter::Pass,
         Counter::Granted,
         Counter::Replayed,
@@ -55,6 +59,10 @@ impl Counter {
         Counter::ReleaseRetries,
         Counter::ReleaseFailures,
         Counter::Abandoned,
+        Counter::RateAllowedLocal,
+        Counter::RateLimitedLocal,
+        Counter::RateAllowedGlobal,
+        Counter::RateLimitedGlobal,
     ];
 
     pub fn name(self) -> &'static str {
@@ -82,6 +90,10 @@ impl Counter {
             Counter::ReleaseRetries => "idemgate.release.retries",
             Counter::ReleaseFailures => "idemgate.release.failures",
             Counter::Abandoned => "idemgate.requests.abandoned",
+            Counter::RateAllowedLocal => "idemgate.rate.local.allowed",
+            Counter::RateLimitedLocal => "idemgate.rate.local.limited",
+            Counter::RateAllowedGlobal => "idemgate.rate.global.allowed",
+            Counter::RateLimitedGlobal => "idemgate.rate.global.limited",
         }
     }
 }
@@ -107,4 +119,6 @@ impl Histogram {
 pub trait Telemetry {
     fn count(&mut self, counter: Counter);
     fn record(&mut self, histogram: Histogram, value: u64);
+    /// A final rate decision for rule `rule` (`idemgate.rate.<rule>.allowed|limited`).
+    fn count_rate(&mut self, rule: usize, limited: bool);
 }

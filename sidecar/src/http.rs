@@ -18,8 +18,8 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use bytes::Bytes;
 use idemgate_wire::{
-    AbortRequest, ClaimRequest, CompleteRequest, FieldError, Problem, RenewRequest, paths,
-    problem_types,
+    AbortRequest, ClaimRequest, CompleteRequest, FieldError, Problem, RateRequest, RenewRequest,
+    paths, problem_types,
 };
 use serde::Deserialize;
 use std::net::SocketAddr;
@@ -93,6 +93,7 @@ fn route_label(path: &str) -> &'static str {
         paths::COMPLETE => paths::COMPLETE,
         paths::ABORT => paths::ABORT,
         paths::RENEW => paths::RENEW,
+        paths::RATE => paths::RATE,
         ADMIN_KEYS => ADMIN_KEYS,
         ADMIN_RELEASE => ADMIN_RELEASE,
         HEALTHZ => HEALTHZ,
@@ -114,6 +115,7 @@ fn router<S: Store>(app: Arc<App<S>>) -> Router {
         .route(paths::COMPLETE, post(complete::<S>))
         .route(paths::ABORT, post(abort::<S>))
         .route(paths::RENEW, post(renew::<S>))
+        .route(paths::RATE, post(rate::<S>))
         .route(ADMIN_KEYS, get(list_keys::<S>))
         .route(ADMIN_KEY, get(inspect_key::<S>))
         .route(ADMIN_RELEASE, post(force_release::<S>))
@@ -354,6 +356,17 @@ async fn claim<S: Store>(State(app): AppState<S>, _: Authorized, req: Request) -
     Ok(framed(&outcome, &payload))
 }
 
+async fn rate<S: Store>(State(app): AppState<S>, _: Authorized, req: Request) -> Answer {
+    let frame = read_body(&app, req).await?;
+    let (req, _): (RateRequest, _) = decode(&frame, false)?;
+    req.validate(app.config.limits.max_key_len)
+        .map_err(field_problem)?;
+    let outcome = crate::rate::check(app.locks.store().as_ref(), &req)
+        .await
+        .map_err(|e| app.store_error(&e))?;
+    Ok(framed(&outcome, &[]))
+}
+
 async fn complete<S: Store>(State(app): AppState<S>, _: Authorized, req: Request) -> Answer {
     let frame = read_body(&app, req).await?;
     let (req, payload): (CompleteRequest, _) = decode(&frame, true)?;
@@ -510,6 +523,7 @@ mod tests {
             paths::COMPLETE,
             paths::ABORT,
             paths::RENEW,
+            paths::RATE,
             ADMIN_KEYS,
             ADMIN_RELEASE,
             HEALTHZ,

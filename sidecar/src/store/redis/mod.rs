@@ -12,6 +12,7 @@
 //! (re)subscription wakes all local waiters to re-check at once.
 
 mod keys;
+mod rate;
 mod scripts;
 
 use super::{
