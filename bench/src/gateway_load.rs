@@ -35,9 +35,10 @@ pub fn upstream() -> Result<SocketAddr> {
             while let Ok((stream, _)) = listener.accept().await {
                 tokio::spawn(async move {
                     let service = hyper::service::service_fn(|_req| async {
-                        Ok::<_, std::convert::Infallible>(http::Response::new(Full::new(
-                            Bytes::from_static(b"ok"),
-                        )))
+                        // A content type the filter can store, so granted calls complete.
+                        http::Response::builder()
+                            .header("content-type", "text/plain")
+                            .body(Full::new(Bytes::from_static(b"ok")))
                     });
                     let _ = hyper::server::conn::http1::Builder::new()
                         .serve_connection(TokioIo::new(stream), service)

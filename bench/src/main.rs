@@ -3,12 +3,18 @@
 
 mod callgrind;
 mod chart;
+mod client;
 mod gateway_load;
 mod groups;
 mod plugin_cost;
+mod queue_handoff;
 mod report;
 mod sidecar_load;
+mod stack;
 mod stats;
+mod storm;
+mod vm_costs;
+mod wrk;
 
 use anyhow::{Context, Result};
 use clap::{Parser, Subcommand};
@@ -25,7 +31,7 @@ struct Cli {
 enum Command {
     /// Run groups (all when none is named) and write the report.
     Run {
-        /// Groups to run: plugin, host, sidecar (all when none is named).
+        /// Groups to run: plugin, host, sidecar, queue, storm, e2e (all when none is named).
         groups: Vec<String>,
         /// The workspace's target directory (modules and binaries).
         #[arg(long, default_value = "target")]

@@ -27,14 +27,18 @@ use std::time::{Duration, Instant};
 const SIDECAR: &str = "idemgate_sidecar";
 
 /// The filter's configuration for every kind: `/bots/{id}/start` rejects duplicates of a
-/// running call (lock mode), `/payments` is idempotent; `GET /` matches neither.
+/// running call (lock mode), `/payments` is idempotent, `/limited` allows one request an
+/// hour per caller (local rate tier); `GET /` matches none.
 const CONFIG: &str = r#"{
   "sidecar": {"cluster": "idemgate_sidecar"},
   "rules": [
     {"name": "start-bot", "match": {"methods": ["POST"], "path_template": "/bots/{bot_id}/start"},
      "mode": "lock", "key": {"path_param": "bot_id"}, "on_conflict": "reject"},
     {"name": "payments", "match": {"methods": ["POST"], "path_prefix": "/payments"},
-     "mode": "idempotency", "scope": {"headers": ["x-user-id"]}}
+     "mode": "idempotency", "scope": {"headers": ["x-user-id"]}},
+    {"name": "limited", "match": {"methods": ["POST"], "path_prefix": "/limited"},
+     "scope": {"headers": ["x-user-id"]},
+     "rate": {"tier": "local", "limits": [{"by": "scope", "requests": 1, "per": "1h"}]}}
   ]
 }"#;
 
@@ -44,16 +48,28 @@ pub enum Kind {
     NoRule,
     LocalDuplicate,
     SidecarClaim,
+    /// The memory run's traffic, touching every path without holding a call open: a
+    /// request matching no rule, a sidecar claim with a fresh key, and a duplicate of that
+    /// completed call replayed by the local tier, in turn.
+    Mixed,
+    RateLimited,
 }
 
 impl Kind {
-    pub const ALL: [Kind; 3] = [Kind::NoRule, Kind::LocalDuplicate, Kind::SidecarClaim];
+    pub const ALL: [Kind; 4] = [
+        Kind::NoRule,
+        Kind::LocalDuplicate,
+        Kind::SidecarClaim,
+        Kind::RateLimited,
+    ];
 
     pub fn name(self) -> &'static str {
         match self {
             Kind::NoRule => "no-rule",
             Kind::LocalDuplicate => "local-duplicate",
             Kind::SidecarClaim => "sidecar-claim",
+            Kind::Mixed => "mixed",
+            Kind::RateLimited => "rate-limited",
         }
     }
 
@@ -69,6 +85,8 @@ impl Kind {
             Kind::NoRule => "request matching no rule",
             Kind::LocalDuplicate => "duplicate rejected by the local tier (409)",
             Kind::SidecarClaim => "claim through the sidecar (claim + upstream + complete)",
+            Kind::Mixed => "no-rule, sidecar claim and local replay in turn",
+            Kind::RateLimited => "request over its rate limit (local tier, 429)",
         }
     }
 }
@@ -85,7 +103,12 @@ impl Driver {
     /// Boots `module` (the no-op filter ignores the configuration and only takes
     /// [`Kind::NoRule`] requests).
     pub fn boot(module: &Path, kind: Kind) -> Result<Driver> {
-        let module = WasmModule::load(module)?;
+        Driver::start(&WasmModule::load(module)?, kind)
+    }
+
+    /// Starts a VM of an already compiled module: instantiation and Envoy's start sequence
+    /// (`_initialize`, `on_vm_start`, `on_configure`).
+    pub fn start(module: &WasmModule, kind: Kind) -> Result<Driver> {
         let clock = Clock::virtual_clock();
         let shared = Arc::new(SharedState::new(clock.clone(), None, 0));
         let settings = PluginSettings {
@@ -99,15 +122,17 @@ impl Driver {
             SIDECAR.to_owned(),
             Cluster::named(SIDECAR),
         )]));
-        let vm = Vm::boot(&module, Arc::new(settings), clusters, shared, 0)?;
+        let vm = Vm::boot(module, Arc::new(settings), clusters, shared, 0)?;
         let mut driver = Driver {
             vm,
             clock,
             kind,
             seq: 0,
         };
-        if kind == Kind::LocalDuplicate {
-            driver.hold_bot()?;
+        match kind {
+            Kind::LocalDuplicate => driver.hold_bot()?,
+            Kind::RateLimited => driver.spend_rate()?,
+            _ => {}
         }
         Ok(driver)
     }
@@ -133,6 +158,27 @@ impl Driver {
         Ok(())
     }
 
+    /// One `/limited` request: it spends the caller's hourly unit (its claim left unanswered),
+    /// so every later one is over the limit.
+    fn spend_rate(&mut self) -> Result<()> {
+        let id = self.vm.new_stream(StreamInfo::default());
+        self.vm.headers(
+            id,
+            Direction::Request,
+            request("POST", "/limited", Some("spent")),
+            true,
+        );
+        if self
+            .vm
+            .take_events(id)
+            .iter()
+            .any(|e| matches!(e, StreamEvent::LocalReply(_)))
+        {
+            bail!("the first limited-rule call was answered locally");
+        }
+        Ok(())
+    }
+
     /// Runs one request of this driver's kind to its end.
     pub fn one(&mut self) -> Result<()> {
         self.seq += 1;
@@ -140,7 +186,38 @@ impl Driver {
             Kind::NoRule => self.no_rule(),
             Kind::LocalDuplicate => self.local_duplicate(),
             Kind::SidecarClaim => self.sidecar_claim(),
+            Kind::Mixed => match self.seq % 3 {
+                0 => self.no_rule(),
+                1 => self.sidecar_claim(),
+                _ => self.local_replay(),
+            },
+            Kind::RateLimited => self.rate_limited(),
         }
+    }
+
+    fn rate_limited(&mut self) -> Result<()> {
+        let key = format!("key-{}", self.seq);
+        let id = self.vm.new_stream(StreamInfo::default());
+        self.vm.headers(
+            id,
+            Direction::Request,
+            request("POST", "/limited", Some(&key)),
+            true,
+        );
+        let events = self.vm.take_events(id);
+        let limited = events
+            .iter()
+            .any(|e| matches!(e, StreamEvent::LocalReply(r) if r.status == 429));
+        if !limited || !self.vm.take_new_callouts().is_empty() {
+            bail!("the request was not limited locally: {events:?}");
+        }
+        self.vm.remove_stream(id);
+        Ok(())
+    }
+
+    /// The VM's linear memory (bytes).
+    pub fn memory_bytes(&self) -> usize {
+        self.vm.memory_bytes()
     }
 
     fn no_rule(&mut self) -> Result<()> {
@@ -164,6 +241,28 @@ impl Driver {
             .any(|e| matches!(e, StreamEvent::LocalReply(r) if r.status == 409));
         if !rejected || !self.vm.take_new_callouts().is_empty() {
             bail!("a duplicate was not rejected locally: {events:?}");
+        }
+        self.vm.remove_stream(id);
+        Ok(())
+    }
+
+    /// A duplicate of the previous request (a completed sidecar claim): replayed from the
+    /// local tier, no callout.
+    fn local_replay(&mut self) -> Result<()> {
+        let key = format!("key-{}", self.seq.saturating_sub(1));
+        let id = self.vm.new_stream(StreamInfo::default());
+        self.vm.headers(
+            id,
+            Direction::Request,
+            request("POST", "/payments", Some(&key)),
+            true,
+        );
+        let events = self.vm.take_events(id);
+        let replayed = events
+            .iter()
+            .any(|e| matches!(e, StreamEvent::LocalReply(r) if r.status == 201));
+        if !replayed || !self.vm.take_new_callouts().is_empty() {
+            bail!("a duplicate of a completed call was not replayed locally: {events:?}");
         }
         self.vm.remove_stream(id);
         Ok(())

@@ -3,9 +3,12 @@
 //! PX` then a compare-and-delete script) against the same `redis-server` in the same run;
 //! and the hand-off latency from a release to the next waiter's grant.
 //!
-//! The sidecar runs in-process on 127.0.0.1:0 and is driven over a few h2c connections, as
-//! Envoy multiplexes callouts (one connection per worker thread). Client, sidecar and Redis
-//! share the machine's cores, so the figures compare; they are not capacity numbers.
+//! The sidecar runs in-process on 127.0.0.1:0, on its own runtime (as if it were its own
+//! process), and is driven over a few h2c connections, as Envoy multiplexes callouts (one
+//! connection per worker thread). Client, sidecar and Redis share the machine's cores, so the
+//! figures compare; they are not capacity numbers. Each run also splits the CPU time it cost
+//! between the bench client, the sidecar and Redis, per round trip: on a CPU-bound machine
+//! that split, not the wall clock, says where a ratio comes from.
 
 use crate::stats::{Summary, percentile};
 use anyhow::{Context, Result, bail};
@@ -13,6 +16,7 @@ use bytes::Bytes;
 use http_body_util::{BodyExt, Full};
 use hyper::client::conn::http2::SendRequest;
 use hyper_util::rt::{TokioExecutor, TokioIo};
+use idemgate_sidecar::testing::RedisServer;
 use idemgate_sidecar::{Config, Sidecar, StoreConfig};
 use idemgate_wire::{
     ClaimOutcome, ClaimRequest, CompleteRequest, Mode, OwnerOutcome, WaitPolicy, paths,
@@ -21,6 +25,11 @@ use std::future::Future;
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
+use tokio::runtime::Handle;
+
+/// Name prefix of the sidecar runtime's threads (a thread name is at most 15 bytes on Linux),
+/// which tells its CPU time apart from the bench client's.
+pub const SIDECAR_THREADS: &str = "idemgate-sc";
 
 /// h2c connections a run uses at most (Envoy: one per worker thread).
 const CONNECTIONS: usize = 4;
@@ -105,19 +114,76 @@ fn lock_claim(key: String, wait: bool) -> ClaimRequest {
     }
 }
 
-/// One closed-loop run's throughput and latency percentiles (µs).
+/// One closed-loop run's throughput, latency percentiles (µs) and CPU per round trip (µs).
 pub struct Run {
     pub ops_per_sec: f64,
     pub p50_us: f64,
     pub p99_us: f64,
+    pub cpu: CpuSplit,
 }
 
-/// Runs `op(worker, i)` from `concurrency` workers for `seconds`.
-async fn closed_loop<F, Fut>(concurrency: usize, seconds: f64, op: F) -> Result<Run>
+/// CPU time per round trip (µs) of each party.
+#[derive(Clone, Copy)]
+pub struct CpuSplit {
+    /// This process's threads other than the sidecar's: the load-generating client.
+    pub client: f64,
+    /// The sidecar runtime's threads (HTTP server, protocol, Redis client).
+    pub sidecar: f64,
+    /// The `redis-server` process (its own `INFO cpu`).
+    pub redis: f64,
+}
+
+/// CPU seconds used so far: (this process, its sidecar threads, Redis).
+fn cpu_seconds(redis: &RedisServer) -> Result<(f64, f64, f64)> {
+    // utime + stime (fields 14 and 15 of /proc/<pid>/stat; the name in field 2 may hold
+    // spaces, so count from the closing parenthesis) in clock ticks of 1/100 s.
+    let ticks = |stat: &str| -> Option<(String, f64)> {
+        let (head, rest) = stat.rsplit_once(')')?;
+        let name = head.split_once('(')?.1.to_owned();
+        let mut fields = rest.split_whitespace().skip(11);
+        let user: f64 = fields.next()?.parse().ok()?;
+        let system: f64 = fields.next()?.parse().ok()?;
+        Some((name, (user + system) / 100.0))
+    };
+    let process = ticks(&std::fs::read_to_string("/proc/self/stat")?)
+        .context("cannot parse /proc/self/stat")?
+        .1;
+    let mut sidecar = 0.0;
+    for task in std::fs::read_dir("/proc/self/task")? {
+        // Threads come and go (blocking pool): a vanished one is simply not counted.
+        let Ok(stat) = std::fs::read_to_string(task?.path().join("stat")) else {
+            continue;
+        };
+        if let Some((name, seconds)) = ticks(&stat)
+            && name.starts_with(SIDECAR_THREADS)
+        {
+            sidecar += seconds;
+        }
+    }
+    let info = redis.cli(&["INFO", "cpu"])?;
+    let redis_seconds = info
+        .lines()
+        .filter_map(|l| {
+            l.strip_prefix("used_cpu_sys:")
+                .or_else(|| l.strip_prefix("used_cpu_user:"))
+        })
+        .filter_map(|v| v.trim().parse::<f64>().ok())
+        .sum();
+    Ok((process, sidecar, redis_seconds))
+}
+
+/// Runs `op(worker, i)` from `concurrency` workers for `seconds`, accounting CPU time.
+async fn closed_loop<F, Fut>(
+    redis: &RedisServer,
+    concurrency: usize,
+    seconds: f64,
+    op: F,
+) -> Result<Run>
 where
     F: Fn(usize, u64) -> Fut + Send + Sync + 'static,
     Fut: Future<Output = Result<()>> + Send,
 {
+    let cpu_before = cpu_seconds(redis)?;
     let op = Arc::new(op);
     let started = Instant::now();
     let until = started + Duration::from_secs_f64(seconds);
@@ -142,25 +208,40 @@ where
         all.extend(worker.await??);
     }
     let elapsed = started.elapsed().as_secs_f64();
+    let cpu_after = cpu_seconds(redis)?;
+    let per_op = |before: f64, after: f64| (after - before) * 1e6 / all.len().max(1) as f64;
+    let sidecar = per_op(cpu_before.1, cpu_after.1);
+    let cpu = CpuSplit {
+        client: per_op(cpu_before.0, cpu_after.0) - sidecar,
+        sidecar,
+        redis: per_op(cpu_before.2, cpu_after.2),
+    };
     Ok(Run {
+        cpu,
         ops_per_sec: all.len() as f64 / elapsed,
         p50_us: percentile(&mut all, 50.0).unwrap_or_default(),
         p99_us: percentile(&mut all, 99.0).unwrap_or_default(),
     })
 }
 
-/// claim (granted) + complete (released) round trips through a sidecar on `store`.
+/// claim (granted) + complete (released) round trips through a sidecar on `store`, served
+/// by the runtime `server` (whose threads are named [`SIDECAR_THREADS`]); `redis` is the
+/// server whose CPU time is accounted.
 pub async fn sidecar_round_trips(
+    server: &Handle,
     store: StoreConfig,
+    redis: &RedisServer,
     concurrency: usize,
     seconds: f64,
 ) -> Result<Run> {
-    let sidecar = Sidecar::spawn(Config::loopback(store)).await?;
+    let sidecar = server
+        .spawn(Sidecar::spawn(Config::loopback(store)))
+        .await??;
     let mut clients = Vec::new();
     for _ in 0..concurrency.min(CONNECTIONS) {
         clients.push(H2::connect(sidecar.addr()).await?);
     }
-    let run = closed_loop(concurrency, seconds, move |w, i| {
+    let run = closed_loop(redis, concurrency, seconds, move |w, i| {
         let client = clients.get(w % clients.len().max(1)).cloned();
         async move {
             let client = client.context("no connection")?;
@@ -172,19 +253,23 @@ pub async fn sidecar_round_trips(
         }
     })
     .await;
-    sidecar.shutdown().await?;
+    server.spawn(sidecar.shutdown()).await??;
     run
 }
 
 /// The baseline: `SET key owner NX PX` then compare-and-delete, on one multiplexed
 /// connection (the redis crate's, as the sidecar uses).
-pub async fn raw_redis_round_trips(url: &str, concurrency: usize, seconds: f64) -> Result<Run> {
-    let client = redis::Client::open(url)?;
+pub async fn raw_redis_round_trips(
+    redis: &RedisServer,
+    concurrency: usize,
+    seconds: f64,
+) -> Result<Run> {
+    let client = redis::Client::open(redis.url())?;
     let conn = client.get_multiplexed_async_connection().await?;
     let release = Arc::new(redis::Script::new(
         "if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) else return 0 end",
     ));
-    closed_loop(concurrency, seconds, move |w, i| {
+    closed_loop(redis, concurrency, seconds, move |w, i| {
         let mut conn = conn.clone();
         let release = Arc::clone(&release);
         async move {
@@ -259,6 +344,11 @@ pub struct Repeated {
     pub ops: Summary,
     pub p50: Summary,
     pub p99: Summary,
+    /// CPU µs per round trip: bench client, sidecar, Redis.
+    pub cpu_client: Summary,
+    pub cpu_sidecar: Summary,
+    pub cpu_redis: Summary,
+    pub cpu_total: Summary,
 }
 
 pub async fn repeat<F, Fut>(runs: usize, mut one: F) -> Result<Repeated>
@@ -266,16 +356,20 @@ where
     F: FnMut() -> Fut,
     Fut: Future<Output = Result<Run>>,
 {
-    let (mut ops, mut p50, mut p99) = (Vec::new(), Vec::new(), Vec::new());
+    let mut all = Vec::new();
     for _ in 0..runs {
-        let run = one().await?;
-        ops.push(run.ops_per_sec);
-        p50.push(run.p50_us);
-        p99.push(run.p99_us);
+        all.push(one().await?);
     }
+    let summary = |value: fn(&Run) -> f64| {
+        Summary::of(&all.iter().map(value).collect::<Vec<_>>()).context("no runs")
+    };
     Ok(Repeated {
-        ops: Summary::of(&ops).context("no runs")?,
-        p50: Summary::of(&p50).context("no runs")?,
-        p99: Summary::of(&p99).context("no runs")?,
+        ops: summary(|r| r.ops_per_sec)?,
+        p50: summary(|r| r.p50_us)?,
+        p99: summary(|r| r.p99_us)?,
+        cpu_client: summary(|r| r.cpu.client)?,
+        cpu_sidecar: summary(|r| r.cpu.sidecar)?,
+        cpu_redis: summary(|r| r.cpu.redis)?,
+        cpu_total: summary(|r| r.cpu.client + r.cpu.sidecar + r.cpu.redis)?,
     })
 }

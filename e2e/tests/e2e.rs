@@ -13,4 +13,5 @@ mod util;
 
 mod demo;
 mod live;
+mod rate;
 mod scenarios;

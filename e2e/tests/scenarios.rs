@@ -371,6 +371,41 @@ fn sidecar_down_fail_local_decides_on_shared_data() {
 }
 
 #[test]
+fn sidecar_down_fail_local_keeps_a_long_call_protected_past_its_lease() {
+    // Lease 1 s, tick 100 ms: the local entry is extended from the tick (no grant to renew
+    // at the sidecar), so a duplicate 3 leases later is still caught on another worker.
+    let rules = r#"[{"match":{"path_prefix":"/payments"},"lease":"1s"}]"#;
+    let gw = Gateway::boot(
+        dead_address(),
+        &config(r#""failure_mode":"local""#, rules),
+        2,
+    );
+    let a = gw.worker(0).stream();
+    a.send_request(post("/payments", "k-long", "{}"));
+    gw.pump();
+    assert!(a.upstream_headers().is_some(), "forwarded, marked local");
+    for _ in 0..30 {
+        gw.host.advance(std::time::Duration::from_millis(100));
+    }
+    let dup = gw.worker(1).stream();
+    dup.send_request(post("/payments", "k-long", "{}"));
+    assert_eq!(
+        dup.response_status(),
+        Some(409),
+        "three leases later the running call still holds the key"
+    );
+    assert!(gw.counter("idemgate.lease.renewals") >= 5);
+    a.respond(
+        201,
+        HeaderMap::from([("content-type", "application/json")]),
+        "{}",
+    );
+    let replay = gw.worker(1).stream();
+    replay.send_request(post("/payments", "k-long", "{}"));
+    assert_eq!(replay.response_status(), Some(201));
+}
+
+#[test]
 fn shared_data_stays_bounded_over_100k_keys() {
     // Fail open with the sidecar down: after the breaker opens, every request is decided on
     // the local tier alone, so this exercises the table without 100k network round trips.

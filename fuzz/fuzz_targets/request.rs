@@ -143,7 +143,7 @@ fuzz_target!(|input: Input| {
         }
     }
     env.now_ms = u64::MAX / 2;
-    if let Some(_renew) = flow.renewal_due(config, env.now_ms) {
+    if let Some(_renew) = flow.renewal_due(config, &mut env) {
         let answer = Answer::Http {
             status: 200,
             body: &input.renew_answer,

@@ -752,6 +752,17 @@ impl Vm {
         &self.store.data().plugin
     }
 
+    /// Size of the module's linear memory in bytes (0 while no instance runs): what Envoy
+    /// reports as the VM's memory, watched by the benchmarks to stay flat under load.
+    pub fn memory_bytes(&self) -> usize {
+        let store = &self.store;
+        store
+            .data()
+            .wasm
+            .as_ref()
+            .map_or(0, |wasm| wasm.memory.data_size(store))
+    }
+
     /// The root context id (1 for a freshly booted VM).
     pub fn root_context_id(&self) -> Option<u32> {
         self.store.data().root.as_ref().map(|r| r.id)

@@ -16,6 +16,7 @@ use idemgate_wire::{Limits, Mode, WaitPolicy};
 use serde::Deserialize;
 use serde_json::value::RawValue;
 
+use crate::rate::{Limit, LimitBy, RateSpec, Tier};
 use crate::rule::{Matcher, PathMatch};
 
 /// An invalid configuration: `path` names the field (`rules[2].key.header`).
@@ -171,6 +172,8 @@ pub struct Rule {
     pub lease_ms: u64,
     pub retention_ms: u64,
     pub response: ResponsePolicy,
+    /// Rate limits on the rule's requests (`None`: unlimited).
+    pub rate: Option<RateSpec>,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -193,6 +196,8 @@ pub struct LocalConfig {
     pub slots: u32,
     pub probes: u32,
     pub max_response_bytes: usize,
+    /// Slots of the rate-limit table (a separate table: limits never evict dedupe entries).
+    pub rate_slots: u32,
 }
 
 /// The validated, immutable configuration.
@@ -272,6 +277,8 @@ struct RawLocal {
     probes: Option<u32>,
     #[serde(default)]
     max_response_bytes: Option<usize>,
+    #[serde(default)]
+    rate_slots: Option<u32>,
 }
 
 #[derive(Deserialize)]
@@ -301,6 +308,47 @@ struct RawRule<'a> {
     retention: Option<String>,
     #[serde(default, borrow)]
     response: Option<&'a RawValue>,
+    #[serde(default, borrow)]
+    rate: Option<&'a RawValue>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawRate<'a> {
+    #[serde(borrow)]
+    limits: Vec<&'a RawValue>,
+    #[serde(default)]
+    tier: Option<RawTier>,
+    #[serde(default)]
+    expose: Option<bool>,
+    #[serde(default)]
+    shadow: Option<bool>,
+}
+
+#[derive(Deserialize, Clone, Copy)]
+#[serde(rename_all = "snake_case")]
+enum RawTier {
+    Local,
+    Global,
+    LocalThenGlobal,
+}
+
+#[derive(Deserialize, Clone, Copy)]
+#[serde(rename_all = "snake_case")]
+enum RawLimitBy {
+    Scope,
+    Key,
+    ScopeAndKey,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawLimit {
+    by: RawLimitBy,
+    requests: u32,
+    per: String,
+    #[serde(default)]
+    burst: Option<u32>,
 }
 
 #[derive(Deserialize, Default)]
@@ -437,6 +485,7 @@ pub fn parse(bytes: &[u8]) -> Result<Config, ConfigError> {
         slots: positive_u32(local.slots.unwrap_or(4096), "local.slots")?,
         probes: bounded(local.probes.unwrap_or(4), 1, 16, "local.probes")?,
         max_response_bytes: local.max_response_bytes.unwrap_or(16 * 1024),
+        rate_slots: positive_u32(local.rate_slots.unwrap_or(4096), "local.rate_slots")?,
     };
     if local.max_response_bytes > Limits::default().max_body {
         return Err(err("local.max_response_bytes", "must not exceed 1048576"));
@@ -465,7 +514,7 @@ pub fn parse(bytes: &[u8]) -> Result<Config, ConfigError> {
     }
     let mut rules = Vec::with_capacity(top.rules.len());
     for (i, raw) in top.rules.into_iter().enumerate() {
-        let rule = compile_rule(raw, i, allow_stop)?;
+        let rule = compile_rule(raw, i, allow_stop, top.shadow.unwrap_or(false))?;
         if rules.iter().any(|r: &Rule| r.name == rule.name) {
             return Err(err(&format!("rules[{i}].name"), "duplicate rule name"));
         }
@@ -601,7 +650,12 @@ fn compile_sidecar(raw: RawSidecar) -> Result<SidecarConfig, ConfigError> {
     })
 }
 
-fn compile_rule(raw: &RawValue, i: usize, allow_stop: bool) -> Result<Rule, ConfigError> {
+fn compile_rule(
+    raw: &RawValue,
+    i: usize,
+    allow_stop: bool,
+    shadow: bool,
+) -> Result<Rule, ConfigError> {
     let at = |field: &str| format!("rules[{i}].{field}");
     let raw: RawRule = raw_section(raw, &format!("rules[{i}]"))?;
     let name = raw.name.unwrap_or_else(|| format!("rules[{i}]"));
@@ -649,6 +703,14 @@ fn compile_rule(raw: &RawValue, i: usize, allow_stop: bool) -> Result<Rule, Conf
         None => ClientAbort::default(),
     };
     let response = compile_response(optional(raw.response, &at("response"))?, &at("response"))?;
+    let rate = match raw.rate {
+        Some(r) => Some(compile_rate(
+            raw_section(r, &at("rate"))?,
+            shadow,
+            &at("rate"),
+        )?),
+        None => None,
+    };
     Ok(Rule {
         name,
         matcher,
@@ -665,6 +727,52 @@ fn compile_rule(raw: &RawValue, i: usize, allow_stop: bool) -> Result<Rule, Conf
             DEFAULT_RETENTION_MS,
         )?,
         response,
+        rate,
+    })
+}
+
+fn compile_rate(raw: RawRate<'_>, shadow: bool, path: &str) -> Result<RateSpec, ConfigError> {
+    if raw.limits.is_empty() || raw.limits.len() > idemgate_wire::MAX_CHECKS {
+        return Err(err(&format!("{path}.limits"), "must hold 1 to 4 limits"));
+    }
+    let mut limits = Vec::with_capacity(raw.limits.len());
+    for (j, limit) in raw.limits.into_iter().enumerate() {
+        let at = format!("{path}.limits[{j}]");
+        let limit: RawLimit = raw_section(limit, &at)?;
+        if limit.requests == 0 {
+            return Err(err(&format!("{at}.requests"), "must be greater than zero"));
+        }
+        let per_ms = duration_or(Some(&limit.per), &format!("{at}.per"), 1)?;
+        let interval_us = per_ms.saturating_mul(1_000) / u64::from(limit.requests);
+        if interval_us == 0 {
+            return Err(err(
+                &format!("{at}.requests"),
+                "more than one request per microsecond cannot be limited",
+            ));
+        }
+        let rate = idemgate_wire::Rate {
+            interval_us,
+            burst: limit.burst.unwrap_or(limit.requests),
+        };
+        if let Err(e) = rate.check() {
+            return Err(err(&format!("{at}.burst"), e.reason));
+        }
+        let by = match limit.by {
+            RawLimitBy::Scope => LimitBy::Scope,
+            RawLimitBy::Key => LimitBy::Key,
+            RawLimitBy::ScopeAndKey => LimitBy::ScopeAndKey,
+        };
+        limits.push(Limit { by, rate });
+    }
+    Ok(RateSpec {
+        limits,
+        tier: match raw.tier.unwrap_or(RawTier::LocalThenGlobal) {
+            RawTier::Local => Tier::Local,
+            RawTier::Global => Tier::Global,
+            RawTier::LocalThenGlobal => Tier::LocalThenGlobal,
+        },
+        expose: raw.expose.unwrap_or(false),
+        shadow: raw.shadow.unwrap_or(shadow),
     })
 }
 

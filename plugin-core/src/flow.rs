@@ -11,7 +11,7 @@ use alloc::vec;
 use alloc::vec::Vec;
 use idemgate_wire::{
     AbortRequest, ClaimOutcome, ClaimRequest, CompleteRequest, Limits, Mode, OwnerOutcome,
-    RenewRequest, StoredResponse, paths,
+    RateCheck, RateOutcome, RateRequest, RenewRequest, StoredResponse, paths,
 };
 
 use crate::breaker::Breaker;
@@ -22,6 +22,7 @@ use crate::key::{self, KeyError};
 use crate::local::{Hold, LocalClaim, LocalResponse, SharedStore, Table};
 use crate::metrics::{Counter, Histogram, Telemetry};
 use crate::problem::{self, Reply, types};
+use crate::rate::{self, Check, RateSpec, RateTable, Verdict};
 use crate::rule::{RequestHead, RequestView, match_rule};
 
 /// What the host offers a step: the clock, shared data, the VM's breaker and metrics.
@@ -74,6 +75,8 @@ pub enum Answer<'a> {
 enum Phase {
     /// Waiting for the whole body to fingerprint it.
     Body,
+    /// The rate check is with the sidecar; the request is paused.
+    Rating,
     /// The claim is with the sidecar; the request is paused.
     Claiming,
     /// The client went away while the claim was out: a late grant is released at once.
@@ -121,9 +124,15 @@ pub struct Flow {
     phase: Phase,
     local: Local,
     grant: Option<Grant>,
+    /// When this gateway's in-flight entry expires (while `local` is `Held`).
+    local_expires_ms: u64,
     capture: Option<Capture>,
     claim_sent_ms: u64,
     release: Option<Callout>,
+    /// Rate checks still to make (cleared once decided).
+    rate_checks: Vec<Check>,
+    /// `RateLimit` fields for the forwarded response (`rate.expose`).
+    rate_headers: Vec<(String, String)>,
 }
 
 impl Flow {
@@ -184,9 +193,16 @@ impl Flow {
             phase: Phase::Claiming,
             local: Local::Off,
             grant: None,
+            local_expires_ms: 0,
             capture: None,
             claim_sent_ms: env.now_ms,
             release: None,
+            rate_checks: rule
+                .rate
+                .as_ref()
+                .map(|spec| rate::checks(rule, spec, req, Some(&raw_key)))
+                .unwrap_or_default(),
+            rate_headers: Vec::new(),
         };
         if let Some(spec) = &rule.fingerprint {
             let fp = Fingerprint::start(spec, &head, req);
@@ -218,7 +234,7 @@ impl Flow {
             Phase::Body => {}
             // Body callbacks while the claim is out happen only with
             // allow_on_headers_stop_iteration; Continue here would release the held headers.
-            Phase::Claiming | Phase::Abandoned => return Action::Pause,
+            Phase::Rating | Phase::Claiming | Phase::Abandoned => return Action::Pause,
             Phase::Upstream | Phase::Finished => return Action::pass(),
         }
         let Some(rule) = config.rules.get(self.rule) else {
@@ -261,17 +277,29 @@ impl Flow {
     /// Whether the request is still held (body being hashed or claim out): the glue then
     /// passes request body and trailer callbacks to [`Flow::on_request_body`].
     pub fn holds_request(&self) -> bool {
-        matches!(self.phase, Phase::Body | Phase::Claiming | Phase::Abandoned)
+        matches!(
+            self.phase,
+            Phase::Body | Phase::Rating | Phase::Claiming | Phase::Abandoned
+        )
     }
 
+    /// Rate limits first (a limited request claims nothing), then the key.
     fn claim(&mut self, config: &Config, rule: &Rule, env: &mut Env<'_>) -> Action {
+        if let Some(spec) = rule.rate.as_ref().filter(|_| !self.rate_checks.is_empty())
+            && let Some(action) = self.rate(config, spec, env)
+        {
+            return action;
+        }
         if config.local.enabled {
             let table = Table {
                 config: &config.local,
                 store: env.shared,
             };
             match table.claim(&self.key, env.owner, env.now_ms, rule.lease_ms) {
-                LocalClaim::Claimed(hold) => self.local = Local::Held(hold),
+                LocalClaim::Claimed(hold) => {
+                    self.local = Local::Held(hold);
+                    self.local_expires_ms = env.now_ms.saturating_add(rule.lease_ms);
+                }
                 LocalClaim::InFlight { retry_after_ms } => {
                     env.telemetry.count(Counter::LocalHits);
                     if rule.conflict == Conflict::Reject {
@@ -322,14 +350,193 @@ impl Flow {
         })
     }
 
+    /// The local tier's rate check, then the sidecar's. `None`: under every limit (or not
+    /// blocking: shadow, failure mode), the checks are done and the claim goes on; otherwise
+    /// a 429, or the `/v1/rate` callout whose answer goes to [`Flow::on_claim_answer`].
+    fn rate(&mut self, config: &Config, spec: &RateSpec, env: &mut Env<'_>) -> Option<Action> {
+        if spec.tier.local()
+            && let Some(limited) = self.rate_local(config, spec, env)
+        {
+            return Some(limited);
+        }
+        if !spec.tier.global() {
+            self.rate_checks.clear();
+            return None;
+        }
+        if !env.breaker.allow(env.now_ms) {
+            env.telemetry.count(Counter::BreakerOpen);
+            return self.rate_failed(config, spec, env);
+        }
+        let checks = self
+            .rate_checks
+            .iter()
+            .filter_map(|c| {
+                let rate = spec.limits.get(c.limit)?.rate;
+                Some(RateCheck {
+                    key: c.key.clone(),
+                    interval_us: rate.interval_us,
+                    burst: rate.burst,
+                })
+            })
+            .collect();
+        self.phase = Phase::Rating;
+        self.claim_sent_ms = env.now_ms;
+        Some(Action::Claim(Callout {
+            path: paths::RATE,
+            body: idemgate_wire::encode(&RateRequest { checks }, &[]),
+            timeout_ms: config.sidecar.timeout_ms,
+        }))
+    }
+
+    /// The shared-data check: `Some` (429) when over a limit. Shared data failing leaves the
+    /// decision to the sidecar (or, local tier only, lets the request through, counted).
+    fn rate_local(
+        &mut self,
+        config: &Config,
+        spec: &RateSpec,
+        env: &mut Env<'_>,
+    ) -> Option<Action> {
+        let table = RateTable {
+            slots: config.local.rate_slots,
+            probes: config.local.probes,
+            store: env.shared,
+        };
+        let now_us = env.now_ms.saturating_mul(1_000);
+        let Some(verdict) = rate::check_local(&table, spec, &self.rate_checks, now_us) else {
+            env.telemetry.count(Counter::LocalUnavailable);
+            return None;
+        };
+        self.rate_verdict(spec, &verdict, false, env)
+    }
+
+    /// Counts a verdict; `Some` (429) when it limits and the limit is enforced.
+    fn rate_verdict(
+        &mut self,
+        spec: &RateSpec,
+        verdict: &Verdict,
+        global: bool,
+        env: &mut Env<'_>,
+    ) -> Option<Action> {
+        let limited = verdict.limited();
+        env.telemetry.count(match (limited.is_some(), global) {
+            (false, false) => Counter::RateAllowedLocal,
+            (false, true) => Counter::RateAllowedGlobal,
+            (true, false) => Counter::RateLimitedLocal,
+            (true, true) => Counter::RateLimitedGlobal,
+        });
+        // Per-rule figures count final decisions: a local allow is not final before the
+        // sidecar's answer.
+        if limited.is_some() || global || !spec.tier.global() {
+            env.telemetry.count_rate(self.rule, limited.is_some());
+        }
+        let Some(retry_after_ms) = limited else {
+            if spec.expose {
+                self.rate_headers = verdict.headers(spec);
+            }
+            return None;
+        };
+        if spec.shadow {
+            env.telemetry.count(Counter::ShadowWouldBlock);
+            return None;
+        }
+        self.rate_checks.clear();
+        self.phase = Phase::Finished;
+        let mut reply = problem::problem(
+            429,
+            types::RATE_LIMITED,
+            "Too many requests",
+            "over the rate limit for this caller or resource; retry after the indicated time",
+            Some(retry_after_ms),
+            "idemgate_rate_limited",
+        );
+        reply.headers.extend(verdict.headers(spec));
+        Some(Action::Respond(reply))
+    }
+
+    /// The sidecar could not check the limits: the rule's failure mode decides, as for claims.
+    fn rate_failed(
+        &mut self,
+        config: &Config,
+        spec: &RateSpec,
+        env: &mut Env<'_>,
+    ) -> Option<Action> {
+        let decided = match config.failure_mode {
+            FailureMode::Closed => {
+                env.telemetry.count(Counter::FailedClosed);
+                if spec.shadow {
+                    env.telemetry.count(Counter::ShadowWouldBlock);
+                    None
+                } else {
+                    self.phase = Phase::Finished;
+                    Some(Action::Respond(unavailable(config)))
+                }
+            }
+            FailureMode::Open => {
+                env.telemetry.count(Counter::FailedOpen);
+                None
+            }
+            // The local tier already spoke when it is part of the rule's tiers.
+            FailureMode::Local if spec.tier.local() => {
+                env.telemetry.count(Counter::FailedLocal);
+                None
+            }
+            FailureMode::Local => {
+                env.telemetry.count(Counter::FailedLocal);
+                self.rate_local(config, spec, env)
+            }
+        };
+        self.rate_checks.clear();
+        decided
+    }
+
+    fn on_rate_answer(&mut self, config: &Config, answer: Answer<'_>, env: &mut Env<'_>) -> Action {
+        let Some(rule) = config.rules.get(self.rule) else {
+            return Action::pass();
+        };
+        let Some(spec) = rule.rate.as_ref() else {
+            return Action::pass();
+        };
+        env.telemetry.record(
+            Histogram::SidecarLatencyMs,
+            env.now_ms.saturating_sub(self.claim_sent_ms),
+        );
+        self.phase = Phase::Claiming;
+        let verdict = parse_rate(answer)
+            .and_then(|outcome| rate::global_verdict(&self.rate_checks, &outcome.results));
+        let blocked = match verdict {
+            Some(verdict) => {
+                env.breaker.success();
+                self.rate_checks.clear();
+                self.rate_verdict(spec, &verdict, true, env)
+            }
+            None => {
+                env.telemetry.count(Counter::SidecarErrors);
+                env.breaker.failure(&config.breaker, env.now_ms);
+                self.rate_failed(config, spec, env)
+            }
+        };
+        match blocked {
+            Some(action) => action,
+            None => self.claim(config, rule, env),
+        }
+    }
+
+    /// `RateLimit` fields for the forwarded response, once (`rate.expose`).
+    pub fn take_response_headers(&mut self) -> Vec<(String, String)> {
+        core::mem::take(&mut self.rate_headers)
+    }
+
     /// The claim's answer (delivered to the root, which applies the action to the stream if
-    /// it is still there).
+    /// it is still there). While rating, it is the `/v1/rate` answer.
     pub fn on_claim_answer(
         &mut self,
         config: &Config,
         answer: Answer<'_>,
         env: &mut Env<'_>,
     ) -> Action {
+        if self.phase == Phase::Rating {
+            return self.on_rate_answer(config, answer, env);
+        }
         if !matches!(self.phase, Phase::Claiming | Phase::Abandoned) {
             return Action::pass();
         }
@@ -619,6 +826,11 @@ impl Flow {
                 true
             }
             Phase::Abandoned => true,
+            // Nothing is held yet: the rate answer, when it comes, finds no flow.
+            Phase::Rating => {
+                self.phase = Phase::Finished;
+                false
+            }
             Phase::Upstream => {
                 // Client abort or reset before the response completed: nothing to store.
                 self.capture = None;
@@ -660,16 +872,22 @@ impl Flow {
         self.release.take()
     }
 
-    /// A lease renewal when half the lease has passed on a forwarded request.
-    pub fn renewal_due(&mut self, config: &Config, now_ms: u64) -> Option<Callout> {
+    /// The tick's lease work for a forwarded request, once half its lease has passed: a
+    /// renewal callout for a sidecar grant; without one (forwarded by `failure_mode` `local`
+    /// or `open`, or in shadow mode) this gateway's in-flight entry is the only protection
+    /// left, so it is extended here directly, or a duplicate would pass after one lease.
+    pub fn renewal_due(&mut self, config: &Config, env: &mut Env<'_>) -> Option<Callout> {
         if self.phase != Phase::Upstream {
             return None;
         }
         let lease_ms = config.rules.get(self.rule)?.lease_ms;
-        let grant = self
-            .grant
-            .as_mut()
-            .filter(|g| !g.renewing && now_ms >= g.renew_at_ms)?;
+        let Some(grant) = self.grant.as_mut() else {
+            self.renew_local(config, lease_ms, env);
+            return None;
+        };
+        if grant.renewing || env.now_ms < grant.renew_at_ms {
+            return None;
+        }
         grant.renewing = true;
         let request = RenewRequest {
             key: self.key.clone(),
@@ -681,6 +899,40 @@ impl Flow {
             body: idemgate_wire::encode(&request, &[]),
             timeout_ms: config.sidecar.timeout_ms,
         })
+    }
+
+    fn renew_local(&mut self, config: &Config, lease_ms: u64, env: &mut Env<'_>) {
+        let Local::Held(hold) = self.local else {
+            return;
+        };
+        if env.now_ms.saturating_add(lease_ms / 2) < self.local_expires_ms {
+            return;
+        }
+        if self.extend_local(config, hold, env.now_ms.saturating_add(lease_ms), env) {
+            env.telemetry.count(Counter::LeaseRenewals);
+        } else {
+            // The entry expired and was reused (a tick came too late): nothing to keep.
+            self.local = Local::Off;
+            env.telemetry.count(Counter::LeaseLost);
+        }
+    }
+
+    fn extend_local(
+        &mut self,
+        config: &Config,
+        hold: Hold,
+        expires_ms: u64,
+        env: &Env<'_>,
+    ) -> bool {
+        let extended = Table {
+            config: &config.local,
+            store: env.shared,
+        }
+        .extend(hold, &self.key, expires_ms);
+        if extended {
+            self.local_expires_ms = expires_ms;
+        }
+        extended
     }
 
     pub fn on_renew_answer(&mut self, config: &Config, answer: Answer<'_>, env: &mut Env<'_>) {
@@ -696,15 +948,7 @@ impl Flow {
                 // gateway after one lease would pass the local tier (and, with the sidecar
                 // down and `failure_mode: local`, go upstream).
                 if let Local::Held(hold) = self.local {
-                    Table {
-                        config: &config.local,
-                        store: env.shared,
-                    }
-                    .extend(
-                        hold,
-                        &self.key,
-                        env.now_ms.saturating_add(lease_ms),
-                    );
+                    self.extend_local(config, hold, env.now_ms.saturating_add(lease_ms), env);
                 }
             }
             Some(OwnerOutcome::Stale | OwnerOutcome::Released) => {
@@ -825,6 +1069,14 @@ fn parse_claim<'a>(answer: Answer<'a>, key: &str) -> Option<(ClaimOutcome, &'a [
         _ => payload.is_empty(),
     };
     valid.then_some((outcome, payload))
+}
+
+fn parse_rate(answer: Answer<'_>) -> Option<RateOutcome> {
+    let Answer::Http { status: 200, body } = answer else {
+        return None;
+    };
+    let (outcome, payload): (RateOutcome, &[u8]) = idemgate_wire::decode(body).ok()?;
+    payload.is_empty().then_some(outcome)
 }
 
 fn parse_owner(answer: Answer<'_>) -> Option<OwnerOutcome> {

@@ -11,6 +11,7 @@
 //! | [`fingerprint`] | request fingerprints for key-reuse detection |
 //! | [`local`] | the bounded shared-data table (local tier) |
 //! | [`flow`] | the per-request state machine |
+//! | [`rate`] | rate limits: GCRA keys, the shared-data rate table, `RateLimit` fields |
 //! | [`capture`] | what of a response is stored for replay |
 //! | [`breaker`] | the sidecar circuit breaker |
 //! | [`problem`] | local replies (RFC 9457 problems, replays) |
@@ -28,6 +29,7 @@ pub mod key;
 pub mod local;
 pub mod metrics;
 pub mod problem;
+pub mod rate;
 pub mod rule;
 
 #[cfg(test)]

@@ -347,6 +347,7 @@ pub(crate) mod tests {
             slots,
             probes,
             max_response_bytes: 1024,
+            rate_slots: 1,
         }
     }
 

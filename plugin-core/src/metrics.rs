@@ -31,10 +31,14 @@ pub enum Counter {
     /// Clients gone after their request was forwarded, the key held until its lease ends
     /// (`on_client_abort: hold`).
     AbandonedUpstream,
+    RateAllowedLocal,
+    RateLimitedLocal,
+    RateAllowedGlobal,
+    RateLimitedGlobal,
 }
 
 impl Counter {
-    pub const ALL: [Counter; 24] = [
+    pub const ALL: [Counter; 28] = [
         Counter::Pass,
         Counter::Granted,
         Counter::Replayed,
@@ -59,6 +63,10 @@ impl Counter {
         Counter::ReleaseFailures,
         Counter::Abandoned,
         Counter::AbandonedUpstream,
+        Counter::RateAllowedLocal,
+        Counter::RateLimitedLocal,
+        Counter::RateAllowedGlobal,
+        Counter::RateLimitedGlobal,
     ];
 
     pub fn name(self) -> &'static str {
@@ -87,6 +95,10 @@ impl Counter {
             Counter::ReleaseFailures => "idemgate.release.failures",
             Counter::Abandoned => "idemgate.requests.abandoned",
             Counter::AbandonedUpstream => "idemgate.requests.abandoned_upstream",
+            Counter::RateAllowedLocal => "idemgate.rate.local.allowed",
+            Counter::RateLimitedLocal => "idemgate.rate.local.limited",
+            Counter::RateAllowedGlobal => "idemgate.rate.global.allowed",
+            Counter::RateLimitedGlobal => "idemgate.rate.global.limited",
         }
     }
 }
@@ -112,4 +124,6 @@ impl Histogram {
 pub trait Telemetry {
     fn count(&mut self, counter: Counter);
     fn record(&mut self, histogram: Histogram, value: u64);
+    /// A final rate decision for rule `rule` (`idemgate.rate.<rule>.allowed|limited`).
+    fn count_rate(&mut self, rule: usize, limited: bool);
 }

@@ -17,6 +17,7 @@ pub mod types {
     pub const QUEUE_FULL: &str = "urn:idemgate:problem:queue-full";
     pub const WAIT_EXPIRED: &str = "urn:idemgate:problem:wait-expired";
     pub const UNAVAILABLE: &str = "urn:idemgate:problem:unavailable";
+    pub const RATE_LIMITED: &str = "urn:idemgate:problem:rate-limited";
 }
 
 /// A response the filter sends instead of forwarding the request.

@@ -64,6 +64,7 @@ pub(crate) struct MemStore {
     map: RefCell<Vec<(String, Vec<u8>, u32)>>,
     next_cas: Cell<u32>,
     interference: RefCell<Option<(String, u64)>>,
+    raw_interference: RefCell<Option<(String, Vec<u8>)>>,
     pub(crate) fail: Cell<bool>,
 }
 
@@ -73,6 +74,10 @@ impl MemStore {
     }
     pub(crate) fn interfere_once(&self, key: String, expires_ms: u64) {
         *self.interference.borrow_mut() = Some((key, expires_ms));
+    }
+    /// Another worker writes `value` under `key` just before our next conditional write.
+    pub(crate) fn interfere_raw_once(&self, key: String, value: Vec<u8>) {
+        *self.raw_interference.borrow_mut() = Some((key, value));
     }
     fn write(&self, key: &str, value: &[u8]) {
         let cas = self.next_cas.get() + 1;
@@ -110,6 +115,9 @@ impl SharedStore for MemStore {
                 &crate::local::in_flight_bytes(&stored_key, 424_242, expires),
             );
         }
+        if let Some((other, value)) = self.raw_interference.borrow_mut().take() {
+            self.write(&other, &value);
+        }
         let current = self
             .map
             .borrow()
@@ -130,6 +138,8 @@ impl SharedStore for MemStore {
 pub(crate) struct Recorder {
     pub(crate) counts: Vec<Counter>,
     pub(crate) samples: Vec<(Histogram, u64)>,
+    /// `(rule, limited)` per final rate decision.
+    pub(crate) rate: Vec<(usize, bool)>,
 }
 
 impl Recorder {
@@ -144,5 +154,8 @@ impl Telemetry for Recorder {
     }
     fn record(&mut self, histogram: Histogram, value: u64) {
         self.samples.push((histogram, value));
+    }
+    fn count_rate(&mut self, rule: usize, limited: bool) {
+        self.rate.push((rule, limited));
     }
 }

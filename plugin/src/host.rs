@@ -6,7 +6,7 @@
 use std::time::{Duration, UNIX_EPOCH};
 
 use idemgate_core::metrics::{Counter, Histogram, Telemetry};
-use idemgate_core::{Answer, HostError, Reply, RequestView, SharedStore};
+use idemgate_core::{Answer, Config, HostError, Reply, RequestView, SharedStore};
 use proxy_wasm::hostcalls;
 use proxy_wasm::types::{BufferType, MapType, MetricType, Status};
 
@@ -54,6 +54,16 @@ pub(crate) fn set_request_headers(headers: &[(String, String)]) {
             .is_err()
         {
             log::warn!("idemgate: could not set request header {name}");
+        }
+    }
+}
+
+pub(crate) fn add_response_headers(headers: &[(String, String)]) {
+    for (name, value) in headers {
+        if hostcalls::add_map_value_bytes(MapType::HttpResponseHeaders, name, value.as_bytes())
+            .is_err()
+        {
+            log::warn!("idemgate: could not add response header {name}");
         }
     }
 }
@@ -126,11 +136,39 @@ impl SharedStore for SharedData {
 pub(crate) struct Metrics {
     counters: Vec<u32>,
     histograms: Vec<u32>,
+    /// Per rule: `(allowed, limited)` counter ids of its rate limits (0 = none).
+    rate: Vec<(u32, u32)>,
 }
 
 impl Metrics {
-    pub(crate) fn define() -> Metrics {
-        let define = |kind, name| hostcalls::define_metric(kind, name).unwrap_or(0);
+    pub(crate) fn define(config: &Config) -> Metrics {
+        let define = |kind, name: &str| hostcalls::define_metric(kind, name).unwrap_or(0);
+        let rate = config
+            .rules
+            .iter()
+            .map(|rule| {
+                if rule.rate.is_none() {
+                    return (0, 0);
+                }
+                // Stat names take `[A-Za-z0-9_-]` safely; anything else in a rule name
+                // (rules[0], spaces) becomes `_`.
+                let name: String = rule
+                    .name
+                    .chars()
+                    .map(|c| match c {
+                        'a'..='z' | 'A'..='Z' | '0'..='9' | '_' | '-' => c,
+                        _ => '_',
+                    })
+                    .collect();
+                let counter = |what| {
+                    define(
+                        MetricType::Counter,
+                        &format!("idemgate.rate.rule.{name}.{what}"),
+                    )
+                };
+                (counter("allowed"), counter("limited"))
+            })
+            .collect();
         Metrics {
             counters: Counter::ALL
                 .iter()
@@ -140,6 +178,7 @@ impl Metrics {
                 .iter()
                 .map(|h| define(MetricType::Histogram, h.name()))
                 .collect(),
+            rate,
         }
     }
 
@@ -160,6 +199,15 @@ impl Metrics {
 impl Telemetry for Metrics {
     fn count(&mut self, counter: Counter) {
         self.add(counter, 1);
+    }
+
+    fn count_rate(&mut self, rule: usize, limited: bool) {
+        if let Some(&(allowed_id, limited_id)) = self.rate.get(rule) {
+            let id = if limited { limited_id } else { allowed_id };
+            if id != 0 {
+                let _ = hostcalls::increment_metric(id, 1);
+            }
+        }
     }
 
     fn record(&mut self, histogram: Histogram, value: u64) {

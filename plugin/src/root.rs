@@ -104,7 +104,7 @@ impl RootContext for Root {
         );
         let mut vm = self.vm.borrow_mut();
         vm.nonce = u64::from(vm_number()) << 32;
-        vm.metrics = Metrics::define();
+        vm.metrics = Metrics::define(&config);
         host::set_tick_ms(config.tick_ms);
         vm.config = Some(Rc::new(config));
         true
@@ -129,13 +129,7 @@ impl RootContext for Root {
                 None => settle_claim(&mut vm, stream, Answer::Failed),
             }
         }
-        let now = host::now_ms();
-        let renewals: Vec<(u32, Callout)> = vm
-            .flows
-            .iter_mut()
-            .filter_map(|(id, flow)| flow.renewal_due(&config, now).map(|c| (*id, c)))
-            .collect();
-        for (stream, callout) in renewals {
+        for (stream, callout) in vm.renewals_due() {
             match dispatch(&config, &callout) {
                 Some(token) => {
                     vm.calls.insert(token, Call::Renew(stream));
@@ -251,7 +245,9 @@ fn settle_claim(vm: &mut Vm, stream: u32, answer: Answer<'_>) {
             }
         }
         Some(Action::Respond(reply)) => host::send_reply(&reply),
-        Some(Action::Pause | Action::Claim(_)) => {}
+        // The rate check passed: the key's claim goes out next.
+        Some(Action::Claim(callout)) => vm.queue_claim(stream, callout),
+        Some(Action::Pause) => {}
     }
 }
 

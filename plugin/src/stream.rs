@@ -133,6 +133,7 @@ impl HttpContext for Stream {
         self.response_event(|config, flow, env| {
             let headers = host::response_headers();
             flow.on_response_headers(config, &headers, end_of_stream, env);
+            host::add_response_headers(&flow.take_response_headers());
         });
         Next::Continue
     }

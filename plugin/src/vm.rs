@@ -76,6 +76,33 @@ impl Vm {
         Some(f(config, flow, &mut env))
     }
 
+    /// The tick's lease work over every live flow: renewal callouts to dispatch (local-tier
+    /// entries of requests forwarded without a grant are extended on the way).
+    pub(crate) fn renewals_due(&mut self) -> Vec<(u32, Callout)> {
+        let Vm {
+            config,
+            flows,
+            breaker,
+            metrics,
+            nonce,
+            ..
+        } = self;
+        let Some(config) = config.as_deref() else {
+            return Vec::new();
+        };
+        let mut env = Env {
+            now_ms: host::now_ms(),
+            shared: &SharedData,
+            breaker,
+            telemetry: metrics,
+            owner: *nonce,
+        };
+        flows
+            .iter_mut()
+            .filter_map(|(id, flow)| flow.renewal_due(config, &mut env).map(|c| (*id, c)))
+            .collect()
+    }
+
     pub(crate) fn next_owner(&mut self) -> u64 {
         self.sequence = self.sequence.wrapping_add(1);
         self.nonce | u64::from(self.sequence)

@@ -5,6 +5,7 @@
 use clap::Parser;
 use std::fmt;
 use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 /// The port the sidecar listens on unless told otherwise (on 127.0.0.1).
@@ -39,6 +40,25 @@ pub struct Cli {
     /// Prefix of every Redis key and channel this sidecar uses.
     #[arg(long, env = "IDEMGATE_REDIS_PREFIX", default_value = "idemgate")]
     pub redis_prefix: String,
+    /// PEM file with the CA certificate(s) that signed the Redis servers' certificates, for
+    /// `rediss://` URLs (absent: the public web PKI roots).
+    #[arg(long, env = "IDEMGATE_REDIS_CA_FILE")]
+    pub redis_ca_file: Option<PathBuf>,
+    /// PEM client certificate (chain) for Redis servers that authenticate clients
+    /// (`tls-auth-clients yes`, Redis's default); needs `--redis-client-key`.
+    #[arg(
+        long,
+        env = "IDEMGATE_REDIS_CLIENT_CERT",
+        requires = "redis_client_key"
+    )]
+    pub redis_client_cert: Option<PathBuf>,
+    /// PEM private key of `--redis-client-cert`.
+    #[arg(
+        long,
+        env = "IDEMGATE_REDIS_CLIENT_KEY",
+        requires = "redis_client_cert"
+    )]
+    pub redis_client_key: Option<PathBuf>,
     /// Bearer token required on /v1 and /admin requests (absent: no authentication).
     #[arg(long, env = "IDEMGATE_AUTH_TOKEN", hide_env_values = true)]
     pub auth_token: Option<String>,
@@ -90,6 +110,57 @@ pub struct RedisConfig {
     pub topology: RedisTopology,
     /// Prefix of every key and channel (letters, digits, `_.-`).
     pub prefix: String,
+    /// Certificates for `rediss://` beyond the defaults.
+    pub tls: RedisTls,
+}
+
+/// TLS material for `rediss://` connections, as PEM. Empty (the default): the server's
+/// certificate is checked against the public web PKI roots, and no client certificate is sent.
+#[derive(Clone, Default, PartialEq, Eq)]
+pub struct RedisTls {
+    /// CA certificates to trust instead of the public roots (a private CA).
+    pub ca_pem: Option<Vec<u8>>,
+    /// Client certificate chain and its private key, for servers that authenticate clients.
+    pub client_pem: Option<(Vec<u8>, Vec<u8>)>,
+}
+
+impl RedisTls {
+    /// Reads the PEM files named by the flags.
+    ///
+    /// # Errors
+    /// A file cannot be read or holds no PEM block; the error names the flag.
+    pub fn from_files(
+        ca: Option<&Path>,
+        client: Option<(&Path, &Path)>,
+    ) -> Result<Self, ConfigError> {
+        let read = |flag: &'static str, path: &Path| {
+            let bytes = std::fs::read(path).map_err(|err| ConfigError {
+                flag,
+                reason: format!("cannot read {}: {err}", path.display()),
+            })?;
+            if !bytes.windows(11).any(|w| w == b"-----BEGIN ") {
+                return Err(ConfigError {
+                    flag,
+                    reason: format!("{} holds no PEM block", path.display()),
+                });
+            }
+            Ok(bytes)
+        };
+        Ok(RedisTls {
+            ca_pem: ca.map(|p| read("redis-ca-file", p)).transpose()?,
+            client_pem: match client {
+                Some((cert, key)) => Some((
+                    read("redis-client-cert", cert)?,
+                    read("redis-client-key", key)?,
+                )),
+                None => None,
+            },
+        })
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.ca_pem.is_none() && self.client_pem.is_none()
+    }
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -179,10 +250,14 @@ impl Config {
             .filter(|u| !u.is_empty())
             .collect();
         let store = if urls.is_empty() {
-            if cli.redis_cluster || cli.redis_sentinel_master.is_some() {
+            if cli.redis_cluster
+                || cli.redis_sentinel_master.is_some()
+                || cli.redis_ca_file.is_some()
+                || cli.redis_client_cert.is_some()
+            {
                 return Err(bad(
                     "redis-url",
-                    "required with --redis-cluster/--redis-sentinel-master",
+                    "required with --redis-cluster, --redis-sentinel-master and the TLS files",
                 ));
             }
             StoreConfig::Memory
@@ -222,10 +297,31 @@ impl Config {
                     "must be letters, digits, '_', '.' or '-'",
                 ));
             }
+            let client = cli
+                .redis_client_cert
+                .as_deref()
+                .zip(cli.redis_client_key.as_deref());
+            let tls = RedisTls::from_files(cli.redis_ca_file.as_deref(), client)?;
+            if !tls.is_empty() {
+                if !urls.iter().all(|u| u.starts_with("rediss://")) {
+                    return Err(bad(
+                        "redis-url",
+                        "TLS certificates are given: every URL must be rediss://",
+                    ));
+                }
+                if matches!(topology, RedisTopology::Sentinel { .. }) {
+                    return Err(bad(
+                        "redis-ca-file",
+                        "not supported with --redis-sentinel-master (rediss:// Sentinels and \
+                         masters need certificates from a public CA)",
+                    ));
+                }
+            }
             StoreConfig::Redis(RedisConfig {
                 urls,
                 topology,
                 prefix,
+                tls,
             })
         };
         if cli.auth_token.as_deref() == Some("") {
@@ -302,6 +398,8 @@ impl fmt::Debug for RedisConfig {
             .field("urls", &urls)
             .field("topology", &self.topology)
             .field("prefix", &self.prefix)
+            .field("tls_ca", &self.tls.ca_pem.is_some())
+            .field("tls_client_cert", &self.tls.client_pem.is_some())
             .finish()
     }
 }
@@ -369,6 +467,40 @@ mod tests {
             .map(|c| format!("{c:?}"))
             .map_err(|e| e.to_string());
         assert_eq!(parsed, Ok(format!("{:?}", Config::default())));
+    }
+
+    #[test]
+    fn tls_files_are_checked_and_need_rediss_urls() {
+        let flag_of = |args: &[&str]| {
+            let cli = Cli::parse_from(["idemgate-sidecar"].iter().chain(args));
+            Config::from_cli(cli).err().map(|e| e.flag)
+        };
+        let missing = "/nonexistent/ca.pem";
+        assert_eq!(
+            flag_of(&["--redis-url", "rediss://h:1", "--redis-ca-file", missing]),
+            Some("redis-ca-file")
+        );
+        let not_pem = std::env::temp_dir().join(format!("idemgate-not-pem-{}", std::process::id()));
+        std::fs::write(&not_pem, "plain text").unwrap_or_default();
+        let not_pem = not_pem.to_string_lossy().into_owned();
+        assert_eq!(
+            flag_of(&["--redis-url", "rediss://h:1", "--redis-ca-file", &not_pem]),
+            Some("redis-ca-file")
+        );
+        let _ = std::fs::remove_file(&not_pem);
+        let ca = std::env::temp_dir().join(format!("idemgate-ca-{}.pem", std::process::id()));
+        std::fs::write(&ca, "-----BEGIN CERTIFICATE-----\n").unwrap_or_default();
+        let ca = ca.to_string_lossy().into_owned();
+        assert_eq!(
+            flag_of(&["--redis-url", "redis://h:1", "--redis-ca-file", &ca]),
+            Some("redis-url")
+        );
+        assert_eq!(flag_of(&["--redis-ca-file", &ca]), Some("redis-url"));
+        assert_eq!(
+            flag_of(&["--redis-url", "rediss://h:1", "--redis-ca-file", &ca]),
+            None
+        );
+        let _ = std::fs::remove_file(&ca);
     }
 
     #[test]

@@ -6,6 +6,7 @@
 //! - `http`: the versioned HTTP API (`/v1/claim|complete|abort|renew`), admin, health,
 //!   metrics; RFC 9457 problems for everything that is not a protocol answer.
 //! - `locks`: the protocol verbs, owner tokens, FIFO long-polls and their wake-ups.
+//! - `rate`: the global tier of rate limits (`/v1/rate`, GCRA, one script per limit).
 //! - `store`: one trait, two implementations (memory, Redis with Lua scripts).
 //! - `waiters`: the per-process registry that stores wake waiting claims through.
 //! - [`server`]: the HTTP/1.1 + h2c accept loop, [`run`] and [`Sidecar`].
@@ -24,12 +25,13 @@ pub mod config;
 mod http;
 mod locks;
 mod metrics;
+mod rate;
 pub mod server;
 mod store;
 #[cfg(feature = "testing")]
 pub mod testing;
 mod waiters;
 
-pub use config::{Cli, Config, ConfigError, RedisConfig, RedisTopology, StoreConfig};
+pub use config::{Cli, Config, ConfigError, RedisConfig, RedisTls, RedisTopology, StoreConfig};
 pub use server::{ServerError, Sidecar, run};
 pub use store::{CompletedInfo, HolderInfo, KeyInfo, KeyState, StoreError};

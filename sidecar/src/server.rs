@@ -6,7 +6,7 @@
 //! task (tests, the demo) and stops it again.
 
 use crate::config::{Config, StoreConfig};
-use crate::http::{self, App};
+use crate::http::{Api, App};
 use crate::locks::Locks;
 use crate::metrics::Metrics;
 use crate::store::memory::MemoryStore;
@@ -25,7 +25,6 @@ use std::time::Duration;
 use tokio::net::TcpListener;
 use tokio::sync::{oneshot, watch};
 use tokio::task::JoinHandle;
-use tower::ServiceExt;
 
 /// Why the server could not start or run.
 #[derive(Debug, thiserror::Error)]
@@ -84,7 +83,7 @@ async fn serve<S: Store>(
         metrics,
         shutting_down: stop_rx,
     });
-    let router = http::router(app);
+    let api = Api::new(app);
     let mut builder = auto::Builder::new(TokioExecutor::new());
     builder
         .http1()
@@ -114,10 +113,11 @@ async fn serve<S: Store>(
         };
         // Small request/response messages: do not let Nagle hold them back.
         let _ = stream.set_nodelay(true);
-        let router = router.clone();
+        let api = api.clone();
         let service = hyper::service::service_fn(move |mut req: hyper::Request<Incoming>| {
             req.extensions_mut().insert(ConnectInfo(peer));
-            router.clone().oneshot(req)
+            let api = api.clone();
+            async move { Ok::<_, std::convert::Infallible>(api.handle(req).await) }
         });
         let connection = builder
             .serve_connection(TokioIo::new(stream), service)

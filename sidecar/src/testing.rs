@@ -16,7 +16,7 @@
 //! Needs `redis-server` (and `redis-cli` for the Cluster) on PATH; `cargo xtask test`
 //! installs them.
 
-use crate::config::{RedisConfig, RedisTopology, StoreConfig};
+use crate::config::{RedisConfig, RedisTls, RedisTopology, StoreConfig};
 use std::io::{self, Read, Write};
 use std::net::{TcpListener, TcpStream};
 use std::path::PathBuf;
@@ -145,6 +145,7 @@ impl RedisServer {
             urls: vec![self.url()],
             topology: RedisTopology::Standalone,
             prefix: prefix.to_owned(),
+            tls: RedisTls::default(),
         })
     }
 
@@ -275,6 +276,7 @@ impl RedisCluster {
             urls: self.urls(),
             topology: RedisTopology::Cluster,
             prefix: "idemgate".to_owned(),
+            tls: RedisTls::default(),
         })
     }
 }
@@ -352,6 +354,7 @@ impl RedisSentinel {
                 master: Self::MASTER.to_owned(),
             },
             prefix: "idemgate".to_owned(),
+            tls: RedisTls::default(),
         })
     }
 }

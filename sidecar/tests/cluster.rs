@@ -1,5 +1,6 @@
 //! Redis topologies beyond a standalone server: a three-node Cluster (keys spread over
-//! slots, every script stays in one slot) and a master found through a Sentinel.
+//! slots, every script stays in one slot, listing scans every primary) and a master found
+//! through a Sentinel.
 
 use crate::util::{Harness, claim_req, granted, waiting};
 use idemgate_sidecar::testing::{RedisCluster, RedisSentinel};
@@ -34,6 +35,36 @@ async fn claims_queues_and_replays_work_on_a_cluster() {
     for node in cluster.nodes() {
         let keys: u64 = node.cli(&["dbsize"]).unwrap().trim().parse().unwrap();
         assert!(keys > 0, "every node holds some keys");
+    }
+    // Listing held keys scans every primary.
+    let mut held = Vec::new();
+    for i in 0..12 {
+        let key = format!("held-{i}");
+        let (owner, _) = granted(&c.claim(&claim_req(&key, Mode::Lock, 60_000)).await.0);
+        held.push((key, owner));
+    }
+    let list: serde_json::Value =
+        serde_json::from_slice(&c.get("/admin/v1/keys?limit=100").await.body).unwrap();
+    let mut listed: Vec<&str> = list["keys"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|k| k.as_str().unwrap())
+        .collect();
+    listed.sort_unstable();
+    let mut expected: Vec<&str> = held.iter().map(|(k, _)| k.as_str()).collect();
+    expected.sort_unstable();
+    assert_eq!(listed, expected);
+    assert_eq!(list["truncated"], false);
+    let page: serde_json::Value =
+        serde_json::from_slice(&c.get("/admin/v1/keys?limit=5").await.body).unwrap();
+    assert_eq!(page["keys"].as_array().map(Vec::len), Some(5));
+    assert_eq!(page["truncated"], true);
+    for (key, owner) in &held {
+        assert_eq!(
+            c.complete(key, owner, 1000, None).await,
+            OwnerOutcome::Released
+        );
     }
     // Queued hand-off (pub/sub notification across the cluster bus).
     let key = "cluster-queue";

@@ -1,6 +1,7 @@
-//! Redis-specific behaviour: outages, recovery, credentials in the URL, key layout.
+//! Redis-specific behaviour: outages, recovery, lost notifications, credentials in the URL,
+//! key layout.
 
-use crate::util::{Harness, claim_req, granted};
+use crate::util::{Harness, claim_req, granted, waiting};
 use hyper::StatusCode;
 use idemgate_sidecar::testing::RedisServer;
 use idemgate_wire::{ClaimOutcome, Mode, OwnerOutcome, paths, problem_types};
@@ -56,6 +57,40 @@ async fn redis_outage_answers_503_without_false_grants_and_recovers() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lost_notification_is_covered_by_the_recheck_interval() {
+    let redis = RedisServer::start().unwrap();
+    let store = redis.store_config();
+    let h = Harness::on_store(store, Some(redis), |c| {
+        c.recheck = Duration::from_millis(200);
+    })
+    .await;
+    let c = h.client.clone();
+    let key = "k-lost";
+    granted(&c.claim(&claim_req(key, Mode::Lock, 60_000)).await.0);
+    let client = c.clone();
+    let waiter = tokio::spawn(async move {
+        client
+            .claim(&waiting(claim_req(key, Mode::Lock, 10_000), 30_000, 10))
+            .await
+            .0
+    });
+    c.wait_for_key(key, "the waiter to queue", |info| info.queue_len == 1)
+        .await;
+    // The key becomes free behind the sidecar's back: nobody publishes a hand-off, and the
+    // holder's lease has a minute to go. Only the re-check can find the free key.
+    h.redis
+        .as_ref()
+        .unwrap()
+        .cli(&["DEL", "idemgate:{k-lost}:lock"])
+        .unwrap();
+    match waiter.await.unwrap() {
+        // Bounded by the re-check interval, not by the 30 s wait budget (generous margin).
+        ClaimOutcome::Granted { waited_ms, .. } => assert!(waited_ms < 20_000, "{waited_ms}"),
+        other => panic!("the waiter was not granted: {other:?}"),
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn password_in_the_url_is_used() {
     let redis = RedisServer::start_with(&["--requirepass", "pw-123"]).unwrap();
     let store = redis.store_config_with_prefix("custom.prefix");
@@ -86,6 +121,7 @@ async fn password_in_the_url_is_used() {
             urls: vec![url],
             topology: idemgate_sidecar::RedisTopology::Standalone,
             prefix: "idemgate".into(),
+            tls: Default::default(),
         })
     };
     let bad = Harness::on_store(wrong, None, |c| {

@@ -11,5 +11,7 @@ mod util;
 
 mod cluster;
 mod http_api;
+mod rate;
 mod redis_faults;
+mod redis_tls;
 mod suite;

@@ -28,7 +28,12 @@ use alloc::vec::Vec;
 use serde::{Deserialize, Serialize};
 
 mod answer;
+mod rate;
 mod validate;
+pub use rate::{
+    GcraStep, MAX_CHECKS, MAX_WINDOW_US, Rate, RateCheck, RateOutcome, RateRequest, RateResult,
+    gcra,
+};
 pub use validate::{FieldError, Limits};
 
 /// Request paths served by the sidecar.
@@ -41,6 +46,8 @@ pub mod paths {
     pub const ABORT: &str = "/v1/abort";
     /// Extend the in-flight lease: [`crate::RenewRequest`] → [`crate::OwnerOutcome`].
     pub const RENEW: &str = "/v1/renew";
+    /// Check rate limits: [`crate::RateRequest`] → [`crate::RateOutcome`].
+    pub const RATE: &str = "/v1/rate";
 }
 
 /// Content type of framed protocol messages (JSON head, optional `\n` + payload).

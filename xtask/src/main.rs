@@ -213,6 +213,7 @@ fn bench(root: &Path, groups: &[String]) -> Result<()> {
     toolchain::ensure_apt(&[
         ("valgrind", "valgrind"),
         ("redis-server", "redis-server"),
+        ("wrk", "wrk"),
         (
             "/usr/share/fonts/truetype/dejavu/DejaVuSans.ttf",
             "fonts-dejavu-core",

@@ -10,18 +10,31 @@ use std::process::Command;
 const FILTER_PACKAGE: &str = "idemgate-plugin";
 /// Crates linted for wasm32: the filter and everything it compiles in.
 const FILTER_CRATES: &[&str] = &["idemgate-plugin", "idemgate-core", "idemgate-wire"];
+/// Profile of the fixtures (the no-op baseline keeps the ordinary speed-optimized build).
 const PROFILE: &str = "wasm";
+/// Profile of the filter: size-optimized, see `[profile.wasm-filter]` in Cargo.toml.
+const FILTER_PROFILE: &str = "wasm-filter";
+/// The filter's size ceiling, enforced where `-Cpanic=immediate-abort` is available (the
+/// Debian route builds std itself; the rustup route's prebuilt std keeps the panic machinery
+/// and lands ~45 KiB above). Issue #5's goal of 256 KiB held for dedupe alone (247 KiB);
+/// rate limits (issue #9) added 26 KiB, so the ceiling is the measured 273 KiB plus a little
+/// room: see plugin/README.md, "Size and speed of the build".
+const FILTER_MAX_BYTES: u64 = 280 * 1024;
+/// A panic in the filter is a VM failure whatever it prints, so the Debian route drops the
+/// panic machinery (formatting, messages, unwinding tables) altogether: ~45 KiB.
+const IMMEDIATE_ABORT: &str = "-Zunstable-options -Cpanic=immediate-abort";
 const WASI: &str = "wasm32-wasip1";
 const UNKNOWN: &str = "wasm32-unknown-unknown";
 /// Fixture also built for wasm32-unknown-unknown, so the host is tested on both targets.
 const UNKNOWN_FIXTURE: &str = "noop";
 /// Binaryen's optimizer (Debian `binaryen`), run on the filter when present: it removes
-/// ~55 KB that LLVM leaves (duplicate functions, dead data). `-O3` rather than `-Oz`, so the
-/// per-request code is never traded for size. The profile strips the `target_features`
-/// section, so the features rustc enables for wasm32 by default are named here.
+/// ~50 KB that LLVM leaves (duplicate functions, dead data). `-Oz`: measured as fast as `-O3`
+/// per request on the size-optimized build and 6 KiB smaller (BENCHMARKS.md, plugin/README).
+/// The profile strips the `target_features` section, so the features rustc enables for
+/// wasm32 by default are named here.
 const WASM_OPT: &str = "wasm-opt";
 const WASM_OPT_ARGS: &[&str] = &[
-    "-O3",
+    "-Oz",
     "--enable-bulk-memory",
     "--enable-multivalue",
     "--enable-mutable-globals",
@@ -37,28 +50,41 @@ pub fn build_all(root: &Path) -> Result<PathBuf> {
 
 pub fn build_with(root: &Path, route: Route) -> Result<PathBuf> {
     let fixtures = fixtures(root)?;
+    let mut filter_build = cargo(root, route, WASI, &["build", "--profile", FILTER_PROFILE]);
+    filter_build.args(["-p", FILTER_PACKAGE]);
+    if route == Route::Debian {
+        filter_build.env(
+            "RUSTFLAGS",
+            format!("{DEBIAN_WASI_RUSTFLAGS} {IMMEDIATE_ABORT}"),
+        );
+    }
+    cmd::step("wasm build (the filter)", &mut filter_build)?;
     let mut build = cargo(root, route, WASI, &["build", "--profile", PROFILE]);
-    build.args(["-p", FILTER_PACKAGE]);
     for (_, package) in &fixtures {
         build.args(["-p", package]);
     }
-    cmd::step("wasm build (wasm32-wasip1)", &mut build)?;
+    cmd::step("wasm build (wasm32-wasip1 fixtures)", &mut build)?;
     let mut unknown = cargo(root, route, UNKNOWN, &["build", "--profile", PROFILE]);
     unknown.args(["-p", &format!("fixture-{UNKNOWN_FIXTURE}")]);
     cmd::step("wasm build (wasm32-unknown-unknown)", &mut unknown)?;
 
     let target = root.join("target");
     let filter = target.join("idemgate.wasm");
-    optimize(&built(root, WASI, FILTER_PACKAGE), &filter)?;
+    let optimized = optimize(&built(root, WASI, FILTER_PROFILE, FILTER_PACKAGE), &filter)?;
     std::fs::create_dir_all(target.join("fixtures"))?;
     for (dir, package) in &fixtures {
         copy(
-            &built(root, WASI, package),
+            &built(root, WASI, PROFILE, package),
             &target.join(format!("fixtures/{dir}.wasm")),
         )?;
     }
     copy(
-        &built(root, UNKNOWN, &format!("fixture-{UNKNOWN_FIXTURE}")),
+        &built(
+            root,
+            UNKNOWN,
+            PROFILE,
+            &format!("fixture-{UNKNOWN_FIXTURE}"),
+        ),
         &target.join(format!("fixtures/{UNKNOWN_FIXTURE}-unknown.wasm")),
     )?;
     let size = std::fs::metadata(&filter)?.len();
@@ -67,6 +93,13 @@ pub fn build_with(root: &Path, route: Route) -> Result<PathBuf> {
         filter.display(),
         size as f64 / 1024.0
     );
+    if route == Route::Debian && optimized && size > FILTER_MAX_BYTES {
+        anyhow::bail!(
+            "{} is {size} bytes, above its ceiling of {FILTER_MAX_BYTES} (280 KiB): see \
+             plugin/README.md (\"Size and speed of the build\") and `twiggy top`",
+            filter.display()
+        );
+    }
     Ok(filter)
 }
 
@@ -79,6 +112,10 @@ pub fn clippy(root: &Path, route: Route) -> Command {
     clippy.args(["--", "-D", "warnings"]);
     clippy
 }
+
+/// Links against Debian's wasi-libc instead of a self-contained copy the Debian compiler
+/// does not ship.
+const DEBIAN_WASI_RUSTFLAGS: &str = "-C link-self-contained=no -L native=/usr/lib/wasm32-wasi";
 
 /// `cargo <subcommand>` for `target` on `route`; the caller adds packages and the rest.
 fn cargo(root: &Path, route: Route, target: &str, subcommand: &[&str]) -> Command {
@@ -95,12 +132,7 @@ fn cargo(root: &Path, route: Route, target: &str, subcommand: &[&str]) -> Comman
                 .env_remove("RUSTDOC")
                 .env_remove("CARGO");
             if target == WASI {
-                // Link against Debian's wasi-libc instead of a self-contained copy the
-                // Debian compiler does not ship.
-                c.env(
-                    "RUSTFLAGS",
-                    "-C link-self-contained=no -L native=/usr/lib/wasm32-wasi",
-                );
+                c.env("RUSTFLAGS", DEBIAN_WASI_RUSTFLAGS);
             } else {
                 c.env_remove("RUSTFLAGS");
             }
@@ -120,23 +152,25 @@ fn cargo(root: &Path, route: Route, target: &str, subcommand: &[&str]) -> Comman
 }
 
 /// Copies the filter to `to`, through `wasm-opt` when it is installed (optional: the
-/// unoptimized module works the same, it is only larger).
-fn optimize(from: &Path, to: &Path) -> Result<()> {
+/// unoptimized module works the same, it is only larger). Returns whether it optimized.
+fn optimize(from: &Path, to: &Path) -> Result<bool> {
     if !cmd::succeeds(Command::new("which").arg(WASM_OPT)) {
         println!(
             "{WASM_OPT} not found (apt-get install binaryen): the filter is not post-optimized"
         );
-        return copy(from, to);
+        copy(from, to)?;
+        return Ok(false);
     }
     let mut wasm_opt = Command::new(WASM_OPT);
     wasm_opt.args(WASM_OPT_ARGS).arg(from).arg("-o").arg(to);
-    cmd::step("wasm-opt (filter)", &mut wasm_opt)
+    cmd::step("wasm-opt (filter)", &mut wasm_opt)?;
+    Ok(true)
 }
 
-fn built(root: &Path, target: &str, package: &str) -> PathBuf {
+fn built(root: &Path, target: &str, profile: &str, package: &str) -> PathBuf {
     root.join("target/wasm-build")
         .join(target)
-        .join(PROFILE)
+        .join(profile)
         .join(format!("{}.wasm", package.replace('-', "_")))
 }
 

@@ -1,5 +1,7 @@
 //! `cargo xtask demo`: plays the duplicate-call scenarios twice — straight to the backend,
-//! then through idemgate — and prints what each run did to the backend.
+//! then through idemgate — and prints what each run did to the backend. Fails if a run
+//! through idemgate still damaged it. Every process it starts is stopped when it ends, on
+//! SIGINT (Ctrl-C) and on SIGTERM.
 
 use anyhow::{Result, bail};
 use clap::Parser;
@@ -166,16 +168,26 @@ async fn play_all(stack: &Stack) -> Result<()> {
                 .post(format!("{}/reset", stack.backend))
                 .send()
                 .await?;
+            let queued_before = queued(&client, stack, label).await?;
             let run = scenarios::play(&client, base, &stack.backend, scenario, max_call).await?;
+            let queued = match (queued_before, queued(&client, stack, label).await?) {
+                (Some(before), Some(after)) => Some(after.saturating_sub(before)),
+                _ => None,
+            };
             println!("    {label:<9} {}", summary(&run));
-            rows.push((scenario.name, label, run));
+            rows.push(Row {
+                scenario: scenario.name,
+                label,
+                run,
+                queued,
+            });
         }
     }
     print_table(&rows);
     let damaged: Vec<&str> = rows
         .iter()
-        .filter(|(_, label, run)| *label == GUARDED && damage(run) > 0)
-        .map(|(name, _, _)| *name)
+        .filter(|row| row.label == GUARDED && damage(&row.run) > 0)
+        .map(|row| row.scenario)
         .collect();
     if !damaged.is_empty() {
         bail!(
@@ -188,6 +200,36 @@ async fn play_all(stack: &Stack) -> Result<()> {
 
 const DIRECT: &str = "direct";
 const GUARDED: &str = "idemgate";
+
+/// One line of the before/after table.
+struct Row {
+    scenario: &'static str,
+    label: &'static str,
+    run: Run,
+    /// Calls the gateway held in a queue until their turn (through idemgate only).
+    queued: Option<u64>,
+}
+
+/// The gateway's count of queued requests (its admin `/stats`), on the idemgate path.
+async fn queued(client: &reqwest::Client, stack: &Stack, label: &str) -> Result<Option<u64>> {
+    if label != GUARDED {
+        return Ok(None);
+    }
+    let stats = client
+        .get(format!("{}/stats", stack.gateway_admin))
+        .send()
+        .await?
+        .error_for_status()?
+        .text()
+        .await?;
+    Ok(Some(
+        stats
+            .lines()
+            .find_map(|l| l.strip_prefix("idemgate.requests.queued: "))
+            .and_then(|v| v.trim().parse().ok())
+            .unwrap_or(0),
+    ))
+}
 
 fn damage(run: &Run) -> u64 {
     let b = &run.backend;
@@ -212,9 +254,9 @@ fn summary(run: &Run) -> String {
     )
 }
 
-fn print_table(rows: &[(&str, &str, Run)]) {
+fn print_table(rows: &[Row]) {
     println!(
-        "\n{:<20} {:<9} {:>5} {:>5} {:>6} {:>5} {:>5} {:>8} {:>4} {:>4} {:>9} {:>9}",
+        "\n{:<20} {:<9} {:>5} {:>5} {:>6} {:>5} {:>5} {:>8} {:>4} {:>7} {:>4} {:>9} {:>9}",
         "scenario",
         "path",
         "sent",
@@ -224,16 +266,17 @@ fn print_table(rows: &[(&str, &str, Run)]) {
         "2x$",
         "replays",
         "409",
+        "queued",
         "2xx",
         "p50",
         "p99"
     );
-    for (name, label, run) in rows {
-        let b = &run.backend;
+    for row in rows {
+        let (run, b) = (&row.run, &row.run.backend);
         println!(
-            "{:<20} {:<9} {:>5} {:>5} {:>6} {:>5} {:>5} {:>8} {:>4} {:>4} {:>9.1?} {:>9.1?}",
-            name,
-            label,
+            "{:<20} {:<9} {:>5} {:>5} {:>6} {:>5} {:>5} {:>8} {:>4} {:>7} {:>4} {:>9.1?} {:>9.1?}",
+            row.scenario,
+            row.label,
             run.outcomes.len(),
             b.executions,
             b.lost_updates,
@@ -241,6 +284,7 @@ fn print_table(rows: &[(&str, &str, Run)]) {
             b.double_charges,
             run.replays(),
             run.count(409),
+            row.queued.map_or("-".to_string(), |q| q.to_string()),
             run.succeeded(),
             run.latency(50),
             run.latency(99),
@@ -248,6 +292,6 @@ fn print_table(rows: &[(&str, &str, Run)]) {
     }
     println!(
         "\nruns = backend executions; lost = lost updates; dup = duplicate engines; \
-         2x$ = double charges"
+         2x$ = double charges; queued = calls held until their turn"
     );
 }

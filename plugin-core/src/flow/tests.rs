@@ -10,7 +10,7 @@
 use super::*;
 use crate::testing::{MemStore, Recorder, Req};
 use alloc::format;
-use idemgate_wire::WaitPolicy;
+use idemgate_wire::{RateOutcome, RateRequest, WaitPolicy};
 
 /// One gateway: its shared data, breaker and metrics.
 struct Gateway {
@@ -120,6 +120,14 @@ impl Gateway {
 
     fn end(&mut self, flow: &mut Flow) -> bool {
         self.with(|c, env| flow.on_stream_end(c, env))
+    }
+
+    /// The tick's lease work for `flow` at time `at`.
+    fn due(&mut self, flow: &mut Flow, at: u64) -> Option<Callout> {
+        let now = core::mem::replace(&mut self.now, at);
+        let due = self.with(|c, env| flow.renewal_due(c, env));
+        self.now = now;
+        due
     }
 
     fn count(&self, c: Counter) -> usize {
@@ -540,6 +548,43 @@ fn fail_local_decides_on_shared_data() {
 }
 
 #[test]
+fn fail_local_forwards_keep_their_local_entry_past_one_lease() {
+    let json = r#"{"sidecar":{"cluster":"s"},"failure_mode":"local","rules":[{"lease":"10s"}]}"#;
+    let mut gw = Gateway::new(json);
+    let (mut first, _, _) = gw.claim(&post("k"));
+    let start = gw.now;
+    assert!(matches!(
+        gw.answer(&mut first, Answer::Failed),
+        Action::Continue(_)
+    ));
+    assert_eq!(gw.due(&mut first, start + 4_999), None);
+    assert_eq!(gw.count(Counter::LeaseRenewals), 0, "not before half-lease");
+    // Ticks at half-lease extend the entry without a callout: no grant to renew.
+    for tick in 1..=5 {
+        assert_eq!(gw.due(&mut first, start + tick * 5_000), None);
+    }
+    assert_eq!(gw.count(Counter::LeaseRenewals), 5);
+    gw.now = start + 29_000;
+    let r = reply(gw.start(&post("k")).1);
+    assert_eq!(
+        r.status, 409,
+        "three leases later the call still holds the key"
+    );
+    // The response releases it as usual.
+    gw.respond(&mut first, "201", "application/json", &[b"{}"]);
+    let replay = reply(gw.start(&post("k")).1);
+    assert_eq!(replay.status, 201);
+    // A flow whose entry was taken over (a tick came after expiry) counts a lost lease.
+    let (mut late, _, _) = gw.claim(&post("k2"));
+    let start = gw.now;
+    gw.answer(&mut late, Answer::Failed);
+    gw.now = start + 10_001;
+    let (_taker, _, _) = gw.claim(&post("k2"));
+    assert_eq!(gw.due(&mut late, start + 10_002), None);
+    assert_eq!(gw.count(Counter::LeaseLost), 1);
+}
+
+#[test]
 fn breaker_opens_and_skips_the_callout() {
     let mut gw = Gateway::rules(REJECT);
     for i in 0..5 {
@@ -630,14 +675,15 @@ fn client_abort_after_forwarding_holds_the_key_until_its_lease_ends() {
         }
         assert!(!gw.end(&mut flow), "nothing to wait for");
         assert!(flow.take_release().is_none(), "the sidecar claim is kept");
-        assert!(
-            flow.renewal_due(&gw.config, u64::MAX).is_none(),
-            "and no longer renewed"
-        );
         assert_eq!(gw.count(Counter::AbandonedUpstream), 1);
+        gw.now += 6_000;
+        assert!(
+            gw.with(|c, env| flow.renewal_due(c, env)).is_none(),
+            "no longer renewed past half the lease"
+        );
         let (_, retry) = gw.start(&post("k"));
         assert_eq!(reply(retry).status, 409, "a retry meets the held key");
-        gw.now += 10_001;
+        gw.now += 4_001;
         assert!(
             matches!(gw.start(&post("k")).1, Action::Claim(_)),
             "claimable once the lease ran out"
@@ -733,10 +779,10 @@ fn renewals_on_half_lease_and_lease_loss() {
     let (mut flow, _, _) = gw.claim(&post("k"));
     gw.grant(&mut flow, 1);
     let cfg = gw.config.clone();
-    assert!(flow.renewal_due(&cfg, gw.now + 14_999).is_none());
-    let call = flow.renewal_due(&cfg, gw.now + 15_000).unwrap();
+    assert!(gw.due(&mut flow, gw.now + 14_999).is_none());
+    let call = gw.due(&mut flow, gw.now + 15_000).unwrap();
     assert!(
-        flow.renewal_due(&cfg, gw.now + 15_001).is_none(),
+        gw.due(&mut flow, gw.now + 15_001).is_none(),
         "one renewal at a time"
     );
     let (renew, _): (RenewRequest, &[u8]) = idemgate_wire::decode(&call.body).unwrap();
@@ -753,17 +799,17 @@ fn renewals_on_half_lease_and_lease_loss() {
             env,
         )
     });
-    assert!(flow.renewal_due(&cfg, gw.now + 14_999).is_none());
+    assert!(gw.due(&mut flow, gw.now + 14_999).is_none());
     // The renewal moved this gateway's entry too: past the first lease a duplicate here is
     // still rejected locally (it ends 30 s after the renewal, 20 s from here).
     gw.now += 20_000;
     let r = reply(gw.start(&post("k")).1);
     assert_eq!((r.status, header(&r, "retry-after")), (409, Some("10")));
     gw.now -= 20_000;
-    let _ = flow.renewal_due(&cfg, gw.now + 15_000).unwrap();
+    let _ = gw.due(&mut flow, gw.now + 15_000).unwrap();
     gw.with(|_, env| flow.on_renew_answer(&cfg, Answer::Failed, env));
     assert!(
-        flow.renewal_due(&cfg, gw.now + 15_000).is_some(),
+        gw.due(&mut flow, gw.now + 15_000).is_some(),
         "a failed renewal is retried"
     );
     let stale = idemgate_wire::encode(&OwnerOutcome::Stale, &[]);
@@ -777,7 +823,7 @@ fn renewals_on_half_lease_and_lease_loss() {
             env,
         )
     });
-    assert!(flow.renewal_due(&cfg, u64::MAX - 1).is_none());
+    assert!(gw.due(&mut flow, u64::MAX - 1).is_none());
     assert_eq!(
         (
             gw.count(Counter::LeaseRenewals),
@@ -863,4 +909,210 @@ fn local_tier_host_errors_fall_back_to_the_sidecar() {
     gw.grant(&mut flow, 1);
     gw.respond(&mut flow, "201", "application/json", &[b"{}"]);
     assert_eq!(release(&mut flow).0, paths::COMPLETE);
+}
+
+// === rate limits ===
+
+fn rate_rules(tier: &str, extra: &str) -> String {
+    format!(
+        r#"[{{"scope":{{"headers":["x-user"]}},"rate":{{"tier":"{tier}","limits":[{{"by":"scope","requests":2,"per":"1s"}}]{extra}}}}}]"#
+    )
+}
+
+fn user_post(key: &str) -> Req {
+    post(key).with("x-user", "alice")
+}
+
+/// Starts a request and expects the `/v1/rate` callout; returns the flow and the checks.
+fn rate_callout(gw: &mut Gateway, req: &Req) -> (Flow, RateRequest) {
+    let (flow, action) = gw.start(req);
+    let Action::Claim(call) = action else {
+        panic!("expected the rate callout, got {action:?}")
+    };
+    assert_eq!(call.path, paths::RATE);
+    let (request, _): (RateRequest, &[u8]) = idemgate_wire::decode(&call.body).unwrap();
+    (flow.unwrap(), request)
+}
+
+fn rate_answer(gw: &mut Gateway, flow: &mut Flow, results: &[idemgate_wire::RateResult]) -> Action {
+    let body = idemgate_wire::encode(
+        &RateOutcome {
+            results: results.to_vec(),
+        },
+        &[],
+    );
+    gw.answer(
+        flow,
+        Answer::Http {
+            status: 200,
+            body: &body,
+        },
+    )
+}
+
+const ALLOWED: idemgate_wire::RateResult = idemgate_wire::RateResult {
+    allowed: true,
+    remaining: 1,
+    retry_after_ms: 0,
+    reset_ms: 500,
+};
+const LIMITED: idemgate_wire::RateResult = idemgate_wire::RateResult {
+    allowed: false,
+    remaining: 0,
+    retry_after_ms: 1_200,
+    reset_ms: 1_000,
+};
+
+#[test]
+fn local_rate_limit_answers_429_without_a_callout_and_refills() {
+    let mut gw = Gateway::rules(&rate_rules("local", ""));
+    for k in ["a", "b"] {
+        gw.claim(&user_post(k));
+    }
+    let r = reply(gw.start(&user_post("c")).1);
+    assert_eq!(r.status, 429);
+    assert_eq!(problem_type(&r), "urn:idemgate:problem:rate-limited");
+    assert_eq!(header(&r, "retry-after"), Some("1"));
+    assert_eq!(header(&r, "ratelimit-policy"), Some("\"scope\";q=2;w=1"));
+    assert_eq!(header(&r, "ratelimit"), Some("\"scope\";r=0;t=1"));
+    // Another caller has its own budget.
+    gw.claim(&post("d").with("x-user", "bob"));
+    // Half a second later one more request of the caller fits, and only one.
+    gw.now += 500;
+    gw.claim(&user_post("e"));
+    assert_eq!(reply(gw.start(&user_post("f")).1).status, 429);
+    assert_eq!(
+        (
+            gw.count(Counter::RateAllowedLocal),
+            gw.count(Counter::RateLimitedLocal)
+        ),
+        (4, 2)
+    );
+    assert_eq!(
+        gw.rec.rate.iter().filter(|(_, limited)| *limited).count(),
+        2
+    );
+}
+
+#[test]
+fn global_rate_check_comes_before_the_claim() {
+    let mut gw = Gateway::rules(&rate_rules("global", r#","expose":true"#));
+    let (mut flow, request) = rate_callout(&mut gw, &user_post("k"));
+    assert_eq!(request.checks.len(), 1);
+    assert_eq!(
+        (request.checks[0].interval_us, request.checks[0].burst),
+        (500_000, 2)
+    );
+    assert!(flow.holds_request());
+    let Action::Claim(claim) = rate_answer(&mut gw, &mut flow, &[ALLOWED]) else {
+        panic!("the key's claim follows")
+    };
+    assert_eq!(claim.path, paths::CLAIM);
+    gw.grant(&mut flow, 7);
+    assert_eq!(
+        flow.take_response_headers(),
+        vec![
+            (
+                "ratelimit-policy".to_string(),
+                "\"scope\";q=2;w=1".to_string()
+            ),
+            ("ratelimit".to_string(), "\"scope\";r=1;t=1".to_string()),
+        ]
+    );
+    let (mut limited, _) = rate_callout(&mut gw, &user_post("k2"));
+    let r = reply(rate_answer(&mut gw, &mut limited, &[LIMITED]));
+    assert_eq!((r.status, header(&r, "retry-after")), (429, Some("2")));
+    assert_eq!(gw.count(Counter::RateLimitedGlobal), 1);
+    // An answer that cannot belong to the checks sent is a sidecar failure (closed: 503).
+    let (mut garbage, _) = rate_callout(&mut gw, &user_post("k3"));
+    let r = reply(rate_answer(&mut gw, &mut garbage, &[ALLOWED, ALLOWED]));
+    assert_eq!(r.status, 503);
+    assert_eq!(gw.count(Counter::SidecarErrors), 1);
+    // The client leaving while the check is out leaves nothing to release.
+    let (mut gone, _) = rate_callout(&mut gw, &user_post("k4"));
+    assert!(!gw.end(&mut gone));
+    assert_eq!(gone.take_release(), None);
+}
+
+#[test]
+fn rate_failures_follow_the_failure_mode() {
+    // open: the request goes on to its claim.
+    let json = |mode: &str, tier: &str| {
+        format!(
+            r#"{{"sidecar":{{"cluster":"s"}},"failure_mode":"{mode}","rules":{}}}"#,
+            rate_rules(tier, "")
+        )
+    };
+    let mut gw = Gateway::new(&json("open", "global"));
+    let (mut flow, _) = rate_callout(&mut gw, &user_post("k"));
+    assert!(matches!(
+        gw.answer(&mut flow, Answer::Failed),
+        Action::Claim(Callout {
+            path: paths::CLAIM,
+            ..
+        })
+    ));
+    assert_eq!(gw.count(Counter::FailedOpen), 1);
+    // local with a global-only tier: the shared-data table decides instead.
+    let mut gw = Gateway::new(&json("local", "global"));
+    for (i, k) in ["a", "b", "c"].into_iter().enumerate() {
+        let (mut flow, _) = rate_callout(&mut gw, &user_post(k));
+        let action = gw.answer(&mut flow, Answer::Failed);
+        if i < 2 {
+            assert!(matches!(action, Action::Claim(_)), "{k}: {action:?}");
+        } else {
+            assert_eq!(reply(action).status, 429, "{k}");
+        }
+    }
+    // Breaker open: no callout at all, the failure mode at once.
+    let mut gw = Gateway::new(&json("closed", "local_then_global"));
+    for k in 0..5 {
+        let (mut flow, _) = rate_callout(&mut gw, &user_post(&format!("x{k}")));
+        gw.answer(&mut flow, Answer::Failed);
+        gw.now += 1_000;
+    }
+    let r = reply(gw.start(&user_post("y")).1);
+    assert_eq!(r.status, 503);
+    assert_eq!(gw.count(Counter::BreakerOpen), 1);
+}
+
+#[test]
+fn shadow_rate_limits_count_and_never_block() {
+    let mut gw = Gateway::rules(&rate_rules("local", r#","shadow":true"#));
+    for k in ["a", "b", "c", "d"] {
+        gw.claim(&user_post(k));
+    }
+    assert_eq!(gw.count(Counter::ShadowWouldBlock), 2);
+    assert_eq!(gw.count(Counter::RateLimitedLocal), 2);
+}
+
+#[test]
+fn rate_config_errors_name_the_field() {
+    for (rate, path) in [
+        (r#"{"limits":[]}"#, "rules[0].rate.limits"),
+        (
+            r#"{"limits":[{"by":"scope","requests":0,"per":"1s"}]}"#,
+            "rules[0].rate.limits[0].requests",
+        ),
+        (
+            r#"{"limits":[{"by":"scope","requests":2000000,"per":"1s"}]}"#,
+            "rules[0].rate.limits[0].requests",
+        ),
+        (
+            r#"{"limits":[{"by":"scope","requests":1,"per":"1h","burst":25}]}"#,
+            "rules[0].rate.limits[0].burst",
+        ),
+        (
+            r#"{"limits":[{"by":"caller","requests":1,"per":"1s"}]}"#,
+            "rules[0].rate.limits[0]",
+        ),
+        (
+            r#"{"limits":[{"by":"key","requests":1,"per":"1s"}],"tier":"x"}"#,
+            "rules[0].rate",
+        ),
+    ] {
+        let json = format!(r#"{{"sidecar":{{"cluster":"s"}},"rules":[{{"rate":{rate}}}]}}"#);
+        let e = crate::config::parse(json.as_bytes()).unwrap_err();
+        assert_eq!(e.path, path, "{rate}: {e}");
+    }
 }

@@ -21,6 +21,8 @@ const SWEEP_EVERY: u64 = 4096;
 
 pub(crate) struct MemoryStore {
     inner: Mutex<Inner>,
+    /// Rate limits (`crate::rate`): separate state, never touched by lock steps.
+    pub(crate) rates: crate::rate::MemoryRates,
     waiters: Arc<Waiters>,
     fence_ttl: Duration,
 }
@@ -114,6 +116,7 @@ impl MemoryStore {
     pub(crate) fn new(waiters: Arc<Waiters>, fence_ttl: Duration) -> Self {
         MemoryStore {
             inner: Mutex::new(Inner::default()),
+            rates: crate::rate::MemoryRates::default(),
             waiters,
             fence_ttl,
         }

@@ -149,7 +149,7 @@ pub struct CompletedInfo {
 }
 
 /// Atomic steps on key state. Every method is one atomic step in the backing store.
-pub(crate) trait Store: Send + Sync + 'static {
+pub(crate) trait Store: crate::rate::RateStore + Send + Sync + 'static {
     /// The registry this store wakes when it hands a key to one of this process's waiters.
     fn waiters(&self) -> &Arc<Waiters>;
 

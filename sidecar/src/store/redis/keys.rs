@@ -68,6 +68,16 @@ pub(crate) fn key_of_lock(prefix: &str, lock_key: &str) -> Option<String> {
     tag_to_key(tag)
 }
 
+/// The GCRA state of one rate-limited key: its own hash tag, so one limit is one slot.
+pub(crate) fn rate_key(prefix: &str, key: &str) -> String {
+    let mut k = String::with_capacity(prefix.len() + key.len() + 8);
+    k.push_str(prefix);
+    k.push_str(":rate:{");
+    push_tag(&mut k, key);
+    k.push('}');
+    k
+}
+
 /// Channel prefix of the per-process inboxes (pub/sub channels are not keys: no tag).
 pub(crate) fn inbox_prefix(prefix: &str) -> String {
     format!("{prefix}:inbox:")

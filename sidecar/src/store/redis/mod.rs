@@ -12,13 +12,14 @@
 //! (re)subscription wakes all local waiters to re-check at once.
 
 mod keys;
+mod rate;
 mod scripts;
 
 use super::{
     ClaimArgs, ClaimReply, ClaimStep, CompletedInfo, Grant, HolderInfo, KeyInfo, KeyState,
     LeaveStep, Store, StoreError, StoreResult, Stored, millis,
 };
-use crate::config::{RedisConfig, RedisTopology, redact_url};
+use crate::config::{RedisConfig, RedisTls, RedisTopology, redact_url};
 use crate::waiters::Waiters;
 use bytes::Bytes;
 use futures_util::StreamExt;
@@ -26,10 +27,13 @@ use idemgate_wire::{Mode, OwnerOutcome, StoredResponse};
 use keys::LockKeys;
 use redis::aio::{ConnectionManager, ConnectionManagerConfig};
 use redis::cluster_async::ClusterConnection;
+use redis::cluster_routing::{RoutingInfo, SingleNodeRoutingInfo};
 use redis::sentinel::{SentinelClient, SentinelNodeConnectionInfo, SentinelServerType};
 use redis::{
-    ErrorKind, FromRedisValue, IntoConnectionInfo, RedisError, RetryMethod, ScriptInvocation, Value,
+    Cmd, ErrorKind, FromRedisValue, IntoConnectionInfo, RedisError, RetryMethod, Script,
+    ServerErrorKind, Value,
 };
+use std::future::Future;
 use std::sync::Arc;
 use std::time::Duration;
 use tokio::sync::{Mutex, RwLock};
@@ -61,6 +65,29 @@ fn connection_info(url: &str) -> StoreResult<redis::ConnectionInfo> {
         .into_connection_info()
         .map_err(classify)?
         .set_tcp_settings(tcp_settings()))
+}
+
+/// The configured CA and client certificate, when there are any.
+fn certificates(tls: &RedisTls) -> Option<redis::TlsCertificates> {
+    (!tls.is_empty()).then(|| redis::TlsCertificates {
+        client_tls: tls
+            .client_pem
+            .as_ref()
+            .map(|(cert, key)| redis::ClientTlsConfig {
+                client_cert: cert.clone(),
+                client_key: key.clone(),
+            }),
+        root_cert: tls.ca_pem.clone(),
+    })
+}
+
+/// A client for one node; a `rediss://` URL gets the configured certificates.
+fn node_client(url: &str, tls: &RedisTls) -> Result<redis::Client, RedisError> {
+    let info = url.into_connection_info()?.set_tcp_settings(tcp_settings());
+    match certificates(tls) {
+        Some(certs) if url.starts_with("rediss://") => redis::Client::build_with_tls(info, certs),
+        _ => redis::Client::open(info),
+    }
 }
 
 fn unexpected(what: &str) -> StoreError {
@@ -138,6 +165,9 @@ impl RedisStore {
         fence_ttl: Duration,
         timeout: Duration,
     ) -> StoreResult<Self> {
+        // rustls needs one process-wide crypto provider; an embedding application may have
+        // installed its own already, which is as good.
+        let _ = rustls::crypto::ring::default_provider().install_default();
         let manager_config = ConnectionManagerConfig::new()
             .set_connection_timeout(Some(timeout))
             .set_response_timeout(Some(timeout))
@@ -149,7 +179,7 @@ impl RedisStore {
             .ok_or_else(|| StoreError::Permanent("no Redis URL".into()))?;
         let conn = match &cfg.topology {
             RedisTopology::Standalone => {
-                let client = redis::Client::open(connection_info(first_url)?).map_err(classify)?;
+                let client = node_client(first_url, &cfg.tls).map_err(classify)?;
                 Conn::Single(
                     ConnectionManager::new_lazy_with_config(client, manager_config)
                         .map_err(classify)?,
@@ -161,12 +191,14 @@ impl RedisStore {
                     .iter()
                     .map(|u| connection_info(u))
                     .collect::<StoreResult<Vec<_>>>()?;
-                let client = redis::cluster::ClusterClientBuilder::new(nodes)
+                let mut builder = redis::cluster::ClusterClientBuilder::new(nodes)
                     .connection_timeout(timeout)
                     .response_timeout(timeout)
-                    .retries(2)
-                    .build()
-                    .map_err(classify)?;
+                    .retries(2);
+                if let Some(certs) = certificates(&cfg.tls) {
+                    builder = builder.certs(certs);
+                }
+                let client = builder.build().map_err(classify)?;
                 Conn::Cluster(client.get_async_connection().await.map_err(classify)?)
             }
             RedisTopology::Sentinel { master } => Conn::Sentinel(Box::new(SentinelConn {
@@ -203,22 +235,12 @@ impl RedisStore {
         LockKeys::new(&self.prefix, key)
     }
 
-    /// Runs a script invocation on the current connection, bounded by the store timeout.
-    async fn eval<T: FromRedisValue>(&self, inv: &ScriptInvocation<'_>) -> StoreResult<T> {
-        let run = async {
-            match &self.conn {
-                Conn::Single(c) => inv.invoke_async(&mut c.clone()).await,
-                Conn::Cluster(c) => inv.invoke_async(&mut c.clone()).await,
-                Conn::Sentinel(s) => {
-                    let result = match s.get().await {
-                        Ok(mut c) => inv.invoke_async(&mut c).await,
-                        Err(e) => Err(e),
-                    };
-                    s.checked(result).await
-                }
-            }
-        };
-        match tokio::time::timeout(self.timeout, run).await {
+    /// `request` bounded by the store timeout, its error classified.
+    async fn bounded<T>(
+        &self,
+        request: impl Future<Output = Result<T, RedisError>>,
+    ) -> StoreResult<T> {
+        match tokio::time::timeout(self.timeout, request).await {
             Ok(result) => result.map_err(classify),
             Err(_) => Err(StoreError::Transient(format!(
                 "Redis did not answer within {:?}",
@@ -227,41 +249,123 @@ impl RedisStore {
         }
     }
 
-    async fn query<T: FromRedisValue>(&self, cmd: &redis::Cmd) -> StoreResult<T> {
+    /// One page of `SCAN` for lock keys, on `node` (a Cluster primary) or the one server.
+    async fn scan_page(
+        &self,
+        node: Option<&(String, u16)>,
+        cursor: u64,
+        pattern: &str,
+    ) -> StoreResult<(u64, Vec<String>)> {
+        let mut scan = redis::cmd("SCAN");
+        scan.arg(cursor)
+            .arg("MATCH")
+            .arg(pattern)
+            .arg("COUNT")
+            .arg(1000);
+        match (node, &self.conn) {
+            (Some((host, port)), Conn::Cluster(c)) => {
+                let routing = RoutingInfo::SingleNode(SingleNodeRoutingInfo::ByAddress {
+                    host: host.clone(),
+                    port: *port,
+                });
+                let page = self.bounded(c.clone().route_command(scan, routing)).await?;
+                redis::from_redis_value(page).map_err(|e| unexpected(&e.to_string()))
+            }
+            _ => self.run(Op::Command(&scan)).await,
+        }
+    }
+
+    /// Runs one command or script on the current connection, bounded by the store timeout.
+    async fn run<T: FromRedisValue>(&self, op: Op<'_>) -> StoreResult<T> {
         let run = async {
             match &self.conn {
-                Conn::Single(c) => cmd.query_async(&mut c.clone()).await,
-                Conn::Cluster(c) => cmd.query_async(&mut c.clone()).await,
+                Conn::Single(c) => op.send(&mut c.clone()).await,
+                Conn::Cluster(c) => op.send(&mut c.clone()).await,
                 Conn::Sentinel(s) => {
                     let result = match s.get().await {
-                        Ok(mut c) => cmd.query_async(&mut c).await,
+                        Ok(mut c) => op.send(&mut c).await,
                         Err(e) => Err(e),
                     };
                     s.checked(result).await
                 }
             }
         };
-        match tokio::time::timeout(self.timeout, run).await {
-            Ok(result) => result.map_err(classify),
-            Err(_) => Err(StoreError::Transient("Redis timed out".into())),
-        }
+        self.bounded(run).await
     }
 
     async fn release_script(
         &self,
-        script: &redis::Script,
+        script: &Script,
         key: &str,
         owner: Option<&str>,
     ) -> StoreResult<Value> {
         let k = self.keys(key);
-        let mut inv = script.prepare_invoke();
-        inv.key(&k.lock).key(&k.queue).key(&k.waiters).key(&k.fence);
+        let mut cmd = evalsha(script, &[&k.lock, &k.queue, &k.waiters, &k.fence]);
         if let Some(owner) = owner {
-            inv.arg(owner);
+            cmd.arg(owner);
         }
-        inv.arg(self.fence_ttl_ms).arg(&self.inbox_prefix);
-        self.eval(&inv).await
+        cmd.arg(self.fence_ttl_ms).arg(&self.inbox_prefix);
+        self.run(Op::Script(script, &cmd)).await
     }
+}
+
+/// The primaries of a Cluster (`host`, `port`) from a `CLUSTER NODES` reply; failed ones
+/// are left out (their slots' keys are listed once a replica took over).
+fn cluster_primaries(nodes: &str) -> Vec<(String, u16)> {
+    nodes
+        .lines()
+        .filter_map(|line| {
+            let mut fields = line.split_whitespace();
+            let address = fields.nth(1)?;
+            let flags = fields.next()?;
+            let flag = |f: &str| flags.split(',').any(|x| x == f);
+            if !flag("master") || flag("fail") || flag("noaddr") {
+                return None;
+            }
+            // `ip:port@cport[,hostname]`
+            let (host, port) = address.split(['@', ',']).next()?.rsplit_once(':')?;
+            Some((host.to_owned(), port.parse().ok()?))
+        })
+        .collect()
+}
+
+/// What [`RedisStore::run`] sends.
+#[derive(Clone, Copy)]
+enum Op<'a> {
+    Command(&'a Cmd),
+    /// An `EVALSHA` built by [`evalsha`] for this script: loaded and retried once when the
+    /// server does not know the script (first use, restart, failover).
+    Script(&'a Script, &'a Cmd),
+}
+
+impl Op<'_> {
+    async fn send<C, T>(self, conn: &mut C) -> Result<T, RedisError>
+    where
+        C: redis::aio::ConnectionLike + Send,
+        T: FromRedisValue,
+    {
+        match self {
+            Op::Command(cmd) => cmd.query_async(conn).await,
+            Op::Script(script, cmd) => match cmd.query_async(conn).await {
+                Err(err) if err.kind() == ErrorKind::Server(ServerErrorKind::NoScript) => {
+                    script.load_async(conn).await?;
+                    cmd.query_async(conn).await
+                }
+                other => other,
+            },
+        }
+    }
+}
+
+/// `EVALSHA <sha> <numkeys> <keys...>`, ready for the script's ARGV: built straight into one
+/// command buffer (redis-rs's `ScriptInvocation` copies every key and argument twice).
+fn evalsha(script: &Script, keys: &[&str]) -> Cmd {
+    let mut cmd = redis::cmd("EVALSHA");
+    cmd.arg(script.get_hash()).arg(keys.len());
+    for key in keys {
+        cmd.arg(*key);
+    }
+    cmd
 }
 
 fn sentinel_client(cfg: &RedisConfig, master: &str) -> StoreResult<SentinelClient> {
@@ -296,7 +400,7 @@ async fn pubsub_client(cfg: &RedisConfig, attempt: usize) -> Result<redis::Clien
         _ => {
             let n = cfg.urls.len().max(1);
             let url = cfg.urls.get(attempt % n).map_or("", String::as_str);
-            redis::Client::open(url.into_connection_info()?.set_tcp_settings(tcp_settings()))
+            node_client(url, &cfg.tls)
         }
     }
 }
@@ -450,13 +554,12 @@ impl Store for RedisStore {
             Mode::Idempotency => "idempotency",
             Mode::Lock => "lock",
         };
-        let mut inv = scripts::CLAIM.prepare_invoke();
-        inv.key(&k.lock)
-            .key(&k.queue)
-            .key(&k.waiters)
-            .key(&k.fence)
-            .key(&k.response)
-            .arg(args.owner)
+        let script = &*scripts::CLAIM;
+        let mut cmd = evalsha(
+            script,
+            &[&k.lock, &k.queue, &k.waiters, &k.fence, &k.response],
+        );
+        cmd.arg(args.owner)
             .arg(args.fingerprint.unwrap_or(""))
             .arg(mode)
             .arg(millis(args.lease))
@@ -465,7 +568,7 @@ impl Store for RedisStore {
             .arg(self.fence_ttl_ms)
             .arg(&self.inbox_prefix)
             .arg(&self.inbox);
-        let items: Vec<Value> = self.eval(&inv).await?;
+        let items: Vec<Value> = self.run(Op::Script(script, &cmd)).await?;
         decode_claim(&items)
     }
 
@@ -476,16 +579,13 @@ impl Store for RedisStore {
         release_if_granted: bool,
     ) -> StoreResult<LeaveStep> {
         let k = self.keys(key);
-        let mut inv = scripts::LEAVE.prepare_invoke();
-        inv.key(&k.lock)
-            .key(&k.queue)
-            .key(&k.waiters)
-            .key(&k.fence)
-            .arg(owner)
+        let script = &*scripts::LEAVE;
+        let mut cmd = evalsha(script, &[&k.lock, &k.queue, &k.waiters, &k.fence]);
+        cmd.arg(owner)
             .arg(if release_if_granted { "1" } else { "0" })
             .arg(self.fence_ttl_ms)
             .arg(&self.inbox_prefix);
-        let items: Vec<Value> = self.eval(&inv).await?;
+        let items: Vec<Value> = self.run(Op::Script(script, &cmd)).await?;
         match text(items.first()).as_deref() {
             Some("granted") => Ok(LeaveStep::Granted(grant_at(&items, 1)?)),
             Some("left") => Ok(LeaveStep::Left {
@@ -514,13 +614,12 @@ impl Store for RedisStore {
             ),
             None => ("0", 0, String::new(), Bytes::new()),
         };
-        let mut inv = scripts::COMPLETE.prepare_invoke();
-        inv.key(&k.lock)
-            .key(&k.queue)
-            .key(&k.waiters)
-            .key(&k.fence)
-            .key(&k.response)
-            .arg(owner)
+        let script = &*scripts::COMPLETE;
+        let mut cmd = evalsha(
+            script,
+            &[&k.lock, &k.queue, &k.waiters, &k.fence, &k.response],
+        );
+        cmd.arg(owner)
             .arg(millis(retention).max(1))
             .arg(store)
             .arg(status)
@@ -528,7 +627,7 @@ impl Store for RedisStore {
             .arg(body.as_ref())
             .arg(self.fence_ttl_ms)
             .arg(&self.inbox_prefix);
-        let reply: String = self.eval(&inv).await?;
+        let reply: String = self.run(Op::Script(script, &cmd)).await?;
         owner_outcome(&reply)
     }
 
@@ -541,9 +640,10 @@ impl Store for RedisStore {
 
     async fn renew(&self, key: &str, owner: &str, lease: Duration) -> StoreResult<OwnerOutcome> {
         let k = self.keys(key);
-        let mut inv = scripts::RENEW.prepare_invoke();
-        inv.key(&k.lock).arg(owner).arg(millis(lease));
-        let renewed: i64 = self.eval(&inv).await?;
+        let script = &*scripts::RENEW;
+        let mut cmd = evalsha(script, &[&k.lock]);
+        cmd.arg(owner).arg(millis(lease));
+        let renewed: i64 = self.run(Op::Script(script, &cmd)).await?;
         Ok(if renewed == 1 {
             OwnerOutcome::Renewed {
                 lease_ms: millis(lease),
@@ -555,12 +655,9 @@ impl Store for RedisStore {
 
     async fn inspect(&self, key: &str) -> StoreResult<KeyInfo> {
         let k = self.keys(key);
-        let mut inv = scripts::INSPECT.prepare_invoke();
-        inv.key(&k.lock)
-            .key(&k.queue)
-            .key(&k.fence)
-            .key(&k.response);
-        let items: Vec<Value> = self.eval(&inv).await?;
+        let script = &*scripts::INSPECT;
+        let cmd = evalsha(script, &[&k.lock, &k.queue, &k.fence, &k.response]);
+        let items: Vec<Value> = self.run(Op::Script(script, &cmd)).await?;
         let held = number(items.first())? == 1;
         let now_us = number(items.get(8))?;
         let status = match items.get(6) {
@@ -594,43 +691,48 @@ impl Store for RedisStore {
     }
 
     async fn list_held(&self, limit: usize) -> StoreResult<(Vec<String>, bool)> {
-        // SCAN is per node; a Cluster would need one scan per primary (not supported here).
-        if matches!(self.conn, Conn::Cluster(_)) {
-            return Err(StoreError::Permanent(
-                "listing keys is not supported on Redis Cluster; inspect keys one by one".into(),
-            ));
-        }
         let pattern = keys::lock_pattern(&self.prefix);
-        let mut found = Vec::new();
-        let mut cursor = 0u64;
-        // Bounded: at most 1000 SCAN round trips however large the keyspace.
-        for _ in 0..1000 {
-            let (next, batch): (u64, Vec<String>) = self
-                .query(
-                    redis::cmd("SCAN")
-                        .arg(cursor)
-                        .arg("MATCH")
-                        .arg(&pattern)
-                        .arg("COUNT")
-                        .arg(1000),
-                )
-                .await?;
-            found.extend(
-                batch
-                    .iter()
-                    .filter_map(|k| keys::key_of_lock(&self.prefix, k)),
-            );
-            if found.len() > limit {
-                found.truncate(limit);
-                return Ok((found, true));
+        // SCAN walks one server's keyspace: on a Cluster, every primary's in turn.
+        let nodes = match &self.conn {
+            Conn::Cluster(c) => {
+                let nodes: String = self
+                    .bounded(
+                        redis::cmd("CLUSTER")
+                            .arg("NODES")
+                            .query_async(&mut c.clone()),
+                    )
+                    .await?;
+                cluster_primaries(&nodes).into_iter().map(Some).collect()
             }
-            cursor = next;
-            if cursor == 0 {
-                break;
+            _ => vec![None],
+        };
+        let mut found = std::collections::BTreeSet::new();
+        // Bounded: at most 1000 SCAN round trips however large the keyspace.
+        let mut round_trips = 0;
+        for node in &nodes {
+            let mut cursor = 0u64;
+            loop {
+                if round_trips == 1000 {
+                    return Ok((found.into_iter().take(limit).collect(), true));
+                }
+                round_trips += 1;
+                let (next, batch) = self.scan_page(node.as_ref(), cursor, &pattern).await?;
+                // SCAN may repeat a key across pages: the set keeps each once.
+                found.extend(
+                    batch
+                        .iter()
+                        .filter_map(|k| keys::key_of_lock(&self.prefix, k)),
+                );
+                if found.len() > limit {
+                    return Ok((found.into_iter().take(limit).collect(), true));
+                }
+                cursor = next;
+                if cursor == 0 {
+                    break;
+                }
             }
         }
-        let more = cursor != 0;
-        Ok((found, more))
+        Ok((found.into_iter().collect(), false))
     }
 
     async fn force_release(&self, key: &str) -> StoreResult<Option<u64>> {
@@ -644,11 +746,35 @@ impl Store for RedisStore {
     }
 
     async fn ping(&self) -> StoreResult<()> {
-        let pong: String = self.query(&redis::cmd("PING")).await?;
+        let pong: String = self.run(Op::Command(&redis::cmd("PING"))).await?;
         if pong == "PONG" {
             Ok(())
         } else {
             Err(unexpected("PING"))
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::cluster_primaries;
+
+    #[test]
+    fn cluster_primaries_come_from_cluster_nodes() {
+        let nodes = "\
+a1 127.0.0.1:7001@17001 myself,master - 0 0 1 connected 0-5460
+b2 127.0.0.1:7002@17002,redis-b master - 0 1 2 connected 5461-10922
+c3 127.0.0.1:7003@17003 master,fail - 0 1 3 disconnected
+d4 127.0.0.1:7004@17004 slave a1 0 1 1 connected
+e5 [::1]:7005@17005 master - 0 1 5 connected 10923-16383
+";
+        assert_eq!(
+            cluster_primaries(nodes),
+            vec![
+                ("127.0.0.1".to_owned(), 7001),
+                ("127.0.0.1".to_owned(), 7002),
+                ("[::1]".to_owned(), 7005),
+            ]
+        );
     }
 }

@@ -43,10 +43,11 @@ local function parse_waiter(v)
   return inbox, tonumber(deadline), tonumber(lease), fp
 end
 
--- Only ever called while the lock key is absent (free, released or expired).
-local function grant(lock, fence, owner, fp, lease, now, fence_ttl)
-  local last = tonumber(redis.call('HGET', fence, 'fence') or '0')
-  local f = math.max(last + 1, now)
+-- Only ever called while the lock key is absent (free, released or expired). `last` is the
+-- fence hash's `fence` field when the caller has already read it (nil: read it here).
+local function grant(lock, fence, owner, fp, lease, now, fence_ttl, last)
+  if last == nil then last = redis.call('HGET', fence, 'fence') end
+  local f = math.max(tonumber(last or '0') + 1, now)
   redis.call('HSET', fence, 'fence', int(f), 'held', '1')
   redis.call('PEXPIRE', fence, fence_ttl)
   redis.call('HSET', lock, 'owner', owner, 'fence', int(f), 'fp', fp, 'since', int(now), 'lease', int(lease))
@@ -55,10 +56,12 @@ local function grant(lock, fence, owner, fp, lease, now, fence_ttl)
 end
 
 -- Hands a free key to the first queued waiter whose wait has not ended, and tells its process.
+-- `now` may be nil: the clock is read only when somebody is queued.
 local function promote(lock, queue, waiters, fence, now, fence_ttl, inbox_prefix)
   while true do
     local owner = redis.call('LPOP', queue)
     if not owner then return end
+    now = now or now_us()
     local inbox, deadline, lease, fp = parse_waiter(redis.call('HGET', waiters, owner))
     redis.call('HDEL', waiters, owner)
     if inbox and deadline * 1000 > now then
@@ -69,9 +72,11 @@ local function promote(lock, queue, waiters, fence, now, fence_ttl, inbox_prefix
   end
 end
 
+-- One call on the usual path: HSET answers 1 only when it created the field, i.e. the fence
+-- record had expired (a lease renewed past the fence TTL); do not resurrect it without expiry.
 local function mark_free(fence)
-  if redis.call('EXISTS', fence) == 1 then
-    redis.call('HSET', fence, 'held', '0')
+  if redis.call('HSET', fence, 'held', '0') == 1 then
+    redis.call('DEL', fence)
   end
 end
 
@@ -104,12 +109,25 @@ local lock, queue, waiters, fence, resp = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KE
 local owner, fp, mode = ARGV[1], ARGV[2], ARGV[3]
 local lease, wait_ms, max_queue = tonumber(ARGV[4]), tonumber(ARGV[5]), tonumber(ARGV[6])
 local fence_ttl, inbox_prefix, inbox = tonumber(ARGV[7]), ARGV[8], ARGV[9]
-local now = now_us()
 
-local expired = 0
-if redis.call('EXISTS', lock) == 0 and redis.call('HGET', fence, 'held') == '1' then
-  redis.call('HSET', fence, 'held', '0')
-  expired = 1
+-- Redis's clock, read at most once and only on the paths that need it.
+local now
+local function clock()
+  now = now or now_us()
+  return now
+end
+
+local holder = redis.call('HMGET', lock, 'owner', 'fence', 'fp', 'since', 'lease')
+-- Only a free key can have had its lease run out; its fence record is read once, here, and
+-- reused by the grant below.
+local expired, last = 0, false
+if not holder[1] then
+  local record = redis.call('HMGET', fence, 'fence', 'held')
+  last = record[1]
+  if record[2] == '1' then
+    redis.call('HSET', fence, 'held', '0')
+    expired = 1
+  end
 end
 
 local function differs(a, b)
@@ -129,7 +147,7 @@ local function busy_or_queue()
   if not pos then
     if len >= max_queue then return {'queue_full', expired, ttl, len} end
     redis.call('RPUSH', queue, owner)
-    local deadline = math.floor(now / 1000) + wait_ms
+    local deadline = math.floor(clock() / 1000) + wait_ms
     redis.call('HSET', waiters, owner, inbox .. '|' .. int(deadline) .. '|' .. int(lease) .. '|' .. fp)
     -- The queue outlives its longest waiter by a second, then disappears by itself.
     local keep = wait_ms + 1000
@@ -152,7 +170,6 @@ if mode == 'idempotency' then
   end
 end
 
-local holder = redis.call('HMGET', lock, 'owner', 'fence', 'fp', 'since', 'lease')
 if holder[1] then
   if holder[1] == owner then
     return {'granted', expired, holder[2], holder[5], holder[4]}
@@ -167,13 +184,13 @@ end
 -- Free. Whoever is first in line goes first (waiters whose wait ended are skipped).
 local head = redis.call('LINDEX', queue, 0)
 if head and head ~= owner then
-  promote(lock, queue, waiters, fence, now, fence_ttl, inbox_prefix)
+  promote(lock, queue, waiters, fence, clock(), fence_ttl, inbox_prefix)
   local h = redis.call('HMGET', lock, 'owner', 'fence', 'since', 'lease')
   if h[1] == owner then return {'granted', expired, h[2], h[4], h[3]} end
   if h[1] then return busy_or_queue() end
 end
 if head == owner then leave_queue() end
-local f = grant(lock, fence, owner, fp, lease, now, fence_ttl)
+local f = grant(lock, fence, owner, fp, lease, clock(), fence_ttl, last)
 return {'granted', expired, int(f), int(lease), int(now)}
 "#
     ))
@@ -194,15 +211,14 @@ pub(crate) static LEAVE: LazyLock<Script> = LazyLock::new(|| {
 local lock, queue, waiters, fence = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
 local owner, release_if_granted = ARGV[1], ARGV[2]
 local fence_ttl, inbox_prefix = tonumber(ARGV[3]), ARGV[4]
-local now = now_us()
 local h = redis.call('HMGET', lock, 'owner', 'fence', 'since', 'lease')
 if h[1] == owner then
   if release_if_granted ~= '1' then return {'granted', h[2], h[4], h[3]} end
-  release(lock, queue, waiters, fence, now, fence_ttl, inbox_prefix)
+  release(lock, queue, waiters, fence, nil, fence_ttl, inbox_prefix)
 else
   redis.call('LREM', queue, 0, owner)
   redis.call('HDEL', waiters, owner)
-  if not h[1] then promote(lock, queue, waiters, fence, now, fence_ttl, inbox_prefix) end
+  if not h[1] then promote(lock, queue, waiters, fence, nil, fence_ttl, inbox_prefix) end
 end
 return {'left', math.max(redis.call('PTTL', lock), 0), redis.call('LLEN', queue)}
 "#
@@ -227,11 +243,10 @@ local lock, queue, waiters, fence, resp = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KE
 local fence_ttl, inbox_prefix = tonumber(ARGV[7]), ARGV[8]
 local h = redis.call('HMGET', lock, 'owner', 'fp')
 if h[1] ~= ARGV[1] then return 'stale' end
-local now = now_us()
 if ARGV[3] == '1' then
   redis.call('DEL', lock)
   mark_free(fence)
-  redis.call('DEL', resp)
+  -- Every field is written, so an older stored response leaves nothing behind.
   redis.call('HSET', resp, 'status', ARGV[4], 'headers', ARGV[5], 'body', ARGV[6], 'fp', h[2] or '')
   redis.call('PEXPIRE', resp, ARGV[2])
   -- Every queued waiter now gets the stored response: tell each one's process.
@@ -240,7 +255,7 @@ if ARGV[3] == '1' then
     if inbox then redis.call('PUBLISH', inbox_prefix .. inbox, o) end
   end
 else
-  release(lock, queue, waiters, fence, now, fence_ttl, inbox_prefix)
+  release(lock, queue, waiters, fence, nil, fence_ttl, inbox_prefix)
 end
 return 'released'
 "#
@@ -260,7 +275,7 @@ pub(crate) static ABORT: LazyLock<Script> = LazyLock::new(|| {
         r#"
 local lock, queue, waiters, fence = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
 if redis.call('HGET', lock, 'owner') ~= ARGV[1] then return 'stale' end
-release(lock, queue, waiters, fence, now_us(), tonumber(ARGV[2]), ARGV[3])
+release(lock, queue, waiters, fence, nil, tonumber(ARGV[2]), ARGV[3])
 return 'released'
 "#
     ))
@@ -295,7 +310,7 @@ pub(crate) static FORCE_RELEASE: LazyLock<Script> = LazyLock::new(|| {
 local lock, queue, waiters, fence = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
 local f = redis.call('HGET', lock, 'fence')
 if not f then return false end
-release(lock, queue, waiters, fence, now_us(), tonumber(ARGV[1]), ARGV[2])
+release(lock, queue, waiters, fence, nil, tonumber(ARGV[1]), ARGV[2])
 return f
 "#
     ))

@@ -1,0 +1,268 @@
+//! Reaching Redis securely: TLS (`rediss://`) with a private CA and the client certificate
+//! Redis asks for by default, and an ACL user named in the URL. The certificates are made
+//! at test time (rcgen); nothing is read from or written to the machine's trust store.
+
+use crate::util::{Harness, claim_req, granted, waiting};
+use hyper::StatusCode;
+use idemgate_sidecar::testing::RedisServer;
+use idemgate_sidecar::{RedisConfig, RedisTls, RedisTopology, StoreConfig};
+use idemgate_wire::{ClaimOutcome, Mode, OwnerOutcome, paths};
+use rcgen::{BasicConstraints, CertificateParams, DnType, IsCa, Issuer, KeyPair};
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+/// A throw-away CA, a server certificate for 127.0.0.1 and a client certificate, as PEM
+/// files in a scratch directory (removed on drop).
+struct Pki {
+    dir: PathBuf,
+}
+
+impl Pki {
+    fn create() -> Pki {
+        let dir = std::env::temp_dir().join(format!(
+            "idemgate-tls-{}-{:?}",
+            std::process::id(),
+            std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .unwrap()
+                .as_nanos()
+        ));
+        std::fs::create_dir_all(&dir).unwrap();
+        // Distinct subject names: a leaf named like its issuer looks self-signed to OpenSSL.
+        let mut ca_params = CertificateParams::new(Vec::<String>::new()).unwrap();
+        ca_params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+        ca_params
+            .distinguished_name
+            .push(DnType::CommonName, "idemgate test CA");
+        let ca_key = KeyPair::generate().unwrap();
+        let ca = ca_params.self_signed(&ca_key).unwrap();
+        let issuer = Issuer::new(ca_params, ca_key);
+        let leaf = |names: Vec<String>| {
+            let key = KeyPair::generate().unwrap();
+            let mut params = CertificateParams::new(names.clone()).unwrap();
+            params
+                .distinguished_name
+                .push(DnType::CommonName, names[0].as_str());
+            params.use_authority_key_identifier_extension = true;
+            let cert = params.signed_by(&key, &issuer).unwrap();
+            (cert.pem(), key.serialize_pem())
+        };
+        let (server_cert, server_key) = leaf(vec!["127.0.0.1".into(), "localhost".into()]);
+        let (client_cert, client_key) = leaf(vec!["idemgate-sidecar".into()]);
+        for (name, pem) in [
+            ("ca.pem", ca.pem()),
+            ("server.pem", server_cert),
+            ("server.key", server_key),
+            ("client.pem", client_cert),
+            ("client.key", client_key),
+        ] {
+            std::fs::write(dir.join(name), pem).unwrap();
+        }
+        Pki { dir }
+    }
+
+    fn file(&self, name: &str) -> PathBuf {
+        self.dir.join(name)
+    }
+}
+
+impl Drop for Pki {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+/// Whether the installed `redis-server` was built with TLS (a build without it refuses
+/// the `tls-port` directive itself, before looking at any file).
+fn redis_has_tls() -> bool {
+    let probe = std::process::Command::new("redis-server")
+        .args([
+            "--port",
+            "0",
+            "--tls-port",
+            "1",
+            "--tls-cert-file",
+            "/nonexistent",
+        ])
+        .output();
+    match probe {
+        Ok(out) => {
+            let text = String::from_utf8_lossy(&out.stdout) + String::from_utf8_lossy(&out.stderr);
+            !text.contains("Bad directive")
+        }
+        Err(_) => false,
+    }
+}
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+fn store(url: String, prefix: &str, tls: RedisTls) -> StoreConfig {
+    StoreConfig::Redis(RedisConfig {
+        urls: vec![url],
+        topology: RedisTopology::Standalone,
+        prefix: prefix.into(),
+        tls,
+    })
+}
+
+fn path(p: &Path) -> String {
+    p.to_string_lossy().into_owned()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn claims_hand_offs_and_replays_work_over_tls() {
+    if !redis_has_tls() {
+        eprintln!("SKIPPED: the installed redis-server was built without TLS support");
+        return;
+    }
+    let pki = Pki::create();
+    let tls_port = free_port().to_string();
+    // Redis requires client certificates unless told otherwise (tls-auth-clients yes).
+    let redis = RedisServer::start_with(&[
+        "--tls-port",
+        &tls_port,
+        "--tls-cert-file",
+        &path(&pki.file("server.pem")),
+        "--tls-key-file",
+        &path(&pki.file("server.key")),
+        "--tls-ca-cert-file",
+        &path(&pki.file("ca.pem")),
+    ])
+    .unwrap();
+    let url = format!("rediss://127.0.0.1:{tls_port}");
+    let tls = RedisTls::from_files(
+        Some(&pki.file("ca.pem")),
+        Some((&pki.file("client.pem"), &pki.file("client.key"))),
+    )
+    .unwrap();
+    let h = Harness::on_store(store(url.clone(), "idemgate", tls.clone()), None, |_| {}).await;
+    let c = &h.client;
+    assert_eq!(c.get("/readyz").await.status, StatusCode::OK);
+    // A queued hand-off also needs the pub/sub inbox, which connects over TLS as well.
+    let key = "tls-key";
+    let (holder, fence) = granted(&c.claim(&claim_req(key, Mode::Lock, 60_000)).await.0);
+    let client = c.clone();
+    let waiter = tokio::spawn(async move {
+        client
+            .claim(&waiting(claim_req(key, Mode::Lock, 10_000), 30_000, 10))
+            .await
+            .0
+    });
+    c.wait_for_key(key, "the waiter to queue", |info| info.queue_len == 1)
+        .await;
+    assert_eq!(
+        c.complete(key, &holder, 1000, None).await,
+        OwnerOutcome::Released
+    );
+    let (owner, next) = granted(&waiter.await.unwrap());
+    assert!(next > fence);
+    assert_eq!(
+        c.complete(key, &owner, 1000, None).await,
+        OwnerOutcome::Released
+    );
+    // The data really went to this server (read back over its plain port).
+    assert!(
+        redis
+            .cli(&["--scan"])
+            .unwrap()
+            .contains("idemgate:{tls-key}:fence")
+    );
+
+    // Without the private CA the server is not trusted: never ready, never a grant.
+    let untrusted = RedisTls {
+        ca_pem: None,
+        ..tls.clone()
+    };
+    let bad = Harness::on_store(store(url.clone(), "idemgate", untrusted), None, |c| {
+        c.store_timeout = Duration::from_millis(500)
+    })
+    .await;
+    assert_eq!(
+        bad.client.get("/readyz").await.status,
+        StatusCode::SERVICE_UNAVAILABLE
+    );
+    let reply = bad
+        .client
+        .post(paths::CLAIM, &claim_req("k", Mode::Lock, 1000), &[])
+        .await;
+    assert_eq!(reply.status, StatusCode::SERVICE_UNAVAILABLE);
+    // Without a client certificate Redis refuses the handshake: the same.
+    let anonymous = RedisTls {
+        client_pem: None,
+        ..tls
+    };
+    let bad = Harness::on_store(store(url, "idemgate", anonymous), None, |c| {
+        c.store_timeout = Duration::from_millis(500)
+    })
+    .await;
+    let reply = bad
+        .client
+        .post(paths::CLAIM, &claim_req("k", Mode::Lock, 1000), &[])
+        .await;
+    assert_eq!(reply.status, StatusCode::SERVICE_UNAVAILABLE);
+    assert!(!matches!(
+        serde_json::from_slice::<ClaimOutcome>(&reply.body),
+        Ok(ClaimOutcome::Granted { .. })
+    ));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_acl_user_from_the_url_is_confined_to_its_prefix() {
+    // The least a sidecar needs: its own keys and inbox channels, scripts, SCAN and PING.
+    let redis = RedisServer::start_with(&[
+        "--user",
+        "idem",
+        "on",
+        ">s3cret",
+        "~idemgate:*",
+        "&idemgate:*",
+        "+@all",
+        "-@dangerous",
+        "+scan",
+    ])
+    .unwrap();
+    let url = format!("redis://idem:s3cret@127.0.0.1:{}", redis.port());
+    let h = Harness::on_store(
+        store(url.clone(), "idemgate", RedisTls::default()),
+        None,
+        |_| {},
+    )
+    .await;
+    let c = &h.client;
+    assert_eq!(c.get("/readyz").await.status, StatusCode::OK);
+    let key = "acl-key";
+    let (holder, fence) = granted(&c.claim(&claim_req(key, Mode::Lock, 60_000)).await.0);
+    let client = c.clone();
+    let waiter = tokio::spawn(async move {
+        client
+            .claim(&waiting(claim_req(key, Mode::Lock, 10_000), 30_000, 10))
+            .await
+            .0
+    });
+    c.wait_for_key(key, "the waiter to queue", |info| info.queue_len == 1)
+        .await;
+    let list: serde_json::Value =
+        serde_json::from_slice(&c.get("/admin/v1/keys").await.body).unwrap();
+    assert_eq!(list["keys"][0], key);
+    c.complete(key, &holder, 1000, None).await;
+    let (owner, next) = granted(&waiter.await.unwrap());
+    assert!(next > fence);
+    c.complete(key, &owner, 1000, None).await;
+
+    // The same user under another prefix is refused by Redis: a permanent store error.
+    let other = Harness::on_store(store(url, "other", RedisTls::default()), None, |_| {}).await;
+    let reply = other
+        .client
+        .post(paths::CLAIM, &claim_req("k", Mode::Lock, 1000), &[])
+        .await;
+    assert_eq!(reply.status, StatusCode::SERVICE_UNAVAILABLE);
+    let problem: serde_json::Value = serde_json::from_slice(&reply.body).unwrap();
+    assert_eq!(problem["detail"], "permanent store error", "{problem}");
+    assert!(reply.headers.get("retry-after").is_none());
+}
