@@ -13,6 +13,7 @@ struct Discard;
 impl Telemetry for Discard {
     fn count(&mut self, _: Counter) {}
     fn record(&mut self, _: Histogram, _: u64) {}
+    fn count_rate(&mut self, _: usize, _: bool) {}
 }
 
 fuzz_target!(|data: &[u8]| {
