@@ -77,10 +77,18 @@ fn gateway_sidecar_partition_fails_closed_and_orphaned_grants_expire() {
     // Each claim times out after the 1 s callout timeout: 503, never forwarded.
     let calls = duplicate_payments(rig.addr, &keys("partition", 3), 1, 10);
     assert_all_answered(&calls, &[503]);
-    // Once a worker's breaker opens (3 failures on that worker), it answers without a callout.
+    // Once a worker's breaker opens (3 consecutive failures on that worker), it answers
+    // without a callout for its 1 s cooldown. Calls go out in concurrent rounds: one at a
+    // time, each taking the 1 s callout timeout, could keep landing on the other worker until
+    // a breaker's cooldown has passed, and then only ever meet half-open probes.
     let mut more = Vec::new();
-    for i in 0..8 {
-        more.push(pay(rig.addr, &format!("partition-breaker-{i}"), 10));
+    for round in 0..10 {
+        more.extend(duplicate_payments(
+            rig.addr,
+            &keys(&format!("partition-breaker-{round}"), 4),
+            1,
+            10,
+        ));
         if rig.counter("idemgate.sidecar.breaker_open") > 0 {
             break;
         }
