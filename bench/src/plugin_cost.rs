@@ -197,19 +197,32 @@ impl Driver {
 
     fn rate_limited(&mut self) -> Result<()> {
         let key = format!("key-{}", self.seq);
+        self.local_reply(
+            "/limited",
+            Some(&key),
+            429,
+            "the request was not limited locally",
+        )
+    }
+
+    /// Sends a POST to `path` and checks the filter answered it with `status` by itself,
+    /// without a callout.
+    fn local_reply(
+        &mut self,
+        path: &str,
+        key: Option<&str>,
+        status: u32,
+        failure: &str,
+    ) -> Result<()> {
         let id = self.vm.new_stream(StreamInfo::default());
-        self.vm.headers(
-            id,
-            Direction::Request,
-            request("POST", "/limited", Some(&key)),
-            true,
-        );
+        self.vm
+            .headers(id, Direction::Request, request("POST", path, key), true);
         let events = self.vm.take_events(id);
-        let limited = events
+        let answered = events
             .iter()
-            .any(|e| matches!(e, StreamEvent::LocalReply(r) if r.status == 429));
-        if !limited || !self.vm.take_new_callouts().is_empty() {
-            bail!("the request was not limited locally: {events:?}");
+            .any(|e| matches!(e, StreamEvent::LocalReply(r) if r.status == status));
+        if !answered || !self.vm.take_new_callouts().is_empty() {
+            bail!("{failure}: {events:?}");
         }
         self.vm.remove_stream(id);
         Ok(())
@@ -228,44 +241,24 @@ impl Driver {
     }
 
     fn local_duplicate(&mut self) -> Result<()> {
-        let id = self.vm.new_stream(StreamInfo::default());
-        self.vm.headers(
-            id,
-            Direction::Request,
-            request("POST", "/bots/b1/start", None),
-            true,
-        );
-        let events = self.vm.take_events(id);
-        let rejected = events
-            .iter()
-            .any(|e| matches!(e, StreamEvent::LocalReply(r) if r.status == 409));
-        if !rejected || !self.vm.take_new_callouts().is_empty() {
-            bail!("a duplicate was not rejected locally: {events:?}");
-        }
-        self.vm.remove_stream(id);
-        Ok(())
+        self.local_reply(
+            "/bots/b1/start",
+            None,
+            409,
+            "a duplicate was not rejected locally",
+        )
     }
 
     /// A duplicate of the previous request (a completed sidecar claim): replayed from the
     /// local tier, no callout.
     fn local_replay(&mut self) -> Result<()> {
         let key = format!("key-{}", self.seq.saturating_sub(1));
-        let id = self.vm.new_stream(StreamInfo::default());
-        self.vm.headers(
-            id,
-            Direction::Request,
-            request("POST", "/payments", Some(&key)),
-            true,
-        );
-        let events = self.vm.take_events(id);
-        let replayed = events
-            .iter()
-            .any(|e| matches!(e, StreamEvent::LocalReply(r) if r.status == 201));
-        if !replayed || !self.vm.take_new_callouts().is_empty() {
-            bail!("a duplicate of a completed call was not replayed locally: {events:?}");
-        }
-        self.vm.remove_stream(id);
-        Ok(())
+        self.local_reply(
+            "/payments",
+            Some(&key),
+            201,
+            "a duplicate of a completed call was not replayed locally",
+        )
     }
 
     fn sidecar_claim(&mut self) -> Result<()> {

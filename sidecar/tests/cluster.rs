@@ -98,15 +98,7 @@ async fn the_master_is_found_through_a_sentinel() {
     let c = &h.client;
     let key = "sentinel-key";
     let (holder, fence) = granted(&c.claim(&claim_req(key, Mode::Lock, 60_000)).await.0);
-    let client = c.clone();
-    let waiter = tokio::spawn(async move {
-        client
-            .claim(&waiting(claim_req(key, Mode::Lock, 10_000), 30_000, 10))
-            .await
-            .0
-    });
-    c.wait_for_key(key, "the waiter to queue", |info| info.queue_len == 1)
-        .await;
+    let waiter = c.queued_waiter(key).await;
     assert_eq!(
         c.complete(key, &holder, 1000, None).await,
         OwnerOutcome::Released

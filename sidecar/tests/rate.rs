@@ -1,33 +1,12 @@
 //! The global rate tier (`POST /v1/rate`), one behavioural suite for both stores, plus a
 //! Redis Cluster run (every limit is one key, one slot).
 
-use crate::util::{Backend, Client, Harness};
+use crate::util::{Backend, Client, Harness, store_suite};
 use idemgate_sidecar::testing::RedisCluster;
 use idemgate_wire::{RateCheck, RateOutcome, RateRequest, paths};
 use std::time::{Duration, Instant};
 
-macro_rules! rate_suite {
-    ($($name:ident),* $(,)?) => {
-        mod memory {
-            $(
-                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-                async fn $name() {
-                    super::$name(crate::util::Backend::Memory).await;
-                }
-            )*
-        }
-        mod redis {
-            $(
-                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-                async fn $name() {
-                    super::$name(crate::util::Backend::Redis).await;
-                }
-            )*
-        }
-    };
-}
-
-rate_suite!(
+store_suite!(
     a_burst_then_limited_with_an_accurate_retry_after,
     concurrent_checks_never_spend_a_unit_twice,
     checks_stop_at_the_first_limited_one,

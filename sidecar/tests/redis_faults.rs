@@ -1,7 +1,7 @@
 //! Redis-specific behaviour: outages, recovery, lost notifications, credentials in the URL,
 //! key layout.
 
-use crate::util::{Harness, claim_req, granted, waiting};
+use crate::util::{Harness, claim_req, granted};
 use hyper::StatusCode;
 use idemgate_sidecar::testing::RedisServer;
 use idemgate_wire::{ClaimOutcome, Mode, OwnerOutcome, paths, problem_types};
@@ -67,15 +67,7 @@ async fn a_lost_notification_is_covered_by_the_recheck_interval() {
     let c = h.client.clone();
     let key = "k-lost";
     granted(&c.claim(&claim_req(key, Mode::Lock, 60_000)).await.0);
-    let client = c.clone();
-    let waiter = tokio::spawn(async move {
-        client
-            .claim(&waiting(claim_req(key, Mode::Lock, 10_000), 30_000, 10))
-            .await
-            .0
-    });
-    c.wait_for_key(key, "the waiter to queue", |info| info.queue_len == 1)
-        .await;
+    let waiter = c.queued_waiter(key).await;
     // The key becomes free behind the sidecar's back: nobody publishes a hand-off, and the
     // holder's lease has a minute to go. Only the re-check can find the free key.
     h.redis

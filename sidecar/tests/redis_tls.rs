@@ -2,7 +2,7 @@
 //! Redis asks for by default, and an ACL user named in the URL. The certificates are made
 //! at test time (rcgen); nothing is read from or written to the machine's trust store.
 
-use crate::util::{Harness, claim_req, granted, waiting};
+use crate::util::{Harness, claim_req, granted};
 use hyper::StatusCode;
 use idemgate_sidecar::testing::RedisServer;
 use idemgate_sidecar::{RedisConfig, RedisTls, RedisTopology, StoreConfig};
@@ -147,15 +147,7 @@ async fn claims_hand_offs_and_replays_work_over_tls() {
     // A queued hand-off also needs the pub/sub inbox, which connects over TLS as well.
     let key = "tls-key";
     let (holder, fence) = granted(&c.claim(&claim_req(key, Mode::Lock, 60_000)).await.0);
-    let client = c.clone();
-    let waiter = tokio::spawn(async move {
-        client
-            .claim(&waiting(claim_req(key, Mode::Lock, 10_000), 30_000, 10))
-            .await
-            .0
-    });
-    c.wait_for_key(key, "the waiter to queue", |info| info.queue_len == 1)
-        .await;
+    let waiter = c.queued_waiter(key).await;
     assert_eq!(
         c.complete(key, &holder, 1000, None).await,
         OwnerOutcome::Released
@@ -238,15 +230,7 @@ async fn an_acl_user_from_the_url_is_confined_to_its_prefix() {
     assert_eq!(c.get("/readyz").await.status, StatusCode::OK);
     let key = "acl-key";
     let (holder, fence) = granted(&c.claim(&claim_req(key, Mode::Lock, 60_000)).await.0);
-    let client = c.clone();
-    let waiter = tokio::spawn(async move {
-        client
-            .claim(&waiting(claim_req(key, Mode::Lock, 10_000), 30_000, 10))
-            .await
-            .0
-    });
-    c.wait_for_key(key, "the waiter to queue", |info| info.queue_len == 1)
-        .await;
+    let waiter = c.queued_waiter(key).await;
     let list: serde_json::Value =
         serde_json::from_slice(&c.get("/admin/v1/keys").await.body).unwrap();
     assert_eq!(list["keys"][0], key);

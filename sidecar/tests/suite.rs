@@ -1,32 +1,10 @@
 //! One behavioural suite, expanded once per store (memory and Redis): the store trait's
 //! contract, observed through the HTTP API.
 
-use crate::util::{Backend, Harness, claim_req, granted, waiting};
+use crate::util::{Backend, Harness, claim_req, granted, store_suite, waiting};
 use idemgate_wire::{ClaimOutcome, Mode, OwnerOutcome, StoredResponse};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
-
-/// Expands each scenario into `memory::<name>` and `redis::<name>` tests.
-macro_rules! store_suite {
-    ($($name:ident),* $(,)?) => {
-        mod memory {
-            $(
-                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-                async fn $name() {
-                    super::$name(crate::util::Backend::Memory).await;
-                }
-            )*
-        }
-        mod redis {
-            $(
-                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-                async fn $name() {
-                    super::$name(crate::util::Backend::Redis).await;
-                }
-            )*
-        }
-    };
-}
 
 store_suite!(
     one_of_a_thousand_concurrent_claims_is_granted,

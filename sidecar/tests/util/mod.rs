@@ -244,6 +244,17 @@ impl Client {
         }
     }
 
+    /// Starts a lock-mode claim on a held `key` that waits in its queue (10 s lease, 30 s
+    /// budget) and returns once the sidecar shows it queued; the task ends with its outcome.
+    pub async fn queued_waiter(&self, key: &str) -> tokio::task::JoinHandle<ClaimOutcome> {
+        let client = self.clone();
+        let req = waiting(claim_req(key, Mode::Lock, 10_000), 30_000, 10);
+        let waiter = tokio::spawn(async move { client.claim(&req).await.0 });
+        self.wait_for_key(key, "the waiter to queue", |info| info.queue_len == 1)
+            .await;
+        waiter
+    }
+
     pub async fn metric(&self, name_and_labels: &str) -> f64 {
         let text = self.get("/metrics").await.body;
         String::from_utf8_lossy(&text)
@@ -259,3 +270,27 @@ pub fn granted(outcome: &ClaimOutcome) -> (String, u64) {
         other => panic!("expected granted, got {other:?}"),
     }
 }
+
+/// Expands each scenario `async fn name(Backend)` of the calling module into
+/// `memory::<name>` and `redis::<name>` tests, so both stores pass one suite.
+macro_rules! store_suite {
+    ($($name:ident),* $(,)?) => {
+        mod memory {
+            $(
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                async fn $name() {
+                    super::$name(crate::util::Backend::Memory).await;
+                }
+            )*
+        }
+        mod redis {
+            $(
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                async fn $name() {
+                    super::$name(crate::util::Backend::Redis).await;
+                }
+            )*
+        }
+    };
+}
+pub(crate) use store_suite;
