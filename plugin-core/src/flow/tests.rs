@@ -1104,11 +1104,11 @@ fn rate_config_errors_name_the_field() {
         ),
         (
             r#"{"limits":[{"by":"caller","requests":1,"per":"1s"}]}"#,
-            "rules[0].rate.limits[0]",
+            "rules[0].rate.limits[0].by",
         ),
         (
             r#"{"limits":[{"by":"key","requests":1,"per":"1s"}],"tier":"x"}"#,
-            "rules[0].rate",
+            "rules[0].rate.tier",
         ),
     ] {
         let json = format!(r#"{{"sidecar":{{"cluster":"s"}},"rules":[{{"rate":{rate}}}]}}"#);
