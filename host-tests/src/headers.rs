@@ -43,10 +43,16 @@ impl HeaderMap {
 
     /// First value of `key` as bytes (Envoy's `get_header_map_value` returns only the first).
     pub fn get_bytes(&self, key: &str) -> Option<&[u8]> {
-        let key = key.to_ascii_lowercase();
+        self.get_raw(key.as_bytes())
+    }
+
+    /// [`HeaderMap::get_bytes`] for a name in any case and encoding, without allocating: Envoy
+    /// looks names up in place (a `LowerCaseString` on the stack), so a header read must not
+    /// cost the filter an allocation here either.
+    pub fn get_raw(&self, key: &[u8]) -> Option<&[u8]> {
         self.entries
             .iter()
-            .find(|(k, _)| k == key.as_bytes())
+            .find(|(k, _)| k.eq_ignore_ascii_case(key))
             .map(|(_, v)| v.as_slice())
     }
 

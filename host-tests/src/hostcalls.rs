@@ -220,10 +220,18 @@ fn get_header_map_value(
     len_out: i32,
 ) -> HostResult {
     let ty = tri!(map_type(ty));
-    let key = tri!(read_str(c, kp, kl));
-    let value = match map_access(c.data_mut(), ty) {
-        MapAccess::Writable(m) => m.get_bytes(&key).map(<[u8]>::to_vec),
-        MapAccess::ReadOnly(m) => m.get_bytes(&key).map(<[u8]>::to_vec),
+    let Some(memory) = c.data().wasm.as_ref().map(|w| w.memory) else {
+        return Ok(Status::InvalidMemoryAccess);
+    };
+    // The name is looked up where it lies in guest memory, as Envoy does: no copy.
+    let (guest, state) = memory.data_and_store_mut(&mut *c);
+    let (p, l) = span(kp, kl);
+    let Some(key) = p.checked_add(l).and_then(|end| guest.get(p..end)) else {
+        return Ok(Status::InvalidMemoryAccess);
+    };
+    let value = match map_access(state, ty) {
+        MapAccess::Writable(m) => m.get_raw(key).map(<[u8]>::to_vec),
+        MapAccess::ReadOnly(m) => m.get_raw(key).map(<[u8]>::to_vec),
         MapAccess::Unavailable { log_phase: true } => return Ok(Status::NotFound),
         MapAccess::Unavailable { log_phase: false } => return Ok(Status::BadArgument),
     };

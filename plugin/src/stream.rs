@@ -11,11 +11,18 @@ use crate::vm::{SharedVm, Vm};
 pub(crate) struct Stream {
     id: u32,
     vm: SharedVm,
+    /// A `Flow` was created for this stream. Without one every later callback has nothing to
+    /// do: the flag spares requests that match no rule the VM borrow and the flow lookup.
+    tracked: bool,
 }
 
 impl Stream {
     pub(crate) fn new(id: u32, vm: SharedVm) -> Stream {
-        Stream { id, vm }
+        Stream {
+            id,
+            vm,
+            tracked: false,
+        }
     }
 
     /// Carries out a request-side action; returns what the callback returns to Envoy.
@@ -39,6 +46,9 @@ impl Stream {
 
     /// Passes a response event to the flow and queues the release it may produce.
     fn response_event(&mut self, f: impl FnOnce(&idemgate_core::Config, &mut Flow, &mut Env<'_>)) {
+        if !self.tracked {
+            return;
+        }
         let mut vm = self.vm.borrow_mut();
         let release = vm.with_flow(self.id, |config, flow, env| {
             if flow.watches_response() {
@@ -52,6 +62,9 @@ impl Stream {
     }
 
     fn request_body(&mut self, buffered: usize, end_of_stream: bool) -> Next {
+        if !self.tracked {
+            return Next::Continue;
+        }
         let mut vm = self.vm.borrow_mut();
         let action = vm.with_flow(self.id, |config, flow, env| {
             flow.holds_request().then(|| {
@@ -68,6 +81,9 @@ impl Stream {
 
 impl Context for Stream {
     fn on_done(&mut self) -> bool {
+        if !self.tracked {
+            return true;
+        }
         let mut vm = self.vm.borrow_mut();
         let ended = vm.with_flow(self.id, |config, flow, env| {
             (flow.on_stream_end(config, env), flow.take_release())
@@ -93,11 +109,16 @@ impl Context for Stream {
 impl HttpContext for Stream {
     fn on_http_request_headers(&mut self, _num_headers: usize, end_of_stream: bool) -> Next {
         let mut vm = self.vm.borrow_mut();
-        let Some(config) = vm.config.clone() else {
+        // Most requests match no rule: decided on a borrowed config, without touching its `Rc`.
+        let route = vm
+            .config
+            .as_deref()
+            .and_then(|config| Flow::route(config, &RequestHeaders));
+        let Some(route) = route else {
+            vm.passed += 1;
             return Next::Continue;
         };
-        let Some(route) = Flow::route(&config, &RequestHeaders) else {
-            vm.passed += 1;
+        let Some(config) = vm.config.clone() else {
             return Next::Continue;
         };
         let owner = vm.next_owner();
@@ -116,6 +137,7 @@ impl HttpContext for Stream {
         };
         if let Some(flow) = flow {
             vm.flows.insert(self.id, flow);
+            self.tracked = true;
         }
         self.apply(&mut vm, action)
     }

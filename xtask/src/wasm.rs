@@ -14,12 +14,11 @@ const FILTER_CRATES: &[&str] = &["idemgate-plugin", "idemgate-core", "idemgate-w
 const PROFILE: &str = "wasm";
 /// Profile of the filter: size-optimized, see `[profile.wasm-filter]` in Cargo.toml.
 const FILTER_PROFILE: &str = "wasm-filter";
-/// The filter's size ceiling, enforced where `-Cpanic=immediate-abort` is available (the
-/// Debian route builds std itself; the rustup route's prebuilt std keeps the panic machinery
-/// and lands ~45 KiB above). Issue #5's goal of 256 KiB held for dedupe alone (247 KiB);
-/// rate limits (issue #9) added 26 KiB, so the ceiling is the measured 273 KiB plus a little
-/// room: see plugin/README.md, "Size and speed of the build".
-const FILTER_MAX_BYTES: u64 = 280 * 1024;
+/// The filter's size ceiling (issue #5's goal), enforced where `-Cpanic=immediate-abort` is
+/// available (the Debian route builds std itself; the rustup route's prebuilt std keeps the
+/// panic machinery and lands ~45 KiB above): see plugin/README.md, "Size and speed of the
+/// build".
+const FILTER_MAX_BYTES: u64 = 256 * 1024;
 /// A panic in the filter is a VM failure whatever it prints, so the Debian route drops the
 /// panic machinery (formatting, messages, unwinding tables) altogether: ~45 KiB.
 const IMMEDIATE_ABORT: &str = "-Zunstable-options -Cpanic=immediate-abort";
@@ -95,7 +94,7 @@ pub fn build_with(root: &Path, route: Route) -> Result<PathBuf> {
     );
     if route == Route::Debian && optimized && size > FILTER_MAX_BYTES {
         anyhow::bail!(
-            "{} is {size} bytes, above its ceiling of {FILTER_MAX_BYTES} (280 KiB): see \
+            "{} is {size} bytes, above its ceiling of {FILTER_MAX_BYTES} (256 KiB): see \
              plugin/README.md (\"Size and speed of the build\") and `twiggy top`",
             filter.display()
         );
