@@ -291,10 +291,12 @@ impl Driver {
         self.answer_next_callout(&idemgate_wire::encode(&OwnerOutcome::Released, b""))
     }
 
-    /// The filter dispatches sidecar callouts from its root context on a short tick: let
-    /// virtual time pass until one is out, then answer it.
+    /// The filter dispatches sidecar callouts from its root context when its wake-up queue
+    /// notifies it (or on a short tick): run what Envoy's event loop would, letting virtual
+    /// time pass until a callout is out, then answer it.
     fn answer_next_callout(&mut self, body: &[u8]) -> Result<()> {
         for _ in 0..10 {
+            self.vm.run_posted();
             if let Some(call) = self.vm.take_new_callouts().into_iter().next() {
                 let outcome = CalloutOutcome::response(
                     200,

@@ -66,6 +66,27 @@ fn first_call_goes_upstream_fenced_and_duplicates_replay_byte_for_byte() {
     assert_eq!(other.counter("idemgate.requests.replayed"), 1);
 }
 
+/// The root sends claims when its own wake-up queue notifies it — on the worker's next
+/// event-loop turn, with no virtual time passing — not a tick later. With several workers each
+/// one is woken itself: Envoy notifies only the last VM that registered a queue name.
+#[test]
+fn claims_go_out_on_the_next_event_loop_turn_of_each_worker() {
+    let stack = Stack::start();
+    let gw = Gateway::boot(stack.addr, &config("", PAYMENTS), 2);
+    let on_first = gw.worker(0).stream();
+    let on_second = gw.worker(1).stream();
+    on_first.send_request(post("/payments", "wake-1", "{}"));
+    on_second.send_request(post("/payments", "wake-2", "{}"));
+    let before = gw.host.now();
+    gw.host.settle();
+    assert_eq!(gw.host.now(), before);
+    let sent: Vec<(usize, String)> = gw.pending().into_iter().map(|(w, _, p)| (w, p)).collect();
+    assert_eq!(
+        sent,
+        [(0, "/v1/claim".to_string()), (1, "/v1/claim".to_string())]
+    );
+}
+
 #[test]
 fn requests_matching_no_rule_pass_untouched() {
     let stack = Stack::start();
@@ -182,7 +203,7 @@ fn queued_lock_holders_run_in_arrival_order() {
             HeaderMap::from([("content-type", "application/json")]),
             "{}",
         );
-        // The release goes out on the root's next tick and wakes the next waiter.
+        // The release goes out once the root is woken, and wakes the next waiter.
         gw.pump_except(&seen);
         assert!(forward.join().unwrap(), "the long-poll answered");
         fences.push(fence(&next).unwrap_or_else(|| {

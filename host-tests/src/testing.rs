@@ -110,8 +110,10 @@ impl TestHost {
     }
 
     /// Moves the virtual clock forward, firing every tick and callout timeout that falls due,
-    /// in time order across VMs.
+    /// in time order across VMs. Events already posted run first: an event loop runs them
+    /// before it sleeps.
     pub fn advance(&self, by: Duration) {
+        self.settle();
         let clock = &self.inner.shared.clock;
         let Clock::Virtual(now) = clock else {
             return;

@@ -23,6 +23,32 @@ pub(crate) fn set_tick_ms(ms: u64) {
     }
 }
 
+/// This VM's wake-up queue, named after its VM number: Envoy notifies only the last VM that
+/// registered a name, so every worker needs its own.
+pub(crate) fn register_wake_queue(vm_number: u32) -> Option<u32> {
+    match hostcalls::register_shared_queue(&format!("idemgate.v1.wake.{vm_number}")) {
+        Ok(queue) => Some(queue),
+        Err(status) => {
+            log::warn!("idemgate: no wake-up queue ({status:?}): callouts wait for a 1 ms tick");
+            None
+        }
+    }
+}
+
+/// Asks Envoy to run the root's `on_queue_ready`; false if it refused.
+pub(crate) fn wake(queue: u32) -> bool {
+    hostcalls::enqueue_shared_queue(queue, Some(b"w")).is_ok()
+}
+
+/// Empties the wake-up queue: one item per wake-up, and kicks are batched, so a handful.
+pub(crate) fn drain_wake_queue(queue: u32) {
+    for _ in 0..64 {
+        if !matches!(hostcalls::dequeue_shared_queue(queue), Ok(Some(_))) {
+            return;
+        }
+    }
+}
+
 /// The request headers of the current (or effective) stream.
 pub(crate) struct RequestHeaders;
 

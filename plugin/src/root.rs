@@ -103,11 +103,22 @@ impl RootContext for Root {
             if config.shadow { ", shadow mode" } else { "" }
         );
         let mut vm = self.vm.borrow_mut();
-        vm.nonce = u64::from(vm_number()) << 32;
+        let number = vm_number();
+        vm.nonce = u64::from(number) << 32;
+        vm.wake_queue = host::register_wake_queue(number);
         vm.metrics = Metrics::define(&config);
         host::set_tick_ms(config.tick_ms);
         vm.config = Some(Rc::new(config));
         true
+    }
+
+    fn on_queue_ready(&mut self, queue_id: u32) {
+        host::drain_wake_queue(queue_id);
+        let mut vm = self.vm.borrow_mut();
+        let Some(config) = vm.config.clone() else {
+            return;
+        };
+        dispatch_queued(&mut vm, &config);
     }
 
     fn on_tick(&mut self) {
@@ -115,20 +126,15 @@ impl RootContext for Root {
         let Some(config) = vm.config.clone() else {
             return;
         };
-        if vm.kicked {
-            vm.kicked = false;
+        if vm.fast_tick {
+            vm.fast_tick = false;
             host::set_tick_ms(config.tick_ms);
         }
         let passed = std::mem::take(&mut vm.passed);
         vm.metrics.add(Counter::Pass, passed);
-        for (stream, callout) in std::mem::take(&mut vm.claims) {
-            match dispatch(&config, &callout) {
-                Some(token) => {
-                    vm.calls.insert(token, Call::Claim(stream));
-                }
-                None => settle_claim(&mut vm, stream, Answer::Failed),
-            }
-        }
+        dispatch_queued(&mut vm, &config);
+        let retries = std::mem::take(&mut vm.retries);
+        dispatch_releases(&mut vm, &config, retries);
         for (stream, callout) in vm.renewals_due() {
             match dispatch(&config, &callout) {
                 Some(token) => {
@@ -139,14 +145,6 @@ impl RootContext for Root {
                         flow.on_renew_answer(config, Answer::Failed, env)
                     });
                 }
-            }
-        }
-        for release in std::mem::take(&mut vm.releases) {
-            match dispatch(&config, &release.callout) {
-                Some(token) => {
-                    vm.calls.insert(token, Call::Release(release));
-                }
-                None => retry(&mut vm, release),
             }
         }
     }
@@ -180,6 +178,32 @@ fn vm_number() -> u32 {
     }
     // Contention beyond reason: fall back to the clock, unique enough for owner ids.
     (host::now_ms() & 0xffff_ffff) as u32
+}
+
+/// Sends the claims and releases the streams queued since the last wake-up.
+fn dispatch_queued(vm: &mut Vm, config: &Config) {
+    vm.kicked = false;
+    for (stream, callout) in std::mem::take(&mut vm.claims) {
+        match dispatch(config, &callout) {
+            Some(token) => {
+                vm.calls.insert(token, Call::Claim(stream));
+            }
+            None => settle_claim(vm, stream, Answer::Failed),
+        }
+    }
+    let releases = std::mem::take(&mut vm.releases);
+    dispatch_releases(vm, config, releases);
+}
+
+fn dispatch_releases(vm: &mut Vm, config: &Config, releases: Vec<PendingRelease>) {
+    for release in releases {
+        match dispatch(config, &release.callout) {
+            Some(token) => {
+                vm.calls.insert(token, Call::Release(release));
+            }
+            None => retry(vm, release),
+        }
+    }
 }
 
 fn dispatch(config: &Config, callout: &Callout) -> Option<u32> {
@@ -255,9 +279,8 @@ fn retry(vm: &mut Vm, mut release: PendingRelease) {
     release.attempts += 1;
     let attempts = vm.config.as_ref().map_or(1, |c| c.release_attempts);
     if release.attempts < attempts {
-        // Dispatched again on the next regular tick: a natural backoff.
         vm.metrics.add(Counter::ReleaseRetries, 1);
-        vm.releases.push(release);
+        vm.retries.push(release);
     } else {
         vm.metrics.add(Counter::ReleaseFailures, 1);
         log::error!(

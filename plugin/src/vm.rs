@@ -33,12 +33,19 @@ pub(crate) struct Vm {
     /// Live requests (and abandoned ones whose claim answer is still due), by stream id.
     /// Ordered maps: no hashing cost, and few entries per worker.
     pub(crate) flows: BTreeMap<u32, Flow>,
-    /// Claims the next tick dispatches, by stream id.
+    /// Claims the root dispatches when next woken, by stream id.
     pub(crate) claims: Vec<(u32, Callout)>,
     pub(crate) releases: Vec<PendingRelease>,
+    /// Releases whose callout failed: sent again on the next regular tick, a natural backoff.
+    pub(crate) retries: Vec<PendingRelease>,
     pub(crate) calls: BTreeMap<u32, Call>,
-    /// A 1 ms tick is armed to dispatch queued callouts.
+    /// A wake-up is on its way to dispatch queued callouts (cleared when the root runs).
     pub(crate) kicked: bool,
+    /// The 1 ms fallback tick is armed (the tick goes back to its period when it fires).
+    pub(crate) fast_tick: bool,
+    /// This VM's own shared queue: an enqueue makes Envoy run the root's `on_queue_ready` on
+    /// the next turn of this worker's event loop. `None`: wake-ups fall back to a 1 ms tick.
+    pub(crate) wake_queue: Option<u32>,
     /// Requests that matched no rule since the last tick (counted without a host call).
     pub(crate) passed: u64,
     /// High half of local-tier owner ids, unique per VM; the low half counts requests.
@@ -122,10 +129,21 @@ impl Vm {
         self.kick();
     }
 
-    /// Arms a 1 ms tick once: re-arming on every request would keep postponing it under load.
+    /// Wakes the root once per batch: through the wake queue (the callouts go out within the
+    /// same event-loop turn's aftermath, not up to a tick later), else a 1 ms tick, armed once
+    /// because re-arming on every request would keep postponing it under load.
     fn kick(&mut self) {
-        if !self.kicked {
-            self.kicked = true;
+        if self.kicked {
+            return;
+        }
+        self.kicked = true;
+        if let Some(queue) = self.wake_queue
+            && host::wake(queue)
+        {
+            return;
+        }
+        if !self.fast_tick {
+            self.fast_tick = true;
             host::set_tick_ms(1);
         }
     }

@@ -74,7 +74,7 @@ fn client_abort_release_policy_lets_the_retry_run_beside_detached_work() {
         ..Options::default()
     });
     let retry = abort_then_retry(&rig);
-    // Released at once (the abort callout leaves on the root's next tick).
+    // Released at once (the abort callout leaves once the root is woken).
     let retry = if retry.status() == 409 {
         until_status(200, Duration::from_secs(10), || attach(&rig, "a1", "retry"))
     } else {

@@ -28,7 +28,7 @@ fn upstream_5xx_timeout_and_reset_release_the_key_and_the_retry_runs_again() {
         r#"{"amount":1}"#,
     );
     assert_eq!(failed.status(), 500);
-    // The release is asynchronous (the root dispatches it on its next tick): a retry sent
+    // The release is asynchronous (the root dispatches it once woken): a retry sent
     // within milliseconds can still meet the key, so clients retry as they would on 409.
     let retry = until_status(201, Duration::from_secs(10), || pay(addr, "up-500", 10));
     assert_eq!(retry.status(), 201, "{retry:?}");

@@ -194,7 +194,7 @@ impl Gateway {
         &self.workers[i % self.workers.len()]
     }
 
-    /// Fires due ticks (the root dispatches queued callouts on a 1 ms tick) and forwards
+    /// Runs posted wake-ups and due ticks (the root dispatches queued callouts then) and forwards
     /// every callout to the sidecar, until none is left. Blocks on each answer.
     pub fn pump(&self) {
         self.pump_except(&[]);
