@@ -612,11 +612,11 @@ fn queue(modules: &Modules) -> Result<Group> {
              and ends, which is where every figure is read. Queue mode: callers wait at the \
              sidecar and are let through in turn. Baseline (same run, sidecar on Redis): the \
              rule rejects (409) and each caller retries every 100 ms. The gap includes the \
-             finished call's response through the filter, its release callout (dispatched on \
-             the plugin's 1 ms root tick), the sidecar's grant to the next waiter, and that \
+             finished call's response through the filter, its release callout (sent when the \
+             plugin's root is woken through its shared queue), the sidecar's grant to the next waiter, and that \
              request's way to the backend; the sidecar's own part of it is read from its \
              `handoff_seconds` metric, so the rest of the gap is the gateway's path (the \
-             release callout leaving on the plugin's 1 ms root tick, the grant reaching the \
+             release callout leaving once the plugin's root is woken, the grant reaching the \
              waiting request's worker, the resumed request's trip to the backend), whose wake-ups are what a loaded 2-core VM delays most. \
              {GATEWAY_RUNS} runs per configuration; \
              p50/p99 are per run (99 gaps each), then the median over runs. Wall-clock figures \

@@ -377,13 +377,13 @@ impl<'a> Section<'a> {
             ));
         };
         if let Some(unknown) = fields.keys().find(|k| !known.contains(&k.as_str())) {
-            let mut message = format!("unknown field `{unknown}`, expected one of");
-            for (i, k) in known.iter().enumerate() {
-                message.push_str(if i == 0 { " `" } else { ", `" });
-                message.push_str(k);
-                message.push('`');
-            }
-            return Err(err(name, message));
+            return Err(err(
+                name,
+                format!(
+                    "unknown field `{unknown}`, expected one of {}",
+                    quoted(known)
+                ),
+            ));
         }
         Ok(Section {
             path,
@@ -498,15 +498,10 @@ impl<'a> Section<'a> {
         };
         match variants.iter().position(|v| *v == s) {
             Some(i) => Ok(Some(i)),
-            None => {
-                let mut message = format!("`{s}` is not one of");
-                for (i, v) in variants.iter().enumerate() {
-                    message.push_str(if i == 0 { " `" } else { ", `" });
-                    message.push_str(v);
-                    message.push('`');
-                }
-                Err(err(&self.at(name), message))
-            }
+            None => Err(err(
+                &self.at(name),
+                format!("`{s}` is not one of {}", quoted(variants)),
+            )),
         }
     }
 
@@ -528,6 +523,17 @@ fn strings(items: &[Value], path: &str) -> Result<Vec<String>, ConfigError> {
             )),
         })
         .collect()
+}
+
+/// `` `a`, `b`, `c` `` for error messages.
+fn quoted(names: &[&str]) -> String {
+    let mut list = String::new();
+    for (i, n) in names.iter().enumerate() {
+        list.push_str(if i == 0 { "`" } else { ", `" });
+        list.push_str(n);
+        list.push('`');
+    }
+    list
 }
 
 /// What a JSON value is, for error messages (strings are quoted, so `"yes"` reads as text).
