@@ -114,12 +114,14 @@ fn lock_claim(key: String, wait: bool) -> ClaimRequest {
     }
 }
 
-/// One closed-loop run's throughput, latency percentiles (µs) and CPU per round trip (µs).
+/// One closed-loop run's throughput, latency percentiles (µs), CPU per round trip (µs) and
+/// the commands Redis executed per round trip (scripts and the calls inside them).
 pub struct Run {
     pub ops_per_sec: f64,
     pub p50_us: f64,
     pub p99_us: f64,
     pub cpu: CpuSplit,
+    pub redis_commands: f64,
 }
 
 /// CPU time per round trip (µs) of each party.
@@ -172,7 +174,26 @@ fn cpu_seconds(redis: &RedisServer) -> Result<(f64, f64, f64)> {
     Ok((process, sidecar, redis_seconds))
 }
 
-/// Runs `op(worker, i)` from `concurrency` workers for `seconds`, accounting CPU time.
+/// Commands `redis` has executed so far, each call inside a script counted as well
+/// (`INFO commandstats`), less the `INFO` calls that read it.
+fn redis_commands(redis: &RedisServer) -> Result<f64> {
+    let stats = redis.cli(&["INFO", "commandstats"])?;
+    Ok(stats
+        .lines()
+        .filter(|l| l.starts_with("cmdstat_") && !l.starts_with("cmdstat_info:"))
+        .filter_map(|l| {
+            l.split_once("calls=")?
+                .1
+                .split(',')
+                .next()?
+                .parse::<f64>()
+                .ok()
+        })
+        .sum())
+}
+
+/// Runs `op(worker, i)` from `concurrency` workers for `seconds`, accounting CPU time and
+/// Redis commands.
 async fn closed_loop<F, Fut>(
     redis: &RedisServer,
     concurrency: usize,
@@ -184,6 +205,7 @@ where
     Fut: Future<Output = Result<()>> + Send,
 {
     let cpu_before = cpu_seconds(redis)?;
+    let commands_before = redis_commands(redis)?;
     let op = Arc::new(op);
     let started = Instant::now();
     let until = started + Duration::from_secs_f64(seconds);
@@ -209,6 +231,7 @@ where
     }
     let elapsed = started.elapsed().as_secs_f64();
     let cpu_after = cpu_seconds(redis)?;
+    let commands = redis_commands(redis)? - commands_before;
     let per_op = |before: f64, after: f64| (after - before) * 1e6 / all.len().max(1) as f64;
     let sidecar = per_op(cpu_before.1, cpu_after.1);
     let cpu = CpuSplit {
@@ -218,24 +241,42 @@ where
     };
     Ok(Run {
         cpu,
+        redis_commands: commands / all.len().max(1) as f64,
         ops_per_sec: all.len() as f64 / elapsed,
         p50_us: percentile(&mut all, 50.0).unwrap_or_default(),
         p99_us: percentile(&mut all, 99.0).unwrap_or_default(),
     })
 }
 
-/// claim (granted) + complete (released) round trips through a sidecar on `store`, served
-/// by the runtime `server` (whose threads are named [`SIDECAR_THREADS`]); `redis` is the
-/// server whose CPU time is accounted.
+/// What answers the bench client's claims and completes.
+#[derive(Clone)]
+pub enum Server {
+    /// The sidecar on this store.
+    Sidecar(StoreConfig),
+    /// The sidecar's HTTP stack answering fixed bodies without a store
+    /// ([`Sidecar::spawn_canned`]): the HTTP hop alone, which no store change can remove.
+    HttpHop,
+}
+
+/// claim (granted) + complete (released) round trips through `target`, served by the
+/// runtime `server` (whose threads are named [`SIDECAR_THREADS`]); `redis` is the server
+/// whose CPU time and commands are accounted.
 pub async fn sidecar_round_trips(
     server: &Handle,
-    store: StoreConfig,
+    target: Server,
     redis: &RedisServer,
     concurrency: usize,
     seconds: f64,
 ) -> Result<Run> {
     let sidecar = server
-        .spawn(Sidecar::spawn(Config::loopback(store)))
+        .spawn(async move {
+            match target {
+                Server::Sidecar(store) => Sidecar::spawn(Config::loopback(store)).await,
+                Server::HttpHop => {
+                    Sidecar::spawn_canned(Config::loopback(StoreConfig::Memory)).await
+                }
+            }
+        })
         .await??;
     let mut clients = Vec::new();
     for _ in 0..concurrency.min(CONNECTIONS) {
@@ -349,6 +390,8 @@ pub struct Repeated {
     pub cpu_sidecar: Summary,
     pub cpu_redis: Summary,
     pub cpu_total: Summary,
+    /// Redis commands per round trip (scripts and the calls inside them).
+    pub redis_commands: Summary,
 }
 
 pub async fn repeat<F, Fut>(runs: usize, mut one: F) -> Result<Repeated>
@@ -371,5 +414,6 @@ where
         cpu_sidecar: summary(|r| r.cpu.sidecar)?,
         cpu_redis: summary(|r| r.cpu.redis)?,
         cpu_total: summary(|r| r.cpu.client + r.cpu.sidecar + r.cpu.redis)?,
+        redis_commands: summary(|r| r.redis_commands)?,
     })
 }
