@@ -319,9 +319,13 @@ impl RedisStore {
         let now_us = secs.saturating_mul(1_000_000).saturating_add(micros);
         let checks = records.iter().map(|record| async move {
             let mut cmd = redis::cmd("HMGET");
-            cmd.arg(record).arg("owner").arg("until");
-            let (owner, until): (Option<String>, Option<u64>) = self.run(Op::Command(&cmd)).await?;
-            let held = owner.is_some() && until.is_some_and(|u| u > now_us);
+            cmd.arg(record).arg("owner").arg("at").arg("lease");
+            let (owner, at, lease): (Option<String>, Option<u64>, Option<u64>) =
+                self.run(Op::Command(&cmd)).await?;
+            let ends = at
+                .zip(lease)
+                .map(|(at, lease)| at.saturating_add(lease * 1000));
+            let held = owner.is_some() && ends.is_some_and(|end| end > now_us);
             Ok::<_, StoreError>(if held {
                 keys::key_of_state(&self.prefix, record)
             } else {
@@ -587,6 +591,11 @@ impl Store for RedisStore {
             .arg(wait_ms)
             .arg(max_queue)
             .arg(self.record_ttl_ms)
+            // A record outlives every lease granted in it by a second.
+            .arg(
+                self.record_ttl_ms
+                    .max(millis(args.lease).saturating_add(1000)),
+            )
             .arg(&self.inbox_prefix)
             .arg(&self.inbox);
         let items: Vec<Value> = self.run(Op::Script(script, &cmd)).await?;
@@ -685,7 +694,7 @@ impl Store for RedisStore {
         let holder = if held {
             Some(HolderInfo {
                 fence: last_fence,
-                age_ms: number(items.get(1))? / 1000,
+                age_ms: number(items.get(1))?,
                 lease_remaining_ms: number(items.get(2))?,
             })
         } else {

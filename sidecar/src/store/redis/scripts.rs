@@ -11,8 +11,9 @@
 //! claimed, completed or aborted with nobody waiting: one key, a handful of calls). Its
 //! fields:
 //! - `fence`: the last fence issued for the key (kept while the key is free);
-//! - while held: `owner`, `fp` (fingerprint, '' = none), `since` (grant, µs), `until` (end
-//!   of the lease, µs), `lease` (ms, as granted);
+//! - while held: `owner`, `fp` (fingerprint, '' = none), `since` (grant, µs), `at` (start of
+//!   the current lease: the grant or the last renewal, µs), `lease` (its length, ms) — the
+//!   lease ends at `at + lease`;
 //! - `q` = '1' while the queue may hold waiters: without it the queue and waiters keys are
 //!   known to be empty and are not touched;
 //! - a stored response (idempotency): `status`, `headers` (JSON), `body`, `rfp` (the
@@ -21,7 +22,7 @@
 //! Shared conventions:
 //! - Time is Redis's own clock (`TIME`), never the sidecars', so skewed sidecars agree.
 //!   (Redis ≥ 5 replicates script effects, which makes `TIME` in a script safe.)
-//! - A lease is valid while `until` > now: its end is decided by comparing with the clock,
+//! - A lease is valid while `at + lease` > now: its end is decided by comparing with the clock,
 //!   not by a key expiring, so a lease that ran out is still seen (and counted once, by the
 //!   claim that finds it) and the record's fence survives it.
 //! - The record's own expiry only bounds how long an idle record lives: set at every grant
@@ -34,20 +35,24 @@
 //! - A queued waiter is its owner token in the queue list plus
 //!   `inbox|deadline_ms|lease_ms|fingerprint` in the waiters hash; handing it the key
 //!   PUBLISHes its owner token to its process's inbox channel.
-//! - Numbers leave Lua through `string.format('%.0f')`: Lua's own number formatting would
-//!   print large fences in exponent notation.
+//! - Numbers leave Lua as strings: Lua's own number formatting would print µs timestamps in
+//!   exponent notation, and `string.format('%.0f')` costs about as much as a Redis call, so
+//!   the common path stores strings it already has (the clock's, the caller's) and only
+//!   formats when it computes a new value (a fence above the clock, a retention end).
 
 use redis::Script;
 use std::sync::LazyLock;
 
 /// Helpers prepended to every script that changes a lock. `state`, `queue` and `waiters`
-/// are the lock's three keys, `now` Redis's clock in µs, `record_ttl` the fence TTL (ms).
+/// are the lock's three keys; `now` is Redis's clock in µs and `now_s` the same as a string;
+/// `grant_ttl` (ms) is how long a record lives after a grant: the fence TTL, and at least the
+/// lease plus a second (computed by the sidecar).
 macro_rules! prelude {
     () => {
         r#"
-local function now_us()
+local function clock()
   local t = redis.call('TIME')
-  return tonumber(t[1]) * 1000000 + tonumber(t[2])
+  return tonumber(t[1]) * 1000000 + tonumber(t[2]), t[1] .. string.sub('00000' .. t[2], -6)
 end
 
 local function int(n)
@@ -60,7 +65,12 @@ local function parse_waiter(v)
   return inbox, tonumber(deadline), tonumber(lease), fp
 end
 
-local HOLDER = {'owner', 'fp', 'since', 'until', 'lease'}
+local HOLDER = {'owner', 'fp', 'since', 'at', 'lease'}
+
+-- When the lease that started at `at` (µs) and lasts `lease` (ms) ends.
+local function lease_end(at, lease)
+  return tonumber(at) + tonumber(lease) * 1000
+end
 
 -- The record lives `ttl` ms from now, and never less than the queue while one may exist.
 local function expire(state, queue, queued, ttl)
@@ -68,16 +78,21 @@ local function expire(state, queue, queued, ttl)
   redis.call('PEXPIRE', state, ttl)
 end
 
--- Grants a free key (no valid holder). `last` is the record's fence (false: none);
--- `kept` the end of a stored response's retention (false: none), which the record's
--- expiry must not cut short.
-local function grant(state, queue, queued, owner, fp, lease, now, last, kept, record_ttl)
-  local f = math.max(tonumber(last or '0') + 1, now)
-  redis.call('HSET', state, 'fence', int(f), 'owner', owner, 'fp', fp, 'since', int(now),
-    'until', int(now + lease * 1000), 'lease', int(lease))
-  local ttl = math.max(record_ttl, lease + 1000)
+-- Grants a free key (no valid holder) for `lease` ms (a string); returns the fence (a
+-- string). `last` is the record's fence (false: none); `kept` the end of a stored
+-- response's retention (false: none), which the record's expiry must not cut short.
+local function grant(state, queue, queued, owner, fp, lease, now, now_s, last, kept, grant_ttl)
+  local f = now_s
+  if last and tonumber(last) >= now then f = int(tonumber(last) + 1) end
+  redis.call('HSET', state, 'fence', f, 'owner', owner, 'fp', fp, 'since', now_s, 'at', now_s,
+    'lease', lease)
+  local ttl = grant_ttl
   if kept then ttl = math.max(ttl, math.ceil((tonumber(kept) - now) / 1000)) end
-  expire(state, queue, queued, ttl)
+  if queued or kept then
+    expire(state, queue, queued, ttl)
+  else
+    redis.call('PEXPIRE', state, ttl)
+  end
   return f
 end
 
@@ -90,8 +105,9 @@ end
 
 -- Hands a free key to the first queued waiter whose wait has not ended and tells its
 -- process. Only called while the record's queue mark is set. Returns the new holder's
--- owner, fence and lease (nil when nobody is left waiting: then the mark goes).
-local function promote(state, queue, waiters, last, kept, now, record_ttl, inbox_prefix)
+-- owner, fence and lease (nil when nobody is left waiting: then the mark goes). Its grant
+-- TTL: the fence TTL, at least its lease plus a second.
+local function promote(state, queue, waiters, last, kept, now, now_s, record_ttl, inbox_prefix)
   while true do
     local owner = redis.call('LPOP', queue)
     if not owner then
@@ -101,7 +117,8 @@ local function promote(state, queue, waiters, last, kept, now, record_ttl, inbox
     local inbox, deadline, lease, fp = parse_waiter(redis.call('HGET', waiters, owner))
     redis.call('HDEL', waiters, owner)
     if inbox and deadline * 1000 > now then
-      local f = grant(state, queue, true, owner, fp, lease, now, last, kept, record_ttl)
+      local ttl = math.max(record_ttl, lease + 1000)
+      local f = grant(state, queue, true, owner, fp, int(lease), now, now_s, last, kept, ttl)
       redis.call('PUBLISH', inbox_prefix .. inbox, owner)
       return owner, f, lease
     end
@@ -109,8 +126,10 @@ local function promote(state, queue, waiters, last, kept, now, record_ttl, inbox
 end
 
 -- Ends the current holding: to the next waiter if there is one, else the key is free.
-local function release(state, queue, waiters, queued, last, kept, now, record_ttl, inbox_prefix)
-  if queued and promote(state, queue, waiters, last, kept, now, record_ttl, inbox_prefix) then
+local function release(state, queue, waiters, queued, last, kept, now, now_s, record_ttl,
+    inbox_prefix)
+  if queued and promote(state, queue, waiters, last, kept, now, now_s, record_ttl, inbox_prefix)
+  then
     return
   end
   redis.call('HDEL', state, unpack(HOLDER))
@@ -123,7 +142,8 @@ end
 ///
 /// KEYS: state, queue, waiters.
 /// ARGV: owner, fingerprint ('' = none), mode ('idempotency'|'lock'), lease_ms,
-///       wait_ms ('0' = do not queue), max_queue, record_ttl_ms, inbox_prefix, inbox.
+///       wait_ms ('0' = do not queue), max_queue, record_ttl_ms, grant_ttl_ms, inbox_prefix,
+///       inbox.
 /// Returns `{outcome, lease_expired(0|1), ...}`:
 ///   `completed, status, headers_json, body` | `mismatch` | `granted, fence, lease_ms, since_us`
 ///   | `busy, ttl_ms, queue_len` | `queue_full, ttl_ms, queue_len`
@@ -136,23 +156,25 @@ pub(crate) static CLAIM: LazyLock<Script> = LazyLock::new(|| {
         prelude!(),
         r#"
 local state, queue, waiters = KEYS[1], KEYS[2], KEYS[3]
-local owner, fp, mode = ARGV[1], ARGV[2], ARGV[3]
-local lease, wait_ms, max_queue = tonumber(ARGV[4]), tonumber(ARGV[5]), tonumber(ARGV[6])
-local record_ttl, inbox_prefix, inbox = tonumber(ARGV[7]), ARGV[8], ARGV[9]
+local owner, fp, mode, lease = ARGV[1], ARGV[2], ARGV[3], ARGV[4]
+local wait_ms, max_queue = tonumber(ARGV[5]), tonumber(ARGV[6])
+local record_ttl, grant_ttl = tonumber(ARGV[7]), tonumber(ARGV[8])
+local inbox_prefix, inbox = ARGV[9], ARGV[10]
 
-local now = now_us()
+local now, now_s = clock()
 local r
 if mode == 'idempotency' then
-  r = redis.call('HMGET', state, 'owner', 'until', 'fence', 'q', 'fp', 'since', 'lease', 'kept',
+  r = redis.call('HMGET', state, 'owner', 'at', 'lease', 'fence', 'q', 'fp', 'since', 'kept',
     'status', 'rfp', 'headers', 'body')
 else
-  r = redis.call('HMGET', state, 'owner', 'until', 'fence', 'q', 'fp', 'since', 'lease', 'kept')
+  r = redis.call('HMGET', state, 'owner', 'at', 'lease', 'fence', 'q', 'fp', 'since', 'kept')
 end
-local holder, last, queued, kept = r[1], r[3], r[4] == '1', r[8]
+local holder, last, queued, kept = r[1], r[4], r[5] == '1', r[8]
+local holder_end = holder and lease_end(r[2], r[3])
 -- A lease that ran out leaves its holder in the record: the key is free, and this claim is
 -- the one that notices (and reports) it. Every path below that does not grant clears it.
 local expired = 0
-if holder and tonumber(r[2]) <= now then
+if holder and holder_end <= now then
   holder = false
   expired = 1
 end
@@ -178,7 +200,7 @@ local function busy_or_queue(ttl)
     if len >= max_queue then return {'queue_full', expired, ttl, len} end
     redis.call('RPUSH', queue, owner)
     local deadline = math.floor(now / 1000) + wait_ms
-    redis.call('HSET', waiters, owner, inbox .. '|' .. int(deadline) .. '|' .. int(lease) .. '|' .. fp)
+    redis.call('HSET', waiters, owner, inbox .. '|' .. int(deadline) .. '|' .. lease .. '|' .. fp)
     -- The queue outlives its longest waiter by a second, then disappears by itself; the
     -- record outlives the queue.
     local keep = wait_ms + 1000
@@ -207,28 +229,29 @@ if mode == 'idempotency' and r[9] then
 end
 
 if holder then
-  if holder == owner then return {'granted', expired, last, r[7], r[6]} end
-  if mode == 'idempotency' and differs(r[5], fp) then
+  if holder == owner then return {'granted', expired, last, r[3], r[7]} end
+  if mode == 'idempotency' and differs(r[6], fp) then
     leave_queue()
     return {'mismatch', expired}
   end
-  return busy_or_queue(math.ceil((tonumber(r[2]) - now) / 1000))
+  return busy_or_queue(math.ceil((holder_end - now) / 1000))
 end
 
 -- Free. Whoever is first in line goes first (waiters whose wait ended are skipped).
 if queued then
   local head = redis.call('LINDEX', queue, 0)
   if head and head ~= owner then
-    local o, f, l = promote(state, queue, waiters, last, kept, now, record_ttl, inbox_prefix)
-    if o == owner then return {'granted', expired, int(f), int(l), int(now)} end
+    local o, f, l = promote(state, queue, waiters, last, kept, now, now_s, record_ttl,
+      inbox_prefix)
+    if o == owner then return {'granted', expired, f, l, now_s} end
     if o then return busy_or_queue(l) end
     queued = false
   elseif head == owner then
     dequeue(state, queue, waiters, owner)
   end
 end
-local f = grant(state, queue, queued, owner, fp, lease, now, last, kept, record_ttl)
-return {'granted', expired, int(f), int(lease), int(now)}
+local f = grant(state, queue, queued, owner, fp, lease, now, now_s, last, kept, grant_ttl)
+return {'granted', expired, f, lease, now_s}
 "#
     ))
 });
@@ -248,20 +271,21 @@ pub(crate) static LEAVE: LazyLock<Script> = LazyLock::new(|| {
 local state, queue, waiters = KEYS[1], KEYS[2], KEYS[3]
 local owner, release_if_granted = ARGV[1], ARGV[2]
 local record_ttl, inbox_prefix = tonumber(ARGV[3]), ARGV[4]
-local r = redis.call('HMGET', state, 'owner', 'until', 'fence', 'since', 'lease', 'q', 'kept')
-local now = now_us()
-local held = r[1] and tonumber(r[2]) > now
+local r = redis.call('HMGET', state, 'owner', 'at', 'lease', 'fence', 'since', 'q', 'kept')
+local now, now_s = clock()
+local held = r[1] and lease_end(r[2], r[3]) > now
 local ttl = 0
-if held then ttl = math.ceil((tonumber(r[2]) - now) / 1000) end
+if held then ttl = math.ceil((lease_end(r[2], r[3]) - now) / 1000) end
 if held and r[1] == owner then
-  if release_if_granted ~= '1' then return {'granted', r[3], r[5], r[4]} end
-  release(state, queue, waiters, r[6] == '1', r[3], r[7], now, record_ttl, inbox_prefix)
+  if release_if_granted ~= '1' then return {'granted', r[4], r[3], r[5]} end
+  release(state, queue, waiters, r[6] == '1', r[4], r[7], now, now_s, record_ttl, inbox_prefix)
   ttl = 0
 else
   -- Whatever the mark says: a waiter leaving is worth one LREM to be sure.
   dequeue(state, queue, waiters, owner)
   if not held and r[6] == '1' then
-    local o, f, l = promote(state, queue, waiters, r[3], r[7], now, record_ttl, inbox_prefix)
+    local o, _, l = promote(state, queue, waiters, r[4], r[7], now, now_s, record_ttl,
+      inbox_prefix)
     if o then ttl = l end
   end
 end
@@ -286,16 +310,16 @@ pub(crate) static COMPLETE: LazyLock<Script> = LazyLock::new(|| {
         r#"
 local state, queue, waiters = KEYS[1], KEYS[2], KEYS[3]
 local record_ttl, inbox_prefix = tonumber(ARGV[7]), ARGV[8]
-local r = redis.call('HMGET', state, 'owner', 'until', 'q', 'fence', 'fp', 'kept')
-local now = now_us()
-if r[1] ~= ARGV[1] or tonumber(r[2]) <= now then return 'stale' end
-local queued = r[3] == '1'
+local r = redis.call('HMGET', state, 'owner', 'at', 'lease', 'q', 'fence', 'fp', 'kept')
+local now, now_s = clock()
+if r[1] ~= ARGV[1] or lease_end(r[2], r[3]) <= now then return 'stale' end
+local queued = r[4] == '1'
 if ARGV[3] == '1' then
   local retention = tonumber(ARGV[2])
   redis.call('HDEL', state, unpack(HOLDER))
   -- Every response field is written, so an older stored response leaves nothing behind.
   redis.call('HSET', state, 'status', ARGV[4], 'headers', ARGV[5], 'body', ARGV[6],
-    'rfp', r[5] or '', 'kept', int(now + retention * 1000))
+    'rfp', r[6] or '', 'kept', int(now + retention * 1000))
   -- The retention bounds how long the body is kept (and the fence with it: later fences
   -- rest on the clock).
   expire(state, queue, queued, retention)
@@ -307,7 +331,7 @@ if ARGV[3] == '1' then
     end
   end
 else
-  release(state, queue, waiters, queued, r[4], r[6], now, record_ttl, inbox_prefix)
+  release(state, queue, waiters, queued, r[5], r[7], now, now_s, record_ttl, inbox_prefix)
 end
 return 'released'
 "#
@@ -326,10 +350,10 @@ pub(crate) static ABORT: LazyLock<Script> = LazyLock::new(|| {
         prelude!(),
         r#"
 local state, queue, waiters = KEYS[1], KEYS[2], KEYS[3]
-local r = redis.call('HMGET', state, 'owner', 'until', 'q', 'fence', 'kept')
-local now = now_us()
-if r[1] ~= ARGV[1] or tonumber(r[2]) <= now then return 'stale' end
-release(state, queue, waiters, r[3] == '1', r[4], r[5], now, tonumber(ARGV[2]), ARGV[3])
+local r = redis.call('HMGET', state, 'owner', 'at', 'lease', 'q', 'fence', 'kept')
+local now, now_s = clock()
+if r[1] ~= ARGV[1] or lease_end(r[2], r[3]) <= now then return 'stale' end
+release(state, queue, waiters, r[4] == '1', r[5], r[6], now, now_s, tonumber(ARGV[2]), ARGV[3])
 return 'released'
 "#
     ))
@@ -347,12 +371,12 @@ pub(crate) static RENEW: LazyLock<Script> = LazyLock::new(|| {
         r#"
 local state, queue = KEYS[1], KEYS[2]
 local lease, record_ttl = tonumber(ARGV[2]), tonumber(ARGV[3])
-local r = redis.call('HMGET', state, 'owner', 'until', 'q')
-local now = now_us()
-if r[1] ~= ARGV[1] or tonumber(r[2]) <= now then return 0 end
-redis.call('HSET', state, 'until', int(now + lease * 1000))
+local r = redis.call('HMGET', state, 'owner', 'at', 'lease', 'q')
+local now, now_s = clock()
+if r[1] ~= ARGV[1] or lease_end(r[2], r[3]) <= now then return 0 end
+redis.call('HSET', state, 'at', now_s, 'lease', ARGV[2])
 -- The record must outlive the renewed lease, however long the key has been held.
-expire(state, queue, r[3] == '1', math.max(record_ttl, lease + 1000))
+expire(state, queue, r[4] == '1', math.max(record_ttl, lease + 1000))
 return 1
 "#
     ))
@@ -369,11 +393,11 @@ pub(crate) static FORCE_RELEASE: LazyLock<Script> = LazyLock::new(|| {
         prelude!(),
         r#"
 local state, queue, waiters = KEYS[1], KEYS[2], KEYS[3]
-local r = redis.call('HMGET', state, 'owner', 'until', 'q', 'fence', 'kept')
-local now = now_us()
-if not r[1] or tonumber(r[2]) <= now then return false end
-release(state, queue, waiters, r[3] == '1', r[4], r[5], now, tonumber(ARGV[1]), ARGV[2])
-return r[4]
+local r = redis.call('HMGET', state, 'owner', 'at', 'lease', 'q', 'fence', 'kept')
+local now, now_s = clock()
+if not r[1] or lease_end(r[2], r[3]) <= now then return false end
+release(state, queue, waiters, r[4] == '1', r[5], r[6], now, now_s, tonumber(ARGV[1]), ARGV[2])
+return r[5]
 "#
     ))
 });
@@ -381,29 +405,32 @@ return r[4]
 /// Inspect: a consistent snapshot of one key for operators (reads only).
 ///
 /// KEYS: state, queue.
-/// Returns `{held(0|1), since_us, lease_remaining_ms, queue_len, last_fence,
+/// Returns `{held(0|1), holder_age_ms, lease_remaining_ms, queue_len, last_fence,
 ///           resp_status|false, retention_remaining_ms}`.
 ///
 /// A script so that the holder, queue and response are read at one instant.
 pub(crate) static INSPECT: LazyLock<Script> = LazyLock::new(|| {
     Script::new(
         r#"
-local r = redis.call('HMGET', KEYS[1], 'owner', 'until', 'since', 'fence', 'status', 'kept')
+local r = redis.call('HMGET', KEYS[1], 'owner', 'at', 'lease', 'since', 'fence', 'status', 'kept')
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000000 + tonumber(t[2])
 local function remaining_ms(deadline)
-  if not deadline then return 0 end
-  return math.max(math.ceil((tonumber(deadline) - now) / 1000), 0)
+  return math.max(math.ceil((deadline - now) / 1000), 0)
 end
-local held = r[1] and tonumber(r[2]) > now
-local lease_left = 0
-if held then lease_left = remaining_ms(r[2]) end
-local status = false
-if r[5] and tonumber(r[6]) > now then status = r[5] end
-return {
-  held and 1 or 0, string.format('%.0f', now - tonumber(r[3] or now)), lease_left,
-  redis.call('LLEN', KEYS[2]), r[4] or '0', status, remaining_ms(status and r[6])
-}
+local held = r[1] and tonumber(r[2]) + tonumber(r[3]) * 1000 > now
+local lease_left, age_ms = 0, 0
+if held then
+  lease_left = remaining_ms(tonumber(r[2]) + tonumber(r[3]) * 1000)
+  age_ms = math.floor((now - tonumber(r[4])) / 1000)
+end
+local status, kept_left = false, 0
+if r[6] and tonumber(r[7]) > now then
+  status = r[6]
+  kept_left = remaining_ms(tonumber(r[7]))
+end
+return {held and 1 or 0, age_ms, lease_left, redis.call('LLEN', KEYS[2]), r[5] or '0', status,
+  kept_left}
 "#,
     )
 });
