@@ -250,7 +250,7 @@ impl RedisStore {
         }
     }
 
-    /// One page of `SCAN` for lock keys, on `node` (a Cluster primary) or the one server.
+    /// One page of `SCAN` for lock records, on `node` (a Cluster primary) or the one server.
     async fn scan_page(
         &self,
         node: Option<&(String, u16)>,
@@ -324,7 +324,7 @@ impl RedisStore {
                 self.run(Op::Command(&cmd)).await?;
             let ends = at
                 .zip(lease)
-                .map(|(at, lease)| at.saturating_add(lease * 1000));
+                .map(|(at, lease)| at.saturating_add(lease.saturating_mul(1000)));
             let held = owner.is_some() && ends.is_some_and(|end| end > now_us);
             Ok::<_, StoreError>(if held {
                 keys::key_of_state(&self.prefix, record)
