@@ -1,14 +1,16 @@
 //! Group `sidecar`: claim+complete round trips per second and latency at concurrency 1 and
 //! 64, on the memory and Redis stores, beside raw Redis doing the minimal equivalent (`SET NX
-//! PX` then a compare-and-delete script) against the same `redis-server` in the same run;
-//! and the hand-off latency from a release to the next waiter's grant.
+//! PX` then a compare-and-delete script) against the same `redis-server` in the same run,
+//! and beside the sidecar's HTTP stack answering fixed bodies (the HTTP hop alone, the
+//! ceiling of any store); and the hand-off latency from a release to the next waiter's grant.
 //!
 //! The sidecar runs in-process on 127.0.0.1:0, on its own runtime (as if it were its own
 //! process), and is driven over a few h2c connections, as Envoy multiplexes callouts (one
 //! connection per worker thread). Client, sidecar and Redis share the machine's cores, so the
 //! figures compare; they are not capacity numbers. Each run also splits the CPU time it cost
-//! between the bench client, the sidecar and Redis, per round trip: on a CPU-bound machine
-//! that split, not the wall clock, says where a ratio comes from.
+//! between the bench client, the sidecar and Redis, per round trip, and counts the commands
+//! Redis ran per round trip: on a CPU-bound machine that split, not the wall clock, says
+//! where a ratio comes from.
 
 use crate::stats::{Summary, percentile};
 use anyhow::{Context, Result, bail};
