@@ -1,14 +1,16 @@
 //! Group `sidecar`: claim+complete round trips per second and latency at concurrency 1 and
 //! 64, on the memory and Redis stores, beside raw Redis doing the minimal equivalent (`SET NX
-//! PX` then a compare-and-delete script) against the same `redis-server` in the same run;
-//! and the hand-off latency from a release to the next waiter's grant.
+//! PX` then a compare-and-delete script) against the same `redis-server` in the same run,
+//! and beside the sidecar's HTTP stack answering fixed bodies (the HTTP hop alone, the
+//! ceiling of any store); and the hand-off latency from a release to the next waiter's grant.
 //!
 //! The sidecar runs in-process on 127.0.0.1:0, on its own runtime (as if it were its own
 //! process), and is driven over a few h2c connections, as Envoy multiplexes callouts (one
 //! connection per worker thread). Client, sidecar and Redis share the machine's cores, so the
 //! figures compare; they are not capacity numbers. Each run also splits the CPU time it cost
-//! between the bench client, the sidecar and Redis, per round trip: on a CPU-bound machine
-//! that split, not the wall clock, says where a ratio comes from.
+//! between the bench client, the sidecar and Redis, per round trip, and counts the commands
+//! Redis ran per round trip: on a CPU-bound machine that split, not the wall clock, says
+//! where a ratio comes from.
 
 use crate::stats::{Summary, percentile};
 use anyhow::{Context, Result, bail};
@@ -114,12 +116,14 @@ fn lock_claim(key: String, wait: bool) -> ClaimRequest {
     }
 }
 
-/// One closed-loop run's throughput, latency percentiles (µs) and CPU per round trip (µs).
+/// One closed-loop run's throughput, latency percentiles (µs), CPU per round trip (µs) and
+/// the commands Redis executed per round trip (scripts and the calls inside them).
 pub struct Run {
     pub ops_per_sec: f64,
     pub p50_us: f64,
     pub p99_us: f64,
     pub cpu: CpuSplit,
+    pub redis_commands: f64,
 }
 
 /// CPU time per round trip (µs) of each party.
@@ -172,7 +176,26 @@ fn cpu_seconds(redis: &RedisServer) -> Result<(f64, f64, f64)> {
     Ok((process, sidecar, redis_seconds))
 }
 
-/// Runs `op(worker, i)` from `concurrency` workers for `seconds`, accounting CPU time.
+/// Commands `redis` has executed so far, each call inside a script counted as well
+/// (`INFO commandstats`), less the `INFO` calls that read it.
+fn redis_commands(redis: &RedisServer) -> Result<f64> {
+    let stats = redis.cli(&["INFO", "commandstats"])?;
+    Ok(stats
+        .lines()
+        .filter(|l| l.starts_with("cmdstat_") && !l.starts_with("cmdstat_info:"))
+        .filter_map(|l| {
+            l.split_once("calls=")?
+                .1
+                .split(',')
+                .next()?
+                .parse::<f64>()
+                .ok()
+        })
+        .sum())
+}
+
+/// Runs `op(worker, i)` from `concurrency` workers for `seconds`, accounting CPU time and
+/// Redis commands.
 async fn closed_loop<F, Fut>(
     redis: &RedisServer,
     concurrency: usize,
@@ -184,6 +207,7 @@ where
     Fut: Future<Output = Result<()>> + Send,
 {
     let cpu_before = cpu_seconds(redis)?;
+    let commands_before = redis_commands(redis)?;
     let op = Arc::new(op);
     let started = Instant::now();
     let until = started + Duration::from_secs_f64(seconds);
@@ -209,6 +233,7 @@ where
     }
     let elapsed = started.elapsed().as_secs_f64();
     let cpu_after = cpu_seconds(redis)?;
+    let commands = redis_commands(redis)? - commands_before;
     let per_op = |before: f64, after: f64| (after - before) * 1e6 / all.len().max(1) as f64;
     let sidecar = per_op(cpu_before.1, cpu_after.1);
     let cpu = CpuSplit {
@@ -218,24 +243,42 @@ where
     };
     Ok(Run {
         cpu,
+        redis_commands: commands / all.len().max(1) as f64,
         ops_per_sec: all.len() as f64 / elapsed,
         p50_us: percentile(&mut all, 50.0).unwrap_or_default(),
         p99_us: percentile(&mut all, 99.0).unwrap_or_default(),
     })
 }
 
-/// claim (granted) + complete (released) round trips through a sidecar on `store`, served
-/// by the runtime `server` (whose threads are named [`SIDECAR_THREADS`]); `redis` is the
-/// server whose CPU time is accounted.
+/// What answers the bench client's claims and completes.
+#[derive(Clone)]
+pub enum Server {
+    /// The sidecar on this store.
+    Sidecar(StoreConfig),
+    /// The sidecar's HTTP stack answering fixed bodies without a store
+    /// ([`Sidecar::spawn_canned`]): the HTTP hop alone, which no store change can remove.
+    HttpHop,
+}
+
+/// claim (granted) + complete (released) round trips through `target`, served by the
+/// runtime `server` (whose threads are named [`SIDECAR_THREADS`]); `redis` is the server
+/// whose CPU time and commands are accounted.
 pub async fn sidecar_round_trips(
     server: &Handle,
-    store: StoreConfig,
+    target: Server,
     redis: &RedisServer,
     concurrency: usize,
     seconds: f64,
 ) -> Result<Run> {
     let sidecar = server
-        .spawn(Sidecar::spawn(Config::loopback(store)))
+        .spawn(async move {
+            match target {
+                Server::Sidecar(store) => Sidecar::spawn(Config::loopback(store)).await,
+                Server::HttpHop => {
+                    Sidecar::spawn_canned(Config::loopback(StoreConfig::Memory)).await
+                }
+            }
+        })
         .await??;
     let mut clients = Vec::new();
     for _ in 0..concurrency.min(CONNECTIONS) {
@@ -349,6 +392,8 @@ pub struct Repeated {
     pub cpu_sidecar: Summary,
     pub cpu_redis: Summary,
     pub cpu_total: Summary,
+    /// Redis commands per round trip (scripts and the calls inside them).
+    pub redis_commands: Summary,
 }
 
 pub async fn repeat<F, Fut>(runs: usize, mut one: F) -> Result<Repeated>
@@ -371,5 +416,6 @@ where
         cpu_sidecar: summary(|r| r.cpu.sidecar)?,
         cpu_redis: summary(|r| r.cpu.redis)?,
         cpu_total: summary(|r| r.cpu.client + r.cpu.sidecar + r.cpu.redis)?,
+        redis_commands: summary(|r| r.redis_commands)?,
     })
 }

@@ -342,8 +342,9 @@ impl Config {
         }
         let max_lease = positive("max-lease-ms", cli.max_lease_ms)?;
         if fence_ttl <= max_lease {
-            // The fence record must outlive every lease, or a release would recreate it
-            // without an expiry.
+            // A key's record (its last fence) is kept this long after a grant; shorter than
+            // a lease, the setting would not mean what it says (the store keeps a record at
+            // least as long as its lease anyway).
             return Err(bad("fence-ttl-secs", "must exceed --max-lease-ms"));
         }
         Ok(Config {

@@ -404,6 +404,45 @@ async fn renew<S: Store>(State(app): AppState<S>, _: Authorized, req: Request) -
     Ok(framed(&outcome, &[]))
 }
 
+/// The HTTP hop alone, for benchmarks: `claim` answers `granted` and `complete` answers
+/// `released`, fixed bodies after reading the request, with no decoding, store or metrics —
+/// what every sidecar request costs before any protocol work.
+#[cfg(feature = "testing")]
+pub(crate) fn canned_router(config: &Config) -> Router {
+    let limit = config.limits.max_body.saturating_add(HEAD_ALLOWANCE);
+    let granted = idemgate_wire::ClaimOutcome::Granted {
+        owner: "0".repeat(32),
+        fence: 1,
+        lease_ms: 30_000,
+        waited_ms: 0,
+    };
+    let answer = move |head: Bytes| {
+        post(move |req: Request| async move {
+            match axum::body::to_bytes(req.into_body(), limit).await {
+                Ok(_) => (
+                    StatusCode::OK,
+                    [(header::CONTENT_TYPE, idemgate_wire::CONTENT_TYPE)],
+                    head,
+                )
+                    .into_response(),
+                Err(err) => bad_request(err.to_string()).into_response(),
+            }
+        })
+    };
+    Router::new()
+        .route(
+            paths::CLAIM,
+            answer(Bytes::from(idemgate_wire::encode(&granted, &[]))),
+        )
+        .route(
+            paths::COMPLETE,
+            answer(Bytes::from(idemgate_wire::encode(
+                &idemgate_wire::OwnerOutcome::Released,
+                &[],
+            ))),
+        )
+}
+
 // === admin, health, metrics ===
 
 fn json<T: serde::Serialize>(value: &T) -> Response {

@@ -84,6 +84,37 @@ async fn serve<S: Store>(
         shutting_down: stop_rx,
     });
     let api = Api::new(app);
+    let graceful = accept(listener, &config, shutdown, move |req, peer| {
+        let api = api.clone();
+        let mut req = req;
+        req.extensions_mut().insert(ConnectInfo(peer));
+        api.handle(req)
+    })
+    .await;
+    tracing::info!("shutting down: answering waiters, draining connections");
+    let _ = stop_tx.send(true);
+    if tokio::time::timeout(config.shutdown_grace, graceful.shutdown())
+        .await
+        .is_err()
+    {
+        tracing::warn!(grace = ?config.shutdown_grace, "connections still open after the grace period; closing");
+    }
+    Ok(())
+}
+
+/// The accept loop every server of this crate runs: HTTP/1.1 and h2c on one port with the
+/// sidecar's connection settings, each request answered by `handle(request, peer)`, until
+/// `shutdown`. Returns the open connections, for a graceful drain.
+async fn accept<H, F>(
+    listener: TcpListener,
+    config: &Config,
+    shutdown: impl Future<Output = ()> + Send,
+    handle: H,
+) -> GracefulShutdown
+where
+    H: Fn(hyper::Request<Incoming>, SocketAddr) -> F + Clone + Send + Sync + 'static,
+    F: Future<Output = axum::response::Response> + Send + 'static,
+{
     let mut builder = auto::Builder::new(TokioExecutor::new());
     builder
         .http1()
@@ -113,11 +144,10 @@ async fn serve<S: Store>(
         };
         // Small request/response messages: do not let Nagle hold them back.
         let _ = stream.set_nodelay(true);
-        let api = api.clone();
-        let service = hyper::service::service_fn(move |mut req: hyper::Request<Incoming>| {
-            req.extensions_mut().insert(ConnectInfo(peer));
-            let api = api.clone();
-            async move { Ok::<_, std::convert::Infallible>(api.handle(req).await) }
+        let handle = handle.clone();
+        let service = hyper::service::service_fn(move |req: hyper::Request<Incoming>| {
+            let answer = handle(req, peer);
+            async move { Ok::<_, std::convert::Infallible>(answer.await) }
         });
         let connection = builder
             .serve_connection(TokioIo::new(stream), service)
@@ -129,16 +159,7 @@ async fn serve<S: Store>(
             }
         });
     }
-    drop(listener);
-    tracing::info!("shutting down: answering waiters, draining connections");
-    let _ = stop_tx.send(true);
-    if tokio::time::timeout(config.shutdown_grace, graceful.shutdown())
-        .await
-        .is_err()
-    {
-        tracing::warn!(grace = ?config.shutdown_grace, "connections still open after the grace period; closing");
-    }
-    Ok(())
+    graceful
 }
 
 /// A sidecar running on a task of the current runtime: for tests, the demo, embedding.
@@ -197,6 +218,46 @@ impl Sidecar {
             Some(task) => task.await?,
             None => Ok(()),
         }
+    }
+}
+
+#[cfg(feature = "testing")]
+impl Sidecar {
+    /// A server on the sidecar's own stack (accept loop, connection settings, axum) whose
+    /// `claim` answers `granted` and `complete` answers `released` with fixed bodies, without
+    /// a store or any protocol work: the HTTP hop alone, the floor under every store
+    /// (benchmarks compare against it).
+    ///
+    /// # Errors
+    /// The address cannot be bound.
+    pub async fn spawn_canned(config: Config) -> Result<Sidecar, ServerError> {
+        let listener = TcpListener::bind(config.listen).await?;
+        let addr = listener.local_addr()?;
+        let (stop, stopped) = oneshot::channel::<()>();
+        let router = crate::http::canned_router(&config);
+        let task = tokio::spawn(async move {
+            let stopped = async {
+                let _ = stopped.await;
+            };
+            let graceful = accept(listener, &config, stopped, move |req, _| {
+                use tower::ServiceExt;
+                let answer = router.clone().oneshot(req.map(axum::body::Body::new));
+                async move {
+                    match answer.await {
+                        Ok(response) => response,
+                        Err(never) => match never {},
+                    }
+                }
+            })
+            .await;
+            let _ = tokio::time::timeout(config.shutdown_grace, graceful.shutdown()).await;
+            Ok(())
+        });
+        Ok(Sidecar {
+            addr,
+            stop: Some(stop),
+            task: Some(task),
+        })
     }
 }
 

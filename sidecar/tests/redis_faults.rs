@@ -73,7 +73,7 @@ async fn a_lost_notification_is_covered_by_the_recheck_interval() {
     h.redis
         .as_ref()
         .unwrap()
-        .cli(&["DEL", "idemgate:{k-lost}:lock"])
+        .cli(&["HDEL", "idemgate:{k-lost}:state", "owner"])
         .unwrap();
     match waiter.await.unwrap() {
         // Bounded by the re-check interval, not by the 30 s wait budget (generous margin).
@@ -95,7 +95,7 @@ async fn password_in_the_url_is_used() {
     );
     let keys = h.redis.as_ref().unwrap().cli(&["--scan"]).unwrap();
     assert!(
-        keys.contains("custom.prefix:{k/auth%7Bx%7D}:lock"),
+        keys.contains("custom.prefix:{k/auth%7Bx%7D}:state"),
         "{keys}"
     );
     let list: serde_json::Value =

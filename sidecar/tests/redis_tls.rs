@@ -163,7 +163,7 @@ async fn claims_hand_offs_and_replays_work_over_tls() {
         redis
             .cli(&["--scan"])
             .unwrap()
-            .contains("idemgate:{tls-key}:fence")
+            .contains("idemgate:{tls-key}:state")
     );
 
     // Without the private CA the server is not trusted: never ready, never a grant.

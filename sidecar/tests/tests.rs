@@ -13,5 +13,6 @@ mod cluster;
 mod http_api;
 mod rate;
 mod redis_faults;
+mod redis_layout;
 mod redis_tls;
 mod suite;

@@ -6,16 +6,13 @@
 
 /// The keys of one lock, in the order the scripts take them as KEYS.
 pub(crate) struct LockKeys {
-    /// Hash: the holder (owner, fence, fingerprint, since, lease); PEXPIREs with the lease.
-    pub lock: String,
-    /// List of queued owner tokens, FIFO.
+    /// Hash, the lock's record: last fence, holder and lease deadline, stored response,
+    /// whether waiters may be queued (fields in `scripts.rs`). All the common path touches.
+    pub state: String,
+    /// List of queued owner tokens, FIFO (only while there are waiters).
     pub queue: String,
     /// Hash: owner token → `inbox|deadline_ms|lease_ms|fingerprint` of each queued waiter.
     pub waiters: String,
-    /// Hash: last issued fence and whether a grant is outstanding; lives `fence_ttl`.
-    pub fence: String,
-    /// Hash: the stored response (status, headers as JSON, body, fingerprint).
-    pub response: String,
 }
 
 impl LockKeys {
@@ -34,37 +31,29 @@ impl LockKeys {
             k
         };
         LockKeys {
-            lock: with(":lock"),
+            state: with(":state"),
             queue: with(":queue"),
             waiters: with(":waiters"),
-            fence: with(":fence"),
-            response: with(":resp"),
         }
     }
 
-    #[cfg(test)]
-    pub(crate) fn all(&self) -> [&str; 5] {
-        [
-            &self.lock,
-            &self.queue,
-            &self.waiters,
-            &self.fence,
-            &self.response,
-        ]
+    /// All three, as KEYS.
+    pub(crate) fn all(&self) -> [&str; 3] {
+        [&self.state, &self.queue, &self.waiters]
     }
 }
 
-/// SCAN pattern matching every held lock.
-pub(crate) fn lock_pattern(prefix: &str) -> String {
-    format!("{prefix}:{{*}}:lock")
+/// SCAN pattern matching every lock record (held or not).
+pub(crate) fn state_pattern(prefix: &str) -> String {
+    format!("{prefix}:{{*}}:state")
 }
 
-/// The protocol key of a lock key found by [`lock_pattern`].
-pub(crate) fn key_of_lock(prefix: &str, lock_key: &str) -> Option<String> {
-    let tag = lock_key
+/// The protocol key of a record found by [`state_pattern`].
+pub(crate) fn key_of_state(prefix: &str, state_key: &str) -> Option<String> {
+    let tag = state_key
         .strip_prefix(prefix)?
         .strip_prefix(":{")?
-        .strip_suffix("}:lock")?;
+        .strip_suffix("}:state")?;
     tag_to_key(tag)
 }
 
@@ -140,15 +129,15 @@ mod tests {
                 })
                 .collect();
             assert!(tags.iter().all(|t| *t == tags[0] && !t.is_empty()), "{key}");
-            assert_eq!(key_of_lock("p", &keys.lock).as_deref(), Some(key));
+            assert_eq!(key_of_state("p", &keys.state).as_deref(), Some(key));
         }
     }
 
     #[test]
     fn keys_follow_the_documented_layout() {
         let keys = LockKeys::new("idemgate", "a%b{c}d");
-        assert_eq!(keys.lock, "idemgate:{a%25b%7Bc%7Dd}:lock");
-        assert_eq!(keys.response, "idemgate:{a%25b%7Bc%7Dd}:resp");
+        assert_eq!(keys.state, "idemgate:{a%25b%7Bc%7Dd}:state");
+        assert_eq!(keys.waiters, "idemgate:{a%25b%7Bc%7Dd}:waiters");
         assert_eq!(LockKeys::new("p", "").queue, "p:{}:queue");
     }
 }

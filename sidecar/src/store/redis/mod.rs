@@ -143,7 +143,8 @@ pub(crate) struct RedisStore {
     inbox_prefix: String,
     inbox: String,
     waiters: Arc<Waiters>,
-    fence_ttl_ms: u64,
+    /// How long an idle record lives (`--fence-ttl-secs`), in ms: scripts' `record_ttl`.
+    record_ttl_ms: u64,
     timeout: Duration,
     subscriber: JoinHandle<()>,
 }
@@ -225,7 +226,7 @@ impl RedisStore {
             inbox_prefix,
             inbox,
             waiters,
-            fence_ttl_ms: millis(fence_ttl),
+            record_ttl_ms: millis(fence_ttl),
             timeout,
             subscriber,
         })
@@ -249,7 +250,7 @@ impl RedisStore {
         }
     }
 
-    /// One page of `SCAN` for lock keys, on `node` (a Cluster primary) or the one server.
+    /// One page of `SCAN` for lock records, on `node` (a Cluster primary) or the one server.
     async fn scan_page(
         &self,
         node: Option<&(String, u16)>,
@@ -300,12 +301,39 @@ impl RedisStore {
         owner: Option<&str>,
     ) -> StoreResult<Value> {
         let k = self.keys(key);
-        let mut cmd = evalsha(script, &[&k.lock, &k.queue, &k.waiters, &k.fence]);
+        let mut cmd = evalsha(script, &k.all());
         if let Some(owner) = owner {
             cmd.arg(owner);
         }
-        cmd.arg(self.fence_ttl_ms).arg(&self.inbox_prefix);
+        cmd.arg(self.record_ttl_ms).arg(&self.inbox_prefix);
         self.run(Op::Script(script, &cmd)).await
+    }
+
+    /// Which of `records` (found by SCAN) are held by an unexpired lease now (Redis's
+    /// clock): a record outlives its holder, keeping the fence.
+    async fn held_among(&self, records: &[String]) -> StoreResult<Vec<String>> {
+        if records.is_empty() {
+            return Ok(Vec::new());
+        }
+        let (secs, micros): (u64, u64) = self.run(Op::Command(&redis::cmd("TIME"))).await?;
+        let now_us = secs.saturating_mul(1_000_000).saturating_add(micros);
+        let checks = records.iter().map(|record| async move {
+            let mut cmd = redis::cmd("HMGET");
+            cmd.arg(record).arg("owner").arg("at").arg("lease");
+            let (owner, at, lease): (Option<String>, Option<u64>, Option<u64>) =
+                self.run(Op::Command(&cmd)).await?;
+            let ends = at
+                .zip(lease)
+                .map(|(at, lease)| at.saturating_add(lease.saturating_mul(1000)));
+            let held = owner.is_some() && ends.is_some_and(|end| end > now_us);
+            Ok::<_, StoreError>(if held {
+                keys::key_of_state(&self.prefix, record)
+            } else {
+                None
+            })
+        });
+        let found = futures_util::future::try_join_all(checks).await?;
+        Ok(found.into_iter().flatten().collect())
     }
 }
 
@@ -555,17 +583,19 @@ impl Store for RedisStore {
             Mode::Lock => "lock",
         };
         let script = &*scripts::CLAIM;
-        let mut cmd = evalsha(
-            script,
-            &[&k.lock, &k.queue, &k.waiters, &k.fence, &k.response],
-        );
+        let mut cmd = evalsha(script, &k.all());
         cmd.arg(args.owner)
             .arg(args.fingerprint.unwrap_or(""))
             .arg(mode)
             .arg(millis(args.lease))
             .arg(wait_ms)
             .arg(max_queue)
-            .arg(self.fence_ttl_ms)
+            .arg(self.record_ttl_ms)
+            // A record outlives every lease granted in it by a second.
+            .arg(
+                self.record_ttl_ms
+                    .max(millis(args.lease).saturating_add(1000)),
+            )
             .arg(&self.inbox_prefix)
             .arg(&self.inbox);
         let items: Vec<Value> = self.run(Op::Script(script, &cmd)).await?;
@@ -580,10 +610,10 @@ impl Store for RedisStore {
     ) -> StoreResult<LeaveStep> {
         let k = self.keys(key);
         let script = &*scripts::LEAVE;
-        let mut cmd = evalsha(script, &[&k.lock, &k.queue, &k.waiters, &k.fence]);
+        let mut cmd = evalsha(script, &k.all());
         cmd.arg(owner)
             .arg(if release_if_granted { "1" } else { "0" })
-            .arg(self.fence_ttl_ms)
+            .arg(self.record_ttl_ms)
             .arg(&self.inbox_prefix);
         let items: Vec<Value> = self.run(Op::Script(script, &cmd)).await?;
         match text(items.first()).as_deref() {
@@ -615,17 +645,14 @@ impl Store for RedisStore {
             None => ("0", 0, String::new(), Bytes::new()),
         };
         let script = &*scripts::COMPLETE;
-        let mut cmd = evalsha(
-            script,
-            &[&k.lock, &k.queue, &k.waiters, &k.fence, &k.response],
-        );
+        let mut cmd = evalsha(script, &k.all());
         cmd.arg(owner)
             .arg(millis(retention).max(1))
             .arg(store)
             .arg(status)
             .arg(headers)
             .arg(body.as_ref())
-            .arg(self.fence_ttl_ms)
+            .arg(self.record_ttl_ms)
             .arg(&self.inbox_prefix);
         let reply: String = self.run(Op::Script(script, &cmd)).await?;
         owner_outcome(&reply)
@@ -641,8 +668,8 @@ impl Store for RedisStore {
     async fn renew(&self, key: &str, owner: &str, lease: Duration) -> StoreResult<OwnerOutcome> {
         let k = self.keys(key);
         let script = &*scripts::RENEW;
-        let mut cmd = evalsha(script, &[&k.lock]);
-        cmd.arg(owner).arg(millis(lease));
+        let mut cmd = evalsha(script, &[&k.state, &k.queue]);
+        cmd.arg(owner).arg(millis(lease)).arg(self.record_ttl_ms);
         let renewed: i64 = self.run(Op::Script(script, &cmd)).await?;
         Ok(if renewed == 1 {
             OwnerOutcome::Renewed {
@@ -656,19 +683,19 @@ impl Store for RedisStore {
     async fn inspect(&self, key: &str) -> StoreResult<KeyInfo> {
         let k = self.keys(key);
         let script = &*scripts::INSPECT;
-        let cmd = evalsha(script, &[&k.lock, &k.queue, &k.fence, &k.response]);
+        let cmd = evalsha(script, &[&k.state, &k.queue]);
         let items: Vec<Value> = self.run(Op::Script(script, &cmd)).await?;
         let held = number(items.first())? == 1;
-        let now_us = number(items.get(8))?;
-        let status = match items.get(6) {
+        let last_fence = number(items.get(4))?;
+        let status = match items.get(5) {
             Some(Value::Nil) | None => None,
             other => Some(u16::try_from(number(other)?).map_err(|_| unexpected("status"))?),
         };
         let holder = if held {
             Some(HolderInfo {
-                fence: number(items.get(1))?,
-                age_ms: now_us.saturating_sub(number(items.get(2))?) / 1000,
-                lease_remaining_ms: number(items.get(3))?,
+                fence: last_fence,
+                age_ms: number(items.get(1))?,
+                lease_remaining_ms: number(items.get(2))?,
             })
         } else {
             None
@@ -680,18 +707,18 @@ impl Store for RedisStore {
                 (false, Some(_)) => KeyState::Completed,
                 (false, None) => KeyState::Free,
             },
-            last_fence: number(items.get(5))?,
+            last_fence,
             holder,
-            queue_len: count(items.get(4))?,
+            queue_len: count(items.get(3))?,
             completed: status.map(|status| CompletedInfo {
                 status,
-                retention_remaining_ms: number(items.get(7)).unwrap_or(0),
+                retention_remaining_ms: number(items.get(6)).unwrap_or(0),
             }),
         })
     }
 
     async fn list_held(&self, limit: usize) -> StoreResult<(Vec<String>, bool)> {
-        let pattern = keys::lock_pattern(&self.prefix);
+        let pattern = keys::state_pattern(&self.prefix);
         // SCAN walks one server's keyspace: on a Cluster, every primary's in turn.
         let nodes = match &self.conn {
             Conn::Cluster(c) => {
@@ -718,11 +745,7 @@ impl Store for RedisStore {
                 round_trips += 1;
                 let (next, batch) = self.scan_page(node.as_ref(), cursor, &pattern).await?;
                 // SCAN may repeat a key across pages: the set keeps each once.
-                found.extend(
-                    batch
-                        .iter()
-                        .filter_map(|k| keys::key_of_lock(&self.prefix, k)),
-                );
+                found.extend(self.held_among(&batch).await?);
                 if found.len() > limit {
                     return Ok((found.into_iter().take(limit).collect(), true));
                 }

@@ -7,30 +7,52 @@
 //! thousand concurrent claimers livelock. A script runs with nothing interleaved, so a
 //! decision is never made on stale state; that is what makes "exactly one grant" hold.
 //!
+//! Layout: one hash per lock, the *record*, is all the common path touches (a free key is
+//! claimed, completed or aborted with nobody waiting: one key, a handful of calls). Its
+//! fields:
+//! - `fence`: the last fence issued for the key (kept while the key is free);
+//! - while held: `owner`, `fp` (fingerprint, '' = none), `since` (grant, µs), `at` (start of
+//!   the current lease: the grant or the last renewal, µs), `lease` (its length, ms) — the
+//!   lease ends at `at + lease`;
+//! - `q` = '1' while the queue may hold waiters: without it the queue and waiters keys are
+//!   known to be empty and are not touched;
+//! - a stored response (idempotency): `status`, `headers` (JSON), `body`, `rfp` (the
+//!   fingerprint it answers), `kept` (end of the retention, µs).
+//!
 //! Shared conventions:
 //! - Time is Redis's own clock (`TIME`), never the sidecars', so skewed sidecars agree.
 //!   (Redis ≥ 5 replicates script effects, which makes `TIME` in a script safe.)
-//! - Fence = max(last fence + 1, now in µs): strictly increasing per key; if the fence hash
-//!   expired (idle longer than the fence TTL) or was lost in a failover, the clock still
-//!   puts the next fence above every earlier one (one script takes well over 1 µs).
-//! - The fence hash's `held` flag says a grant is outstanding: a missing lock with
-//!   `held == 1` means the lease ran out by itself (reported for the expiry metric).
+//! - A lease is valid while `at + lease` > now: its end is decided by comparing with the clock,
+//!   not by a key expiring, so a lease that ran out is still seen (and counted once, by the
+//!   claim that finds it) and the record's fence survives it.
+//! - The record's own expiry only bounds how long an idle record lives: set at every grant
+//!   and renewal to the fence TTL (at least the lease plus a second), to the retention when
+//!   a response is stored, and never below the queue's while waiters may be queued (so a
+//!   record cannot vanish under its queue and let a claim skip the line).
+//! - Fence = max(last fence + 1, now in µs): strictly increasing per key; if the record
+//!   expired or was lost in a failover, the clock still puts the next fence above every
+//!   earlier one (one script takes well over 1 µs).
 //! - A queued waiter is its owner token in the queue list plus
 //!   `inbox|deadline_ms|lease_ms|fingerprint` in the waiters hash; handing it the key
 //!   PUBLISHes its owner token to its process's inbox channel.
-//! - Numbers leave Lua through `string.format('%.0f')`: Lua's own number formatting would
-//!   print large fences in exponent notation.
+//! - Numbers leave Lua as strings: Lua's own number formatting would print µs timestamps in
+//!   exponent notation, and `string.format('%.0f')` costs about as much as a Redis call, so
+//!   the common path stores strings it already has (the clock's, the caller's) and only
+//!   formats when it computes a new value (a fence above the clock, a retention end).
 
 use redis::Script;
 use std::sync::LazyLock;
 
-/// Helpers prepended to every script that changes a lock.
+/// Helpers prepended to every script that changes a lock. `state`, `queue` and `waiters`
+/// are the lock's three keys; `now` is Redis's clock in µs and `now_s` the same as a string;
+/// `grant_ttl` (ms) is how long a record lives after a grant: the fence TTL, and at least the
+/// lease plus a second (computed by the sidecar).
 macro_rules! prelude {
     () => {
         r#"
-local function now_us()
+local function clock()
   local t = redis.call('TIME')
-  return tonumber(t[1]) * 1000000 + tonumber(t[2])
+  return tonumber(t[1]) * 1000000 + tonumber(t[2]), t[1] .. string.sub('00000' .. t[2], -6)
 end
 
 local function int(n)
@@ -43,47 +65,74 @@ local function parse_waiter(v)
   return inbox, tonumber(deadline), tonumber(lease), fp
 end
 
--- Only ever called while the lock key is absent (free, released or expired). `last` is the
--- fence hash's `fence` field when the caller has already read it (nil: read it here).
-local function grant(lock, fence, owner, fp, lease, now, fence_ttl, last)
-  if last == nil then last = redis.call('HGET', fence, 'fence') end
-  local f = math.max(tonumber(last or '0') + 1, now)
-  redis.call('HSET', fence, 'fence', int(f), 'held', '1')
-  redis.call('PEXPIRE', fence, fence_ttl)
-  redis.call('HSET', lock, 'owner', owner, 'fence', int(f), 'fp', fp, 'since', int(now), 'lease', int(lease))
-  redis.call('PEXPIRE', lock, lease)
+local HOLDER = {'owner', 'fp', 'since', 'at', 'lease'}
+
+-- When the lease that started at `at` (µs) and lasts `lease` (ms) ends.
+local function lease_end(at, lease)
+  return tonumber(at) + tonumber(lease) * 1000
+end
+
+-- The record lives `ttl` ms from now, and never less than the queue while one may exist.
+local function expire(state, queue, queued, ttl)
+  if queued then ttl = math.max(ttl, redis.call('PTTL', queue)) end
+  redis.call('PEXPIRE', state, ttl)
+end
+
+-- Grants a free key (no valid holder) for `lease` ms (a string); returns the fence (a
+-- string). `last` is the record's fence (false: none); `kept` the end of a stored
+-- response's retention (false: none), which the record's expiry must not cut short.
+local function grant(state, queue, queued, owner, fp, lease, now, now_s, last, kept, grant_ttl)
+  local f = now_s
+  if last and tonumber(last) >= now then f = int(tonumber(last) + 1) end
+  redis.call('HSET', state, 'fence', f, 'owner', owner, 'fp', fp, 'since', now_s, 'at', now_s,
+    'lease', lease)
+  local ttl = grant_ttl
+  if kept then ttl = math.max(ttl, math.ceil((tonumber(kept) - now) / 1000)) end
+  if queued or kept then
+    expire(state, queue, queued, ttl)
+  else
+    redis.call('PEXPIRE', state, ttl)
+  end
   return f
 end
 
--- Hands a free key to the first queued waiter whose wait has not ended, and tells its process.
--- `now` may be nil: the clock is read only when somebody is queued.
-local function promote(lock, queue, waiters, fence, now, fence_ttl, inbox_prefix)
+-- Takes `owner` out of the queue; the record's queue mark goes once the queue is empty.
+local function dequeue(state, queue, waiters, owner)
+  redis.call('LREM', queue, 0, owner)
+  redis.call('HDEL', waiters, owner)
+  if redis.call('LLEN', queue) == 0 then redis.call('HDEL', state, 'q') end
+end
+
+-- Hands a free key to the first queued waiter whose wait has not ended and tells its
+-- process. Only called while the record's queue mark is set. Returns the new holder's
+-- owner, fence and lease (nil when nobody is left waiting: then the mark goes). Its grant
+-- TTL: the fence TTL, at least its lease plus a second.
+local function promote(state, queue, waiters, last, kept, now, now_s, record_ttl, inbox_prefix)
   while true do
     local owner = redis.call('LPOP', queue)
-    if not owner then return end
-    now = now or now_us()
+    if not owner then
+      redis.call('HDEL', state, 'q')
+      return nil
+    end
     local inbox, deadline, lease, fp = parse_waiter(redis.call('HGET', waiters, owner))
     redis.call('HDEL', waiters, owner)
     if inbox and deadline * 1000 > now then
-      grant(lock, fence, owner, fp, lease, now, fence_ttl)
+      local ttl = math.max(record_ttl, lease + 1000)
+      local f = grant(state, queue, true, owner, fp, int(lease), now, now_s, last, kept, ttl)
       redis.call('PUBLISH', inbox_prefix .. inbox, owner)
-      return
+      return owner, f, lease
     end
   end
 end
 
--- One call on the usual path: HSET answers 1 only when it created the field, i.e. the fence
--- record had expired (a lease renewed past the fence TTL); do not resurrect it without expiry.
-local function mark_free(fence)
-  if redis.call('HSET', fence, 'held', '0') == 1 then
-    redis.call('DEL', fence)
+-- Ends the current holding: to the next waiter if there is one, else the key is free.
+local function release(state, queue, waiters, queued, last, kept, now, now_s, record_ttl,
+    inbox_prefix)
+  if queued and promote(state, queue, waiters, last, kept, now, now_s, record_ttl, inbox_prefix)
+  then
+    return
   end
-end
-
-local function release(lock, queue, waiters, fence, now, fence_ttl, inbox_prefix)
-  redis.call('DEL', lock)
-  mark_free(fence)
-  promote(lock, queue, waiters, fence, now, fence_ttl, inbox_prefix)
+  redis.call('HDEL', state, unpack(HOLDER))
 end
 "#
     };
@@ -91,9 +140,10 @@ end
 
 /// Claim (and re-check while queued).
 ///
-/// KEYS: lock, queue, waiters, fence, resp.
+/// KEYS: state, queue, waiters.
 /// ARGV: owner, fingerprint ('' = none), mode ('idempotency'|'lock'), lease_ms,
-///       wait_ms ('0' = do not queue), max_queue, fence_ttl_ms, inbox_prefix, inbox.
+///       wait_ms ('0' = do not queue), max_queue, record_ttl_ms, grant_ttl_ms, inbox_prefix,
+///       inbox.
 /// Returns `{outcome, lease_expired(0|1), ...}`:
 ///   `completed, status, headers_json, body` | `mismatch` | `granted, fence, lease_ms, since_us`
 ///   | `busy, ttl_ms, queue_len` | `queue_full, ttl_ms, queue_len`
@@ -105,29 +155,31 @@ pub(crate) static CLAIM: LazyLock<Script> = LazyLock::new(|| {
     Script::new(concat!(
         prelude!(),
         r#"
-local lock, queue, waiters, fence, resp = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]
-local owner, fp, mode = ARGV[1], ARGV[2], ARGV[3]
-local lease, wait_ms, max_queue = tonumber(ARGV[4]), tonumber(ARGV[5]), tonumber(ARGV[6])
-local fence_ttl, inbox_prefix, inbox = tonumber(ARGV[7]), ARGV[8], ARGV[9]
+local state, queue, waiters = KEYS[1], KEYS[2], KEYS[3]
+local owner, fp, mode, lease = ARGV[1], ARGV[2], ARGV[3], ARGV[4]
+local wait_ms, max_queue = tonumber(ARGV[5]), tonumber(ARGV[6])
+local record_ttl, grant_ttl = tonumber(ARGV[7]), tonumber(ARGV[8])
+local inbox_prefix, inbox = ARGV[9], ARGV[10]
 
--- Redis's clock, read at most once and only on the paths that need it.
-local now
-local function clock()
-  now = now or now_us()
-  return now
+local now, now_s = clock()
+local r
+if mode == 'idempotency' then
+  r = redis.call('HMGET', state, 'owner', 'at', 'lease', 'fence', 'q', 'fp', 'since', 'kept',
+    'status', 'rfp', 'headers', 'body')
+else
+  r = redis.call('HMGET', state, 'owner', 'at', 'lease', 'fence', 'q', 'fp', 'since', 'kept')
 end
-
-local holder = redis.call('HMGET', lock, 'owner', 'fence', 'fp', 'since', 'lease')
--- Only a free key can have had its lease run out; its fence record is read once, here, and
--- reused by the grant below.
-local expired, last = 0, false
-if not holder[1] then
-  local record = redis.call('HMGET', fence, 'fence', 'held')
-  last = record[1]
-  if record[2] == '1' then
-    redis.call('HSET', fence, 'held', '0')
-    expired = 1
-  end
+local holder, last, queued, kept = r[1], r[4], r[5] == '1', r[8]
+local holder_end = holder and lease_end(r[2], r[3])
+-- A lease that ran out leaves its holder in the record: the key is free, and this claim is
+-- the one that notices (and reports) it. Every path below that does not grant clears it.
+local expired = 0
+if holder and holder_end <= now then
+  holder = false
+  expired = 1
+end
+local function clear_expired()
+  if expired == 1 then redis.call('HDEL', state, unpack(HOLDER)) end
 end
 
 local function differs(a, b)
@@ -135,71 +187,79 @@ local function differs(a, b)
 end
 
 local function leave_queue()
-  redis.call('LREM', queue, 0, owner)
-  redis.call('HDEL', waiters, owner)
+  if queued then dequeue(state, queue, waiters, owner) end
 end
 
-local function busy_or_queue()
-  local ttl = math.max(redis.call('PTTL', lock), 0)
-  local len = redis.call('LLEN', queue)
+local function busy_or_queue(ttl)
+  local len = 0
+  if queued then len = redis.call('LLEN', queue) end
   if wait_ms == 0 then return {'busy', expired, ttl, len} end
-  local pos = redis.call('LPOS', queue, owner)
+  local pos = false
+  if queued then pos = redis.call('LPOS', queue, owner) end
   if not pos then
     if len >= max_queue then return {'queue_full', expired, ttl, len} end
     redis.call('RPUSH', queue, owner)
-    local deadline = math.floor(clock() / 1000) + wait_ms
-    redis.call('HSET', waiters, owner, inbox .. '|' .. int(deadline) .. '|' .. int(lease) .. '|' .. fp)
-    -- The queue outlives its longest waiter by a second, then disappears by itself.
+    local deadline = math.floor(now / 1000) + wait_ms
+    redis.call('HSET', waiters, owner, inbox .. '|' .. int(deadline) .. '|' .. lease .. '|' .. fp)
+    -- The queue outlives its longest waiter by a second, then disappears by itself; the
+    -- record outlives the queue.
     local keep = wait_ms + 1000
     if redis.call('PTTL', queue) < keep then
       redis.call('PEXPIRE', queue, keep)
       redis.call('PEXPIRE', waiters, keep)
+      if redis.call('PTTL', state) < keep then redis.call('PEXPIRE', state, keep) end
     end
+    if not queued then redis.call('HSET', state, 'q', '1') end
     pos = len
     len = len + 1
   end
   return {'queued', expired, pos, len, ttl}
 end
 
-if mode == 'idempotency' then
-  local stored = redis.call('HMGET', resp, 'status', 'headers', 'body', 'fp')
-  if stored[1] then
+if mode == 'idempotency' and r[9] then
+  if tonumber(kept) > now then
     leave_queue()
-    if differs(stored[4], fp) then return {'mismatch', expired} end
-    return {'completed', expired, stored[1], stored[2], stored[3]}
+    clear_expired()
+    if differs(r[10], fp) then return {'mismatch', expired} end
+    return {'completed', expired, r[9], r[11], r[12]}
   end
+  -- The retention is over (the record outlived it for its queue or a later grant).
+  redis.call('HDEL', state, 'status', 'headers', 'body', 'rfp', 'kept')
+  kept = false
 end
 
-if holder[1] then
-  if holder[1] == owner then
-    return {'granted', expired, holder[2], holder[5], holder[4]}
-  end
-  if mode == 'idempotency' and differs(holder[3], fp) then
+if holder then
+  if holder == owner then return {'granted', expired, last, r[3], r[7]} end
+  if mode == 'idempotency' and differs(r[6], fp) then
     leave_queue()
     return {'mismatch', expired}
   end
-  return busy_or_queue()
+  return busy_or_queue(math.ceil((holder_end - now) / 1000))
 end
 
 -- Free. Whoever is first in line goes first (waiters whose wait ended are skipped).
-local head = redis.call('LINDEX', queue, 0)
-if head and head ~= owner then
-  promote(lock, queue, waiters, fence, clock(), fence_ttl, inbox_prefix)
-  local h = redis.call('HMGET', lock, 'owner', 'fence', 'since', 'lease')
-  if h[1] == owner then return {'granted', expired, h[2], h[4], h[3]} end
-  if h[1] then return busy_or_queue() end
+if queued then
+  local head = redis.call('LINDEX', queue, 0)
+  if head and head ~= owner then
+    local o, f, l = promote(state, queue, waiters, last, kept, now, now_s, record_ttl,
+      inbox_prefix)
+    if o == owner then return {'granted', expired, f, l, now_s} end
+    if o then return busy_or_queue(l) end
+    queued = false
+  elseif head == owner then
+    dequeue(state, queue, waiters, owner)
+  end
 end
-if head == owner then leave_queue() end
-local f = grant(lock, fence, owner, fp, lease, clock(), fence_ttl, last)
-return {'granted', expired, int(f), int(lease), int(now)}
+local f = grant(state, queue, queued, owner, fp, lease, now, now_s, last, kept, grant_ttl)
+return {'granted', expired, f, lease, now_s}
 "#
     ))
 });
 
 /// Leave the queue (wait budget over, caller gone, shutdown).
 ///
-/// KEYS: lock, queue, waiters, fence.
-/// ARGV: owner, release_if_granted ('1'|'0'), fence_ttl_ms, inbox_prefix.
+/// KEYS: state, queue, waiters.
+/// ARGV: owner, release_if_granted ('1'|'0'), record_ttl_ms, inbox_prefix.
 /// Returns `{'granted', fence, lease_ms, since_us}` | `{'left', holder_ttl_ms, queue_len}`.
 ///
 /// Atomic because the key may be handed to this waiter at any moment: checking "am I the
@@ -208,27 +268,36 @@ pub(crate) static LEAVE: LazyLock<Script> = LazyLock::new(|| {
     Script::new(concat!(
         prelude!(),
         r#"
-local lock, queue, waiters, fence = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
+local state, queue, waiters = KEYS[1], KEYS[2], KEYS[3]
 local owner, release_if_granted = ARGV[1], ARGV[2]
-local fence_ttl, inbox_prefix = tonumber(ARGV[3]), ARGV[4]
-local h = redis.call('HMGET', lock, 'owner', 'fence', 'since', 'lease')
-if h[1] == owner then
-  if release_if_granted ~= '1' then return {'granted', h[2], h[4], h[3]} end
-  release(lock, queue, waiters, fence, nil, fence_ttl, inbox_prefix)
+local record_ttl, inbox_prefix = tonumber(ARGV[3]), ARGV[4]
+local r = redis.call('HMGET', state, 'owner', 'at', 'lease', 'fence', 'since', 'q', 'kept')
+local now, now_s = clock()
+local held = r[1] and lease_end(r[2], r[3]) > now
+local ttl = 0
+if held then ttl = math.ceil((lease_end(r[2], r[3]) - now) / 1000) end
+if held and r[1] == owner then
+  if release_if_granted ~= '1' then return {'granted', r[4], r[3], r[5]} end
+  release(state, queue, waiters, r[6] == '1', r[4], r[7], now, now_s, record_ttl, inbox_prefix)
+  ttl = 0
 else
-  redis.call('LREM', queue, 0, owner)
-  redis.call('HDEL', waiters, owner)
-  if not h[1] then promote(lock, queue, waiters, fence, nil, fence_ttl, inbox_prefix) end
+  -- Whatever the mark says: a waiter leaving is worth one LREM to be sure.
+  dequeue(state, queue, waiters, owner)
+  if not held and r[6] == '1' then
+    local o, _, l = promote(state, queue, waiters, r[4], r[7], now, now_s, record_ttl,
+      inbox_prefix)
+    if o then ttl = l end
+  end
 end
-return {'left', math.max(redis.call('PTTL', lock), 0), redis.call('LLEN', queue)}
+return {'left', ttl, redis.call('LLEN', queue)}
 "#
     ))
 });
 
 /// Complete: owner-checked store-and-release.
 ///
-/// KEYS: lock, queue, waiters, fence, resp.
-/// ARGV: owner, retention_ms, store ('1'|'0'), status, headers_json, body, fence_ttl_ms,
+/// KEYS: state, queue, waiters.
+/// ARGV: owner, retention_ms, store ('1'|'0'), status, headers_json, body, record_ttl_ms,
 ///       inbox_prefix.
 /// Returns 'released' | 'stale'.
 ///
@@ -239,23 +308,30 @@ pub(crate) static COMPLETE: LazyLock<Script> = LazyLock::new(|| {
     Script::new(concat!(
         prelude!(),
         r#"
-local lock, queue, waiters, fence, resp = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]
-local fence_ttl, inbox_prefix = tonumber(ARGV[7]), ARGV[8]
-local h = redis.call('HMGET', lock, 'owner', 'fp')
-if h[1] ~= ARGV[1] then return 'stale' end
+local state, queue, waiters = KEYS[1], KEYS[2], KEYS[3]
+local record_ttl, inbox_prefix = tonumber(ARGV[7]), ARGV[8]
+local r = redis.call('HMGET', state, 'owner', 'at', 'lease', 'q', 'fence', 'fp', 'kept')
+local now, now_s = clock()
+if r[1] ~= ARGV[1] or lease_end(r[2], r[3]) <= now then return 'stale' end
+local queued = r[4] == '1'
 if ARGV[3] == '1' then
-  redis.call('DEL', lock)
-  mark_free(fence)
-  -- Every field is written, so an older stored response leaves nothing behind.
-  redis.call('HSET', resp, 'status', ARGV[4], 'headers', ARGV[5], 'body', ARGV[6], 'fp', h[2] or '')
-  redis.call('PEXPIRE', resp, ARGV[2])
+  local retention = tonumber(ARGV[2])
+  redis.call('HDEL', state, unpack(HOLDER))
+  -- Every response field is written, so an older stored response leaves nothing behind.
+  redis.call('HSET', state, 'status', ARGV[4], 'headers', ARGV[5], 'body', ARGV[6],
+    'rfp', r[6] or '', 'kept', int(now + retention * 1000))
+  -- The retention bounds how long the body is kept (and the fence with it: later fences
+  -- rest on the clock).
+  expire(state, queue, queued, retention)
   -- Every queued waiter now gets the stored response: tell each one's process.
-  for _, o in ipairs(redis.call('LRANGE', queue, 0, -1)) do
-    local inbox = parse_waiter(redis.call('HGET', waiters, o))
-    if inbox then redis.call('PUBLISH', inbox_prefix .. inbox, o) end
+  if queued then
+    for _, o in ipairs(redis.call('LRANGE', queue, 0, -1)) do
+      local inbox = parse_waiter(redis.call('HGET', waiters, o))
+      if inbox then redis.call('PUBLISH', inbox_prefix .. inbox, o) end
+    end
   end
 else
-  release(lock, queue, waiters, fence, nil, fence_ttl, inbox_prefix)
+  release(state, queue, waiters, queued, r[5], r[7], now, now_s, record_ttl, inbox_prefix)
 end
 return 'released'
 "#
@@ -264,18 +340,20 @@ return 'released'
 
 /// Abort: owner-checked release without storing; hands the key to the next waiter.
 ///
-/// KEYS: lock, queue, waiters, fence. ARGV: owner, fence_ttl_ms, inbox_prefix.
+/// KEYS: state, queue, waiters. ARGV: owner, record_ttl_ms, inbox_prefix.
 /// Returns 'released' | 'stale'.
 ///
-/// Atomic for the same reason as complete: check-then-delete in two steps could delete the
-/// next holder's lock.
+/// Atomic for the same reason as complete: check-then-release in two steps could release
+/// the next holder.
 pub(crate) static ABORT: LazyLock<Script> = LazyLock::new(|| {
     Script::new(concat!(
         prelude!(),
         r#"
-local lock, queue, waiters, fence = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
-if redis.call('HGET', lock, 'owner') ~= ARGV[1] then return 'stale' end
-release(lock, queue, waiters, fence, nil, tonumber(ARGV[2]), ARGV[3])
+local state, queue, waiters = KEYS[1], KEYS[2], KEYS[3]
+local r = redis.call('HMGET', state, 'owner', 'at', 'lease', 'q', 'fence', 'kept')
+local now, now_s = clock()
+if r[1] ~= ARGV[1] or lease_end(r[2], r[3]) <= now then return 'stale' end
+release(state, queue, waiters, r[4] == '1', r[5], r[6], now, now_s, tonumber(ARGV[2]), ARGV[3])
 return 'released'
 "#
     ))
@@ -283,23 +361,30 @@ return 'released'
 
 /// Renew: owner-checked lease extension (the sidecar caps `lease_ms` before calling).
 ///
-/// KEYS: lock. ARGV: owner, lease_ms. Returns 1 (renewed) | 0 (stale).
+/// KEYS: state, queue. ARGV: owner, lease_ms, record_ttl_ms. Returns 1 (renewed) | 0 (stale).
 ///
 /// Atomic because extending someone else's lease (the next holder's, after ours ran out)
 /// would keep a key locked for a caller that no longer owns it.
 pub(crate) static RENEW: LazyLock<Script> = LazyLock::new(|| {
-    Script::new(
+    Script::new(concat!(
+        prelude!(),
         r#"
-if redis.call('HGET', KEYS[1], 'owner') ~= ARGV[1] then return 0 end
-redis.call('PEXPIRE', KEYS[1], ARGV[2])
+local state, queue = KEYS[1], KEYS[2]
+local lease, record_ttl = tonumber(ARGV[2]), tonumber(ARGV[3])
+local r = redis.call('HMGET', state, 'owner', 'at', 'lease', 'q')
+local now, now_s = clock()
+if r[1] ~= ARGV[1] or lease_end(r[2], r[3]) <= now then return 0 end
+redis.call('HSET', state, 'at', now_s, 'lease', ARGV[2])
+-- The record must outlive the renewed lease, however long the key has been held.
+expire(state, queue, r[4] == '1', math.max(record_ttl, lease + 1000))
 return 1
-"#,
-    )
+"#
+    ))
 });
 
-/// Force release by an operator: releases whoever holds the key, hands it on.
+/// Force release by an operator: releases whoever validly holds the key, hands it on.
 ///
-/// KEYS: lock, queue, waiters, fence. ARGV: fence_ttl_ms, inbox_prefix.
+/// KEYS: state, queue, waiters. ARGV: record_ttl_ms, inbox_prefix.
 /// Returns the released holder's fence (as a string) or false when the key was free.
 ///
 /// Atomic so the fence reported (and audited) is the one actually released.
@@ -307,34 +392,45 @@ pub(crate) static FORCE_RELEASE: LazyLock<Script> = LazyLock::new(|| {
     Script::new(concat!(
         prelude!(),
         r#"
-local lock, queue, waiters, fence = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
-local f = redis.call('HGET', lock, 'fence')
-if not f then return false end
-release(lock, queue, waiters, fence, nil, tonumber(ARGV[1]), ARGV[2])
-return f
+local state, queue, waiters = KEYS[1], KEYS[2], KEYS[3]
+local r = redis.call('HMGET', state, 'owner', 'at', 'lease', 'q', 'fence', 'kept')
+local now, now_s = clock()
+if not r[1] or lease_end(r[2], r[3]) <= now then return false end
+release(state, queue, waiters, r[4] == '1', r[5], r[6], now, now_s, tonumber(ARGV[1]), ARGV[2])
+return r[5]
 "#
     ))
 });
 
 /// Inspect: a consistent snapshot of one key for operators (reads only).
 ///
-/// KEYS: lock, queue, fence, resp.
-/// Returns `{held(0|1), holder_fence, since_us, lock_ttl_ms, queue_len, last_fence,
-///           resp_status|false, resp_ttl_ms, now_us}`.
+/// KEYS: state, queue.
+/// Returns `{held(0|1), holder_age_ms, lease_remaining_ms, queue_len, last_fence,
+///           resp_status|false, retention_remaining_ms}`.
 ///
 /// A script so that the holder, queue and response are read at one instant.
 pub(crate) static INSPECT: LazyLock<Script> = LazyLock::new(|| {
     Script::new(
         r#"
-local h = redis.call('HMGET', KEYS[1], 'fence', 'since')
+local r = redis.call('HMGET', KEYS[1], 'owner', 'at', 'lease', 'since', 'fence', 'status', 'kept')
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000000 + tonumber(t[2])
-return {
-  h[1] and 1 or 0, h[1] or '0', h[2] or '0', math.max(redis.call('PTTL', KEYS[1]), 0),
-  redis.call('LLEN', KEYS[2]), redis.call('HGET', KEYS[3], 'fence') or '0',
-  redis.call('HGET', KEYS[4], 'status'), math.max(redis.call('PTTL', KEYS[4]), 0),
-  string.format('%.0f', now)
-}
+local function remaining_ms(deadline)
+  return math.max(math.ceil((deadline - now) / 1000), 0)
+end
+local held = r[1] and tonumber(r[2]) + tonumber(r[3]) * 1000 > now
+local lease_left, age_ms = 0, 0
+if held then
+  lease_left = remaining_ms(tonumber(r[2]) + tonumber(r[3]) * 1000)
+  age_ms = math.floor((now - tonumber(r[4])) / 1000)
+end
+local status, kept_left = false, 0
+if r[6] and tonumber(r[7]) > now then
+  status = r[6]
+  kept_left = remaining_ms(tonumber(r[7]))
+end
+return {held and 1 or 0, age_ms, lease_left, redis.call('LLEN', KEYS[2]), r[5] or '0', status,
+  kept_left}
 "#,
     )
 });

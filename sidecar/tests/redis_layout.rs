@@ -1,0 +1,173 @@
+//! The Redis layout's own edges: one record per lock whose lease ends by its deadline (not
+//! by the key expiring), whose expiry only bounds how long an idle record lives, which holds
+//! a stored response for its retention, and whose queue keys the common path never touches.
+
+use crate::util::{Harness, claim_req, granted};
+use idemgate_sidecar::testing::RedisServer;
+use idemgate_wire::{ClaimOutcome, Mode, OwnerOutcome, StoredResponse};
+use std::time::Duration;
+
+fn record(key: &str) -> String {
+    format!("idemgate:{{{key}}}:state")
+}
+
+fn int(redis: &RedisServer, args: &[&str]) -> i64 {
+    redis.cli(args).unwrap().trim().parse().unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_common_path_touches_one_key() {
+    let h = Harness::start(crate::util::Backend::Redis).await;
+    let redis = h.redis.as_ref().unwrap();
+    let key = "k-one";
+    for mode in [Mode::Lock, Mode::Idempotency] {
+        let (owner, _) = granted(&h.client.claim(&claim_req(key, mode, 30_000)).await.0);
+        assert_eq!(h.client.abort(key, &owner).await, OwnerOutcome::Released);
+    }
+    assert_eq!(redis.cli(&["--scan"]).unwrap().trim(), record(key));
+    // No waiters were ever queued: no queue mark in the record.
+    assert_eq!(int(redis, &["HEXISTS", &record(key), "q"]), 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_expired_lease_is_decided_by_its_deadline() {
+    let h = Harness::start(crate::util::Backend::Redis).await;
+    let redis = h.redis.as_ref().unwrap();
+    let key = "k-deadline";
+    let (old, fence) = granted(&h.client.claim(&claim_req(key, Mode::Lock, 300)).await.0);
+    h.client
+        .wait_for_key(key, "the lease to run out", |info| info.holder.is_none())
+        .await;
+    // The record outlives the lease, keeping the fence; nobody lists the key as held.
+    assert_eq!(int(redis, &["EXISTS", &record(key)]), 1);
+    let info = h.client.inspect(key).await;
+    assert_eq!(info.last_fence, fence);
+    let list: serde_json::Value =
+        serde_json::from_slice(&h.client.get("/admin/v1/keys").await.body).unwrap();
+    assert_eq!(list["keys"], serde_json::json!([]));
+    // The old owner is refused although its fields are still in the record.
+    assert_eq!(
+        h.client.complete(key, &old, 1000, None).await,
+        OwnerOutcome::Stale
+    );
+    assert_eq!(h.client.renew(key, &old, 1000).await, OwnerOutcome::Stale);
+    let (new, next) = granted(&h.client.claim(&claim_req(key, Mode::Lock, 30_000)).await.0);
+    assert!(next > fence);
+    // Counted once, by the claim that found it.
+    assert!(matches!(
+        h.client.claim(&claim_req(key, Mode::Lock, 30_000)).await.0,
+        ClaimOutcome::Busy { .. }
+    ));
+    assert_eq!(
+        h.client
+            .metric("idemgate_sidecar_lease_expiries_total")
+            .await,
+        1.0
+    );
+    assert_eq!(h.client.abort(key, &old).await, OwnerOutcome::Stale);
+    assert_eq!(h.client.abort(key, &new).await, OwnerOutcome::Released);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_idle_record_lives_the_fence_ttl_and_fences_still_rise_after_it() {
+    let h = Harness::start_with(crate::util::Backend::Redis, |c| {
+        c.fence_ttl = Duration::from_millis(1500);
+    })
+    .await;
+    let redis = h.redis.as_ref().unwrap();
+    let key = "k-idle";
+    let (owner, fence) = granted(&h.client.claim(&claim_req(key, Mode::Lock, 100)).await.0);
+    let ttl = int(redis, &["PTTL", &record(key)]);
+    assert!((1..=1500).contains(&ttl), "{ttl}");
+    assert_eq!(
+        h.client.complete(key, &owner, 1000, None).await,
+        OwnerOutcome::Released
+    );
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
+    while int(redis, &["EXISTS", &record(key)]) == 1 {
+        assert!(tokio::time::Instant::now() < deadline, "the record stays");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let (_, next) = granted(&h.client.claim(&claim_req(key, Mode::Lock, 100)).await.0);
+    assert!(next > fence);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn renewing_keeps_the_record_beyond_its_ttl() {
+    let h = Harness::start_with(crate::util::Backend::Redis, |c| {
+        c.fence_ttl = Duration::from_millis(1000);
+    })
+    .await;
+    let redis = h.redis.as_ref().unwrap();
+    let key = "k-renew";
+    let (owner, _) = granted(&h.client.claim(&claim_req(key, Mode::Lock, 1000)).await.0);
+    // At least the lease plus a second, even with a shorter fence TTL.
+    assert!(int(redis, &["PTTL", &record(key)]) > 1000);
+    assert_eq!(
+        h.client.renew(key, &owner, 30_000).await,
+        OwnerOutcome::Renewed { lease_ms: 30_000 }
+    );
+    assert!(int(redis, &["PTTL", &record(key)]) > 30_000);
+    tokio::time::sleep(Duration::from_millis(2500)).await;
+    assert!(matches!(
+        h.client.claim(&claim_req(key, Mode::Lock, 1000)).await.0,
+        ClaimOutcome::Busy { .. }
+    ));
+    assert_eq!(
+        h.client.complete(key, &owner, 1000, None).await,
+        OwnerOutcome::Released
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stored_response_lives_in_the_record_for_its_retention() {
+    let h = Harness::start(crate::util::Backend::Redis).await;
+    let redis = h.redis.as_ref().unwrap();
+    let key = "k-kept";
+    let req = claim_req(key, Mode::Idempotency, 30_000);
+    let (owner, _) = granted(&h.client.claim(&req).await.0);
+    let response = StoredResponse {
+        status: 201,
+        headers: vec![("x-id".into(), "7".into())],
+    };
+    assert_eq!(
+        h.client
+            .complete(key, &owner, 60_000, Some((response.clone(), b"created")))
+            .await,
+        OwnerOutcome::Released
+    );
+    // The retention, not the (week-long) fence TTL, bounds how long the body is kept.
+    let ttl = int(redis, &["PTTL", &record(key)]);
+    assert!((1..=60_000).contains(&ttl), "{ttl}");
+    assert_eq!(redis.cli(&["--scan"]).unwrap().trim(), record(key));
+    match h.client.claim(&req).await {
+        (ClaimOutcome::Completed { response: r, .. }, body) => {
+            assert_eq!(r, response);
+            assert_eq!(&body[..], b"created");
+        }
+        other => panic!("unexpected {other:?}"),
+    }
+    let info = h.client.inspect(key).await;
+    assert_eq!(info.completed.map(|c| c.status), Some(201));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_queue_mark_goes_with_the_last_waiter() {
+    let h = Harness::start(crate::util::Backend::Redis).await;
+    let redis = h.redis.as_ref().unwrap();
+    let key = "k-mark";
+    let (holder, _) = granted(&h.client.claim(&claim_req(key, Mode::Lock, 30_000)).await.0);
+    let waiter = h.client.queued_waiter(key).await;
+    assert_eq!(int(redis, &["HEXISTS", &record(key), "q"]), 1);
+    assert_eq!(
+        h.client.complete(key, &holder, 1000, None).await,
+        OwnerOutcome::Released
+    );
+    let (next, _) = granted(&waiter.await.unwrap());
+    assert_eq!(
+        h.client.complete(key, &next, 1000, None).await,
+        OwnerOutcome::Released
+    );
+    assert_eq!(int(redis, &["HEXISTS", &record(key), "q"]), 0);
+    assert_eq!(redis.cli(&["--scan"]).unwrap().trim(), record(key));
+}
