@@ -302,20 +302,11 @@ impl Config {
                 .as_deref()
                 .zip(cli.redis_client_key.as_deref());
             let tls = RedisTls::from_files(cli.redis_ca_file.as_deref(), client)?;
-            if !tls.is_empty() {
-                if !urls.iter().all(|u| u.starts_with("rediss://")) {
-                    return Err(bad(
-                        "redis-url",
-                        "TLS certificates are given: every URL must be rediss://",
-                    ));
-                }
-                if matches!(topology, RedisTopology::Sentinel { .. }) {
-                    return Err(bad(
-                        "redis-ca-file",
-                        "not supported with --redis-sentinel-master (rediss:// Sentinels and \
-                         masters need certificates from a public CA)",
-                    ));
-                }
+            if !tls.is_empty() && !urls.iter().all(|u| u.starts_with("rediss://")) {
+                return Err(bad(
+                    "redis-url",
+                    "TLS certificates are given: every URL must be rediss://",
+                ));
             }
             StoreConfig::Redis(RedisConfig {
                 urls,

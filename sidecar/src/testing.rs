@@ -297,6 +297,20 @@ impl RedisSentinel {
     /// Either process does not start, or the Sentinel does not report the master.
     pub fn start() -> io::Result<Self> {
         let master = RedisServer::start()?;
+        let port = master.port;
+        Self::watching(master, port, "")
+    }
+
+    /// A Sentinel watching `master` at `monitored_port` (its TLS port, say), with extra
+    /// configuration lines (e.g. the Sentinel's own `tls-port` and certificates).
+    ///
+    /// # Errors
+    /// The Sentinel does not start, or does not report the master.
+    pub fn watching(
+        master: RedisServer,
+        monitored_port: u16,
+        extra_conf: &str,
+    ) -> io::Result<Self> {
         let mut last_err = None;
         for _ in 0..5 {
             let port = free_port(false)?;
@@ -305,12 +319,11 @@ impl RedisSentinel {
             std::fs::write(
                 &conf,
                 format!(
-                    "port {port}\nbind 127.0.0.1\nprotected-mode no\ndir {}\n\
-                     sentinel monitor {} 127.0.0.1 {} 1\n\
+                    "port {port}\nbind 127.0.0.1\nprotected-mode no\ndir {}\n{extra_conf}\n\
+                     sentinel monitor {} 127.0.0.1 {monitored_port} 1\n\
                      sentinel down-after-milliseconds {} 2000\n",
                     dir.display(),
                     Self::MASTER,
-                    master.port,
                     Self::MASTER,
                 ),
             )?;
@@ -324,7 +337,7 @@ impl RedisSentinel {
             match sentinel.spawn() {
                 Ok(()) => {
                     let deadline = Instant::now() + START_TIMEOUT;
-                    let expected = master.port.to_string();
+                    let expected = monitored_port.to_string();
                     while !sentinel
                         .cli(&["sentinel", "get-master-addr-by-name", Self::MASTER])
                         .is_ok_and(|out| out.contains(&expected))

@@ -1,10 +1,11 @@
 //! Reaching Redis securely: TLS (`rediss://`) with a private CA and the client certificate
-//! Redis asks for by default, and an ACL user named in the URL. The certificates are made
+//! Redis asks for by default — standalone and behind a Sentinel — and an ACL user named in
+//! the URL. The certificates are made
 //! at test time (rcgen); nothing is read from or written to the machine's trust store.
 
 use crate::util::{Harness, claim_req, granted};
 use hyper::StatusCode;
-use idemgate_sidecar::testing::RedisServer;
+use idemgate_sidecar::testing::{RedisSentinel, RedisServer};
 use idemgate_sidecar::{RedisConfig, RedisTls, RedisTopology, StoreConfig};
 use idemgate_wire::{ClaimOutcome, Mode, OwnerOutcome, paths};
 use rcgen::{BasicConstraints, CertificateParams, DnType, IsCa, Issuer, KeyPair};
@@ -113,6 +114,82 @@ fn store(url: String, prefix: &str, tls: RedisTls) -> StoreConfig {
 
 fn path(p: &Path) -> String {
     p.to_string_lossy().into_owned()
+}
+
+/// The Sentinel and the master both speak TLS only to clients of the private CA: the
+/// certificates go to both connections (the Sentinel reaches the master over TLS as well).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_master_behind_a_tls_sentinel_is_reached_with_a_private_ca() {
+    if !redis_has_tls() {
+        eprintln!("SKIPPED: the installed redis-server was built without TLS support");
+        return;
+    }
+    let pki = Pki::create();
+    let (cert, key, ca) = (
+        path(&pki.file("server.pem")),
+        path(&pki.file("server.key")),
+        path(&pki.file("ca.pem")),
+    );
+    let master_tls = free_port();
+    let master_tls_arg = master_tls.to_string();
+    let master = RedisServer::start_with(&[
+        "--tls-port",
+        &master_tls_arg,
+        "--tls-cert-file",
+        &cert,
+        "--tls-key-file",
+        &key,
+        "--tls-ca-cert-file",
+        &ca,
+    ])
+    .unwrap();
+    let sentinel_tls = free_port();
+    let sentinel = RedisSentinel::watching(
+        master,
+        master_tls,
+        &format!(
+            "tls-port {sentinel_tls}\ntls-cert-file {cert}\ntls-key-file {key}\n\
+             tls-ca-cert-file {ca}\ntls-replication yes"
+        ),
+    )
+    .unwrap();
+    let tls = RedisTls::from_files(
+        Some(&pki.file("ca.pem")),
+        Some((&pki.file("client.pem"), &pki.file("client.key"))),
+    )
+    .unwrap();
+    let store = StoreConfig::Redis(RedisConfig {
+        urls: vec![format!("rediss://127.0.0.1:{sentinel_tls}")],
+        topology: RedisTopology::Sentinel {
+            master: RedisSentinel::MASTER.into(),
+        },
+        prefix: "idemgate".into(),
+        tls,
+    });
+    let h = Harness::on_store(store, None, |_| {}).await;
+    let c = &h.client;
+    assert_eq!(c.get("/readyz").await.status, StatusCode::OK);
+    let key = "sentinel-tls-key";
+    let (holder, fence) = granted(&c.claim(&claim_req(key, Mode::Lock, 60_000)).await.0);
+    // The hand-off's notification comes through the inbox, reached through the Sentinel too.
+    let waiter = c.queued_waiter(key).await;
+    assert_eq!(
+        c.complete(key, &holder, 1000, None).await,
+        OwnerOutcome::Released
+    );
+    let (owner, next) = granted(&waiter.await.unwrap());
+    assert!(next > fence);
+    assert_eq!(
+        c.complete(key, &owner, 1000, None).await,
+        OwnerOutcome::Released
+    );
+    assert!(
+        sentinel
+            .master()
+            .cli(&["--scan"])
+            .unwrap()
+            .contains("idemgate:{sentinel-tls-key}:state")
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -28,7 +28,9 @@ use keys::LockKeys;
 use redis::aio::{ConnectionManager, ConnectionManagerConfig};
 use redis::cluster_async::ClusterConnection;
 use redis::cluster_routing::{RoutingInfo, SingleNodeRoutingInfo};
-use redis::sentinel::{SentinelClient, SentinelNodeConnectionInfo, SentinelServerType};
+use redis::sentinel::{
+    SentinelClient, SentinelClientBuilder, SentinelNodeConnectionInfo, SentinelServerType,
+};
 use redis::{
     Cmd, ErrorKind, FromRedisValue, IntoConnectionInfo, RedisError, RetryMethod, Script,
     ServerErrorKind, Value,
@@ -402,6 +404,9 @@ fn sentinel_client(cfg: &RedisConfig, master: &str) -> StoreResult<SentinelClien
         .first()
         .ok_or_else(|| StoreError::Permanent("no Sentinel URL".into()))?;
     let info = connection_info(first)?;
+    if let Some(certs) = certificates(&cfg.tls) {
+        return tls_sentinel_client(cfg, master, &info, certs);
+    }
     let mut node = SentinelNodeConnectionInfo::default()
         .set_redis_connection_info(info.redis_settings().clone())
         .set_tcp_settings(info.tcp_settings().clone());
@@ -415,6 +420,44 @@ fn sentinel_client(cfg: &RedisConfig, master: &str) -> StoreResult<SentinelClien
         SentinelServerType::Master,
     )
     .map_err(classify)
+}
+
+/// With a private CA or a client certificate: only the builder hands certificates to both
+/// the Sentinel connections and the master's (the configuration made every URL `rediss://`).
+/// The first URL's user, password and database apply to both, as one URL per Sentinel could
+/// not say which credentials are the master's.
+fn tls_sentinel_client(
+    cfg: &RedisConfig,
+    master: &str,
+    first: &redis::ConnectionInfo,
+    certs: redis::TlsCertificates,
+) -> StoreResult<SentinelClient> {
+    let sentinels = cfg
+        .urls
+        .iter()
+        .map(|url| connection_info(url).map(|info| info.addr().clone()))
+        .collect::<StoreResult<Vec<_>>>()?;
+    let auth = first.redis_settings();
+    let mut builder = SentinelClientBuilder::new(sentinels, master, SentinelServerType::Master)
+        .map_err(classify)?
+        .set_client_to_sentinel_tls_mode(redis::TlsMode::Secure)
+        .set_client_to_sentinel_certificates(certs.clone())
+        .set_client_to_sentinel_tcp_settings(tcp_settings())
+        .set_client_to_redis_tls_mode(redis::TlsMode::Secure)
+        .set_client_to_redis_certificates(certs)
+        .set_client_to_redis_tcp_settings(tcp_settings())
+        .set_client_to_redis_db(auth.db());
+    if let Some(user) = auth.username() {
+        builder = builder
+            .set_client_to_sentinel_username(user)
+            .set_client_to_redis_username(user);
+    }
+    if let Some(password) = auth.password() {
+        builder = builder
+            .set_client_to_sentinel_password(password)
+            .set_client_to_redis_password(password);
+    }
+    builder.build().map_err(classify)
 }
 
 /// A plain client to one node that receives PUBLISHed messages (any Cluster node does).
