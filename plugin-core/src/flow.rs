@@ -131,6 +131,8 @@ pub struct Flow {
     release: Option<Callout>,
     /// Rate checks still to make (cleared once decided).
     rate_checks: Vec<Check>,
+    /// The local tier's rate check is done (at request headers): never spend twice.
+    local_rated: bool,
     /// `RateLimit` fields for the forwarded response (`rate.expose`).
     rate_headers: Vec<(String, String)>,
 }
@@ -203,7 +205,18 @@ impl Flow {
                 .map(|spec| rate::checks(rule, spec, req, Some(&raw_key)))
                 .unwrap_or_default(),
             rate_headers: Vec::new(),
+            local_rated: false,
         };
+        // The local tier's limits are checked before the body is buffered or hashed: a
+        // limited request is answered at once and costs no fingerprint.
+        if let Some(spec) = rule.rate.as_ref().filter(|s| s.tier.local())
+            && !flow.rate_checks.is_empty()
+        {
+            flow.local_rated = true;
+            if let Some(limited) = flow.rate_local(config, spec, env) {
+                return (Some(flow), limited);
+            }
+        }
         if let Some(spec) = &rule.fingerprint {
             let fp = Fingerprint::start(spec, &head, req);
             if spec.max_body == 0 {
@@ -350,11 +363,13 @@ impl Flow {
         })
     }
 
-    /// The local tier's rate check, then the sidecar's. `None`: under every limit (or not
-    /// blocking: shadow, failure mode), the checks are done and the claim goes on; otherwise
-    /// a 429, or the `/v1/rate` callout whose answer goes to [`Flow::on_claim_answer`].
+    /// The local tier's rate check (unless made at request headers), then the sidecar's.
+    /// `None`: under every limit (or not blocking: shadow, failure mode), the checks are done
+    /// and the claim goes on; otherwise a 429, or the `/v1/rate` callout whose answer goes to
+    /// [`Flow::on_claim_answer`].
     fn rate(&mut self, config: &Config, spec: &RateSpec, env: &mut Env<'_>) -> Option<Action> {
         if spec.tier.local()
+            && !self.local_rated
             && let Some(limited) = self.rate_local(config, spec, env)
         {
             return Some(limited);

@@ -994,6 +994,33 @@ fn local_rate_limit_answers_429_without_a_callout_and_refills() {
     );
 }
 
+/// A body-fingerprinted request over its local limit is answered at request headers: its
+/// body is neither buffered nor hashed, and the limit is spent once per request.
+#[test]
+fn local_rate_limit_answers_before_the_body() {
+    let mut gw = Gateway::new(&format!(
+        r#"{{"sidecar":{{"cluster":"s"}},"allow_on_headers_stop_iteration":true,"rules":{}}}"#,
+        rate_rules("local", "")
+    ));
+    for k in ["a", "b"] {
+        let (flow, action) = gw.start_with_eos(&user_post(k), false);
+        assert_eq!(action, Action::Pause, "waits for the body to fingerprint");
+        let mut flow = flow.unwrap();
+        let mut read = |n: usize| Some(vec![b'x'; n]);
+        let action = gw.with(|c, env| flow.on_request_body(c, 4, true, &mut read, env));
+        assert!(matches!(action, Action::Claim(_)), "{action:?}");
+    }
+    let (_, action) = gw.start_with_eos(&user_post("c"), false);
+    assert_eq!(reply(action).status, 429);
+    assert_eq!(
+        (
+            gw.count(Counter::RateAllowedLocal),
+            gw.count(Counter::RateLimitedLocal)
+        ),
+        (2, 1)
+    );
+}
+
 #[test]
 fn global_rate_check_comes_before_the_claim() {
     let mut gw = Gateway::rules(&rate_rules("global", r#","expose":true"#));
