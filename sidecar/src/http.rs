@@ -364,6 +364,11 @@ async fn rate<S: Store>(State(app): AppState<S>, _: Authorized, req: Request) ->
     let outcome = crate::rate::check(app.locks.store().as_ref(), &req)
         .await
         .map_err(|e| app.store_error(&e))?;
+    let limited = outcome.results.iter().any(|r| !r.allowed);
+    app.metrics
+        .rate_decisions
+        .with_label_values(&[if limited { "limited" } else { "allowed" }])
+        .inc();
     Ok(framed(&outcome, &[]))
 }
 

@@ -26,6 +26,8 @@ pub(crate) struct Metrics {
     pub store_errors: IntCounterVec,
     /// Operator force-releases.
     pub force_releases: IntCounter,
+    /// `/v1/rate` answers: `allowed` (under every limit) or `limited`.
+    pub rate_decisions: IntCounterVec,
     /// Request latency by route and status.
     pub request_seconds: HistogramVec,
 }
@@ -126,6 +128,16 @@ impl Metrics {
             force_releases: register(
                 r,
                 IntCounter::with_opts(opts("force_releases_total", "Operator force-releases."))?,
+            ),
+            rate_decisions: register(
+                r,
+                IntCounterVec::new(
+                    opts(
+                        "rate_decisions_total",
+                        "Rate checks answered: allowed (under every limit) or limited.",
+                    ),
+                    &["outcome"],
+                )?,
             ),
             request_seconds: register(
                 r,

@@ -108,6 +108,14 @@ async fn checks_stop_at_the_first_limited_one(backend: Backend) {
     // The resource limit was not spent by the limited request.
     let resource = rate(&h.client, vec![check("resource", 60_000_000, 3)]).await;
     assert_eq!(resource.results[0].remaining, 1);
+    // Every answer is counted by its decision.
+    let text = String::from_utf8_lossy(&h.client.get("/metrics").await.body).into_owned();
+    for line in [
+        "idemgate_sidecar_rate_decisions_total{outcome=\"allowed\"} 2",
+        "idemgate_sidecar_rate_decisions_total{outcome=\"limited\"} 1",
+    ] {
+        assert!(text.contains(line), "{line} missing in\n{text}");
+    }
 }
 
 async fn malformed_checks_are_refused(backend: Backend) {
