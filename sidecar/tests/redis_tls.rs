@@ -3,7 +3,7 @@
 //! the URL. The certificates are made
 //! at test time (rcgen); nothing is read from or written to the machine's trust store.
 
-use crate::util::{Harness, claim_req, granted};
+use crate::util::{Client, Harness, claim_req, granted};
 use hyper::StatusCode;
 use idemgate_sidecar::testing::{RedisSentinel, RedisServer};
 use idemgate_sidecar::{RedisConfig, RedisTls, RedisTopology, StoreConfig};
@@ -116,6 +116,25 @@ fn path(p: &Path) -> String {
     p.to_string_lossy().into_owned()
 }
 
+/// Ready, a claim, a queued waiter handed the key when the holder completes, its complete.
+/// The hand-off's notification comes through the pub/sub inbox, which must reach Redis over
+/// TLS as well.
+async fn hand_off(c: &Client, key: &str) {
+    assert_eq!(c.get("/readyz").await.status, StatusCode::OK);
+    let (holder, fence) = granted(&c.claim(&claim_req(key, Mode::Lock, 60_000)).await.0);
+    let waiter = c.queued_waiter(key).await;
+    assert_eq!(
+        c.complete(key, &holder, 1000, None).await,
+        OwnerOutcome::Released
+    );
+    let (owner, next) = granted(&waiter.await.unwrap());
+    assert!(next > fence);
+    assert_eq!(
+        c.complete(key, &owner, 1000, None).await,
+        OwnerOutcome::Released
+    );
+}
+
 /// The Sentinel and the master both speak TLS only to clients of the private CA: the
 /// certificates go to both connections (the Sentinel reaches the master over TLS as well).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -167,22 +186,7 @@ async fn the_master_behind_a_tls_sentinel_is_reached_with_a_private_ca() {
         tls,
     });
     let h = Harness::on_store(store, None, |_| {}).await;
-    let c = &h.client;
-    assert_eq!(c.get("/readyz").await.status, StatusCode::OK);
-    let key = "sentinel-tls-key";
-    let (holder, fence) = granted(&c.claim(&claim_req(key, Mode::Lock, 60_000)).await.0);
-    // The hand-off's notification comes through the inbox, reached through the Sentinel too.
-    let waiter = c.queued_waiter(key).await;
-    assert_eq!(
-        c.complete(key, &holder, 1000, None).await,
-        OwnerOutcome::Released
-    );
-    let (owner, next) = granted(&waiter.await.unwrap());
-    assert!(next > fence);
-    assert_eq!(
-        c.complete(key, &owner, 1000, None).await,
-        OwnerOutcome::Released
-    );
+    hand_off(&h.client, "sentinel-tls-key").await;
     assert!(
         sentinel
             .master()
@@ -219,22 +223,7 @@ async fn claims_hand_offs_and_replays_work_over_tls() {
     )
     .unwrap();
     let h = Harness::on_store(store(url.clone(), "idemgate", tls.clone()), None, |_| {}).await;
-    let c = &h.client;
-    assert_eq!(c.get("/readyz").await.status, StatusCode::OK);
-    // A queued hand-off also needs the pub/sub inbox, which connects over TLS as well.
-    let key = "tls-key";
-    let (holder, fence) = granted(&c.claim(&claim_req(key, Mode::Lock, 60_000)).await.0);
-    let waiter = c.queued_waiter(key).await;
-    assert_eq!(
-        c.complete(key, &holder, 1000, None).await,
-        OwnerOutcome::Released
-    );
-    let (owner, next) = granted(&waiter.await.unwrap());
-    assert!(next > fence);
-    assert_eq!(
-        c.complete(key, &owner, 1000, None).await,
-        OwnerOutcome::Released
-    );
+    hand_off(&h.client, "tls-key").await;
     // The data really went to this server (read back over its plain port).
     assert!(
         redis
