@@ -140,41 +140,36 @@ impl Driver {
     /// The first call for bot `b1`: claimed in the local tier, its sidecar claim left
     /// unanswered, so every later call for `b1` meets a running call.
     fn hold_bot(&mut self) -> Result<()> {
-        let id = self.vm.new_stream(StreamInfo::default());
-        self.vm.headers(
-            id,
-            Direction::Request,
-            request("POST", "/bots/b1/start", None),
-            true,
-        );
-        if self
-            .vm
-            .take_events(id)
-            .iter()
-            .any(|e| matches!(e, StreamEvent::LocalReply(_)))
-        {
-            bail!("the holding call was answered locally");
-        }
-        Ok(())
+        self.leave_open(
+            "/bots/b1/start",
+            None,
+            "the holding call was answered locally",
+        )
     }
 
     /// One `/limited` request: it spends the caller's hourly unit (its claim left unanswered),
     /// so every later one is over the limit.
     fn spend_rate(&mut self) -> Result<()> {
+        self.leave_open(
+            "/limited",
+            Some("spent"),
+            "the first limited-rule call was answered locally",
+        )
+    }
+
+    /// Sends a POST to `path` whose sidecar claim is never answered, so it stays in flight;
+    /// fails with `failure` if the filter answered it by itself.
+    fn leave_open(&mut self, path: &str, key: Option<&str>, failure: &str) -> Result<()> {
         let id = self.vm.new_stream(StreamInfo::default());
-        self.vm.headers(
-            id,
-            Direction::Request,
-            request("POST", "/limited", Some("spent")),
-            true,
-        );
+        self.vm
+            .headers(id, Direction::Request, request("POST", path, key), true);
         if self
             .vm
             .take_events(id)
             .iter()
             .any(|e| matches!(e, StreamEvent::LocalReply(_)))
         {
-            bail!("the first limited-rule call was answered locally");
+            bail!("{failure}");
         }
         Ok(())
     }

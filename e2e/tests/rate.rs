@@ -49,6 +49,17 @@ fn burst(workers: &[TestVm], user: &str, tag: &str, each: usize) -> Vec<TestStre
         .collect()
 }
 
+/// The `Retry-After` seconds of a limited answer.
+fn retry_after_s(limited: &TestStream) -> u64 {
+    limited
+        .response_headers()
+        .unwrap()
+        .get("retry-after")
+        .unwrap()
+        .parse()
+        .unwrap()
+}
+
 fn count_limited(streams: &[TestStream]) -> usize {
     streams
         .iter()
@@ -129,13 +140,7 @@ fn a_client_that_waits_retry_after_is_let_through() {
         }
     }
     let limited = limited.expect("the third request is limited");
-    let wait: u64 = limited
-        .response_headers()
-        .unwrap()
-        .get("retry-after")
-        .unwrap()
-        .parse()
-        .unwrap();
+    let wait = retry_after_s(&limited);
     assert_eq!(wait, 2, "one request every 1.5 s, rounded up");
     gw.host.advance(Duration::from_secs(wait));
     let retry = gw.worker(1).stream();
@@ -219,13 +224,7 @@ fn global_retry_after_is_enough_and_the_quota_is_exposed() {
         }
     }
     let limited = limited.expect("over two per second");
-    let wait: u64 = limited
-        .response_headers()
-        .unwrap()
-        .get("retry-after")
-        .unwrap()
-        .parse()
-        .unwrap();
+    let wait = retry_after_s(&limited);
     assert!((1..=2).contains(&wait), "{wait}");
     std::thread::sleep(Duration::from_secs(wait));
     assert!(fence(&send("k-after-wait")).is_some());

@@ -5,8 +5,8 @@ use idemgate_core::{Action, Env, Flow};
 use proxy_wasm::traits::{Context, HttpContext};
 use proxy_wasm::types::{Action as Next, BufferType};
 
-use crate::host::{self, RequestHeaders, SharedData};
-use crate::vm::{SharedVm, Vm};
+use crate::host::{self, RequestHeaders};
+use crate::vm::{self, SharedVm, Vm};
 
 pub(crate) struct Stream {
     id: u32,
@@ -126,13 +126,7 @@ impl HttpContext for Stream {
             let Vm {
                 breaker, metrics, ..
             } = &mut *vm;
-            let mut env = Env {
-                now_ms: host::now_ms(),
-                shared: &SharedData,
-                breaker,
-                telemetry: metrics,
-                owner,
-            };
+            let mut env = vm::host_env(breaker, metrics, owner);
             Flow::on_request_headers(&config, route, &RequestHeaders, end_of_stream, &mut env)
         };
         if let Some(flow) = flow {

@@ -53,6 +53,22 @@ pub(crate) struct Vm {
     pub(crate) sequence: u32,
 }
 
+/// The decisions' environment over this VM: the host's clock read now, Envoy's shared data,
+/// and the VM's breaker and metrics (borrowed field by field, beside its flows).
+pub(crate) fn host_env<'a>(
+    breaker: &'a mut Breaker,
+    metrics: &'a mut Metrics,
+    owner: u64,
+) -> Env<'a> {
+    Env {
+        now_ms: host::now_ms(),
+        shared: &SharedData,
+        breaker,
+        telemetry: metrics,
+        owner,
+    }
+}
+
 impl Vm {
     /// Runs `f` with the flow of `context_id` and an environment over the host.
     pub(crate) fn with_flow<R>(
@@ -73,13 +89,7 @@ impl Vm {
         let config = config.as_deref()?;
         let flow = flows.get_mut(&context_id)?;
         *sequence = sequence.wrapping_add(1);
-        let mut env = Env {
-            now_ms: host::now_ms(),
-            shared: &SharedData,
-            breaker,
-            telemetry: metrics,
-            owner: *nonce | u64::from(*sequence),
-        };
+        let mut env = host_env(breaker, metrics, *nonce | u64::from(*sequence));
         Some(f(config, flow, &mut env))
     }
 
@@ -97,13 +107,7 @@ impl Vm {
         let Some(config) = config.as_deref() else {
             return Vec::new();
         };
-        let mut env = Env {
-            now_ms: host::now_ms(),
-            shared: &SharedData,
-            breaker,
-            telemetry: metrics,
-            owner: *nonce,
-        };
+        let mut env = host_env(breaker, metrics, *nonce);
         flows
             .iter_mut()
             .filter_map(|(id, flow)| flow.renewal_due(config, &mut env).map(|c| (*id, c)))

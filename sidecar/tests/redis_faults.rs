@@ -116,14 +116,7 @@ async fn password_in_the_url_is_used() {
             tls: Default::default(),
         })
     };
-    let bad = Harness::on_store(wrong, None, |c| {
-        c.store_timeout = Duration::from_millis(500)
-    })
-    .await;
-    let reply = bad
-        .client
-        .post(paths::CLAIM, &claim_req("k", Mode::Lock, 1000), &[])
-        .await;
+    let (_, reply) = Harness::claim_on_unusable_store(wrong).await;
     assert_eq!(reply.status, StatusCode::SERVICE_UNAVAILABLE);
     assert!(!matches!(
         serde_json::from_slice::<ClaimOutcome>(&reply.body),

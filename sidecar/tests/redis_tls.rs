@@ -9,8 +9,7 @@ use idemgate_sidecar::testing::{RedisSentinel, RedisServer};
 use idemgate_sidecar::{RedisConfig, RedisTls, RedisTopology, StoreConfig};
 use idemgate_wire::{ClaimOutcome, Mode, OwnerOutcome, paths};
 use rcgen::{BasicConstraints, CertificateParams, DnType, IsCa, Issuer, KeyPair};
-use std::path::{Path, PathBuf};
-use std::time::Duration;
+use std::path::PathBuf;
 
 /// A throw-away CA, a server certificate for 127.0.0.1 and a client certificate, as PEM
 /// files in a scratch directory (removed on drop).
@@ -65,6 +64,36 @@ impl Pki {
     fn file(&self, name: &str) -> PathBuf {
         self.dir.join(name)
     }
+
+    fn path(&self, name: &str) -> String {
+        self.file(name).to_string_lossy().into_owned()
+    }
+
+    /// A `redis-server` speaking TLS on `tls_port` (and plain text on its own port) with the
+    /// server certificate. It requires client certificates (Redis's default,
+    /// `tls-auth-clients yes`).
+    fn redis_server(&self, tls_port: u16) -> RedisServer {
+        RedisServer::start_with(&[
+            "--tls-port",
+            &tls_port.to_string(),
+            "--tls-cert-file",
+            &self.path("server.pem"),
+            "--tls-key-file",
+            &self.path("server.key"),
+            "--tls-ca-cert-file",
+            &self.path("ca.pem"),
+        ])
+        .unwrap()
+    }
+
+    /// What the sidecar is given: the private CA and the client certificate.
+    fn client_tls(&self) -> RedisTls {
+        RedisTls::from_files(
+            Some(&self.file("ca.pem")),
+            Some((&self.file("client.pem"), &self.file("client.key"))),
+        )
+        .unwrap()
+    }
 }
 
 impl Drop for Pki {
@@ -112,10 +141,6 @@ fn store(url: String, prefix: &str, tls: RedisTls) -> StoreConfig {
     })
 }
 
-fn path(p: &Path) -> String {
-    p.to_string_lossy().into_owned()
-}
-
 /// Ready, a claim, a queued waiter handed the key when the holder completes, its complete.
 /// The hand-off's notification comes through the pub/sub inbox, which must reach Redis over
 /// TLS as well.
@@ -145,23 +170,12 @@ async fn the_master_behind_a_tls_sentinel_is_reached_with_a_private_ca() {
     }
     let pki = Pki::create();
     let (cert, key, ca) = (
-        path(&pki.file("server.pem")),
-        path(&pki.file("server.key")),
-        path(&pki.file("ca.pem")),
+        pki.path("server.pem"),
+        pki.path("server.key"),
+        pki.path("ca.pem"),
     );
     let master_tls = free_port();
-    let master_tls_arg = master_tls.to_string();
-    let master = RedisServer::start_with(&[
-        "--tls-port",
-        &master_tls_arg,
-        "--tls-cert-file",
-        &cert,
-        "--tls-key-file",
-        &key,
-        "--tls-ca-cert-file",
-        &ca,
-    ])
-    .unwrap();
+    let master = pki.redis_server(master_tls);
     let sentinel_tls = free_port();
     let sentinel = RedisSentinel::watching(
         master,
@@ -172,18 +186,13 @@ async fn the_master_behind_a_tls_sentinel_is_reached_with_a_private_ca() {
         ),
     )
     .unwrap();
-    let tls = RedisTls::from_files(
-        Some(&pki.file("ca.pem")),
-        Some((&pki.file("client.pem"), &pki.file("client.key"))),
-    )
-    .unwrap();
     let store = StoreConfig::Redis(RedisConfig {
         urls: vec![format!("rediss://127.0.0.1:{sentinel_tls}")],
         topology: RedisTopology::Sentinel {
             master: RedisSentinel::MASTER.into(),
         },
         prefix: "idemgate".into(),
-        tls,
+        tls: pki.client_tls(),
     });
     let h = Harness::on_store(store, None, |_| {}).await;
     hand_off(&h.client, "sentinel-tls-key").await;
@@ -203,25 +212,10 @@ async fn claims_hand_offs_and_replays_work_over_tls() {
         return;
     }
     let pki = Pki::create();
-    let tls_port = free_port().to_string();
-    // Redis requires client certificates unless told otherwise (tls-auth-clients yes).
-    let redis = RedisServer::start_with(&[
-        "--tls-port",
-        &tls_port,
-        "--tls-cert-file",
-        &path(&pki.file("server.pem")),
-        "--tls-key-file",
-        &path(&pki.file("server.key")),
-        "--tls-ca-cert-file",
-        &path(&pki.file("ca.pem")),
-    ])
-    .unwrap();
+    let tls_port = free_port();
+    let redis = pki.redis_server(tls_port);
     let url = format!("rediss://127.0.0.1:{tls_port}");
-    let tls = RedisTls::from_files(
-        Some(&pki.file("ca.pem")),
-        Some((&pki.file("client.pem"), &pki.file("client.key"))),
-    )
-    .unwrap();
+    let tls = pki.client_tls();
     let h = Harness::on_store(store(url.clone(), "idemgate", tls.clone()), None, |_| {}).await;
     hand_off(&h.client, "tls-key").await;
     // The data really went to this server (read back over its plain port).
@@ -237,32 +231,19 @@ async fn claims_hand_offs_and_replays_work_over_tls() {
         ca_pem: None,
         ..tls.clone()
     };
-    let bad = Harness::on_store(store(url.clone(), "idemgate", untrusted), None, |c| {
-        c.store_timeout = Duration::from_millis(500)
-    })
-    .await;
+    let (bad, reply) =
+        Harness::claim_on_unusable_store(store(url.clone(), "idemgate", untrusted)).await;
     assert_eq!(
         bad.client.get("/readyz").await.status,
         StatusCode::SERVICE_UNAVAILABLE
     );
-    let reply = bad
-        .client
-        .post(paths::CLAIM, &claim_req("k", Mode::Lock, 1000), &[])
-        .await;
     assert_eq!(reply.status, StatusCode::SERVICE_UNAVAILABLE);
     // Without a client certificate Redis refuses the handshake: the same.
     let anonymous = RedisTls {
         client_pem: None,
         ..tls
     };
-    let bad = Harness::on_store(store(url, "idemgate", anonymous), None, |c| {
-        c.store_timeout = Duration::from_millis(500)
-    })
-    .await;
-    let reply = bad
-        .client
-        .post(paths::CLAIM, &claim_req("k", Mode::Lock, 1000), &[])
-        .await;
+    let (_, reply) = Harness::claim_on_unusable_store(store(url, "idemgate", anonymous)).await;
     assert_eq!(reply.status, StatusCode::SERVICE_UNAVAILABLE);
     assert!(!matches!(
         serde_json::from_slice::<ClaimOutcome>(&reply.body),

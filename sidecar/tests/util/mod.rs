@@ -62,6 +62,20 @@ impl Harness {
             redis,
         }
     }
+
+    /// A sidecar on a store it cannot use (wrong password, untrusted certificate, no client
+    /// certificate), and its answer to a claim: store calls give up after 500 ms.
+    pub async fn claim_on_unusable_store(store: StoreConfig) -> (Harness, Reply) {
+        let h = Self::on_store(store, None, |c| {
+            c.store_timeout = Duration::from_millis(500)
+        })
+        .await;
+        let reply = h
+            .client
+            .post(paths::CLAIM, &claim_req("k", Mode::Lock, 1000), &[])
+            .await;
+        (h, reply)
+    }
 }
 
 pub fn claim_req(key: &str, mode: Mode, lease_ms: u64) -> ClaimRequest {
