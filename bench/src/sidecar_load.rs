@@ -113,6 +113,7 @@ fn lock_claim(key: String, wait: bool) -> ClaimRequest {
             max_budget_ms: 0,
             max_queue: 10,
         }),
+        waiter: None,
     }
 }
 

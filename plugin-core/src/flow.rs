@@ -350,6 +350,7 @@ impl Flow {
             lease_ms: rule.lease_ms,
             fingerprint: self.fingerprint.clone(),
             wait,
+            waiter: None,
         };
         self.phase = Phase::Claiming;
         self.claim_sent_ms = env.now_ms;

@@ -48,6 +48,8 @@ pub mod paths {
     pub const RENEW: &str = "/v1/renew";
     /// Check rate limits: [`crate::RateRequest`] → [`crate::RateOutcome`].
     pub const RATE: &str = "/v1/rate";
+    /// Give up a queued claim: [`crate::LeaveRequest`] → [`crate::OwnerOutcome`].
+    pub const LEAVE: &str = "/v1/leave";
 }
 
 /// Content type of framed protocol messages (JSON head, optional `\n` + payload).
@@ -111,6 +113,12 @@ pub struct ClaimRequest {
     /// Wait in FIFO order when the key is held; `None` answers [`ClaimOutcome::Busy`] at once.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub wait: Option<WaitPolicy>,
+    /// A name the caller gives its place in the queue (unguessable, unique per claim), so it
+    /// can give the place up with [`LeaveRequest`] when its own client goes away: the filter
+    /// cannot cancel an HTTP callout in flight, so without it a place held by a gone client
+    /// would block the queue until its wait budget ran out.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub waiter: Option<String>,
 }
 
 /// The answer to a claim (always HTTP 200). [`ClaimOutcome::Completed`] carries the stored
@@ -185,6 +193,17 @@ pub struct CompleteRequest {
 pub struct AbortRequest {
     pub key: String,
     pub owner: String,
+}
+
+/// `POST /v1/leave`: the waiter named `waiter` in a queued claim for `key` no longer waits.
+/// [`OwnerOutcome::Released`] when its place was removed; [`OwnerOutcome::Stale`] when it
+/// holds no place (never queued, already granted or answered, or its budget ended). A waiter
+/// that was granted the key meanwhile gets the grant as the claim's answer and must abort it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct LeaveRequest {
+    pub key: String,
+    pub waiter: String,
 }
 
 /// `POST /v1/renew`: extend the in-flight lease (the sidecar caps it).

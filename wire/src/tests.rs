@@ -16,6 +16,7 @@ fn claim() -> ClaimRequest {
             max_budget_ms: 1500,
             max_queue: 10,
         }),
+        waiter: Some("w".repeat(32)),
     }
 }
 
@@ -161,4 +162,29 @@ fn flat_answer_decoding_keeps_defaults_and_names_missing_fields() {
     let (o, _): (OwnerOutcome, _) = decode(br#"{"outcome":"renewed","lease_ms":9}"#).unwrap();
     assert_eq!(o, OwnerOutcome::Renewed { lease_ms: 9 });
     assert!(decode::<OwnerOutcome>(br#"{"outcome":"renewed"}"#).is_err());
+}
+
+#[test]
+fn waiter_names_are_checked_like_owner_tokens() {
+    let limits = Limits::default();
+    let mut req = claim();
+    assert!(limits.claim(&req).is_ok());
+    req.waiter = Some("has space".into());
+    assert_eq!(limits.claim(&req).unwrap_err().field, "waiter");
+    req.waiter = Some("w".repeat(65));
+    assert!(limits.claim(&req).unwrap_err().too_large);
+
+    let leave = LeaveRequest {
+        key: "k".repeat(64),
+        waiter: "w".repeat(32),
+    };
+    let bytes = encode(&leave, b"");
+    let (back, payload): (LeaveRequest, &[u8]) = decode(&bytes).unwrap();
+    assert_eq!((back, payload), (leave.clone(), &b""[..]));
+    assert!(limits.leave(&leave).is_ok());
+    let empty = LeaveRequest {
+        waiter: String::new(),
+        ..leave
+    };
+    assert_eq!(limits.leave(&empty).unwrap_err().field, "waiter");
 }

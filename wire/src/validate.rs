@@ -1,7 +1,9 @@
 //! Field limits both ends enforce: the filter before sending, the sidecar on receipt.
 //! Sharing them means a request the filter builds is never refused for its shape.
 
-use crate::{AbortRequest, ClaimRequest, CompleteRequest, RenewRequest, StoredResponse};
+use crate::{
+    AbortRequest, ClaimRequest, CompleteRequest, LeaveRequest, RenewRequest, StoredResponse,
+};
 
 /// Size limits of protocol fields. `Default` is what the filter assumes and what the
 /// sidecar enforces unless configured otherwise (only `max_body` is configurable there).
@@ -101,7 +103,15 @@ impl Limits {
         if let Some(wait) = &req.wait {
             positive("wait.budget_ms", wait.budget_ms)?;
         }
+        if let Some(waiter) = &req.waiter {
+            token("waiter", waiter, self.max_owner_len)?;
+        }
         Ok(())
+    }
+
+    pub fn leave(&self, req: &LeaveRequest) -> Result<(), FieldError> {
+        token("key", &req.key, self.max_key_len)?;
+        token("waiter", &req.waiter, self.max_owner_len)
     }
 
     /// `payload` is the stored body that travels with the request.

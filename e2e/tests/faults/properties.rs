@@ -95,6 +95,7 @@ impl Protocol {
             lease_ms: 60_000,
             fingerprint: None,
             wait: None,
+            waiter: None,
         };
         self.call(paths::CLAIM, &req, &[])
     }

@@ -85,6 +85,7 @@ pub fn claim_req(key: &str, mode: Mode, lease_ms: u64) -> ClaimRequest {
         lease_ms,
         fingerprint: None,
         wait: None,
+        waiter: None,
     }
 }
 
