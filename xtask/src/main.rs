@@ -3,6 +3,7 @@
 
 mod cmd;
 mod envoy;
+mod testrun;
 mod toolchain;
 mod wasm;
 
@@ -16,10 +17,12 @@ commands:
   demo    build everything and play the duplicate-call scenarios, directly and through
           idemgate (sidecar on its memory store, or Redis when REDIS_URL is set)
   bench   [group...]  measure idemgate against same-run baselines and write BENCHMARKS.md
-          (groups: plugin, sidecar; all when none is named)
+          (groups: plugin, host, sidecar, queue, storm, e2e; all when none is named)
   wasm    build the filter to target/idemgate.wasm (and the host-test fixtures)
   test    the whole test suite: fmt, clippy (native and wasm32), Envoy config schema checks,
           unit tests, wasm build, then every test that loads the built wasm
+  integration  only the last step of `test`: every integration test binary, two at a time
+          (needs `cargo xtask wasm` first)
   fuzz    [--time 60]  every cargo-fuzz target in fuzz/ for that many seconds each (nightly;
           installs cargo-fuzz when missing)
   soak    [--duration 10m]  mixed duplicate load through two gateways with Redis restarts,
@@ -39,6 +42,7 @@ fn run() -> Result<()> {
     match args.first().map(String::as_str) {
         Some("wasm") => wasm::build_all(&root).map(|_| ()),
         Some("test") => test(&root),
+        Some("integration") => testrun::integration_tests(&root),
         Some("demo") => demo(&root, &args[1..]),
         Some("bench") => bench(&root, &args[1..]),
         Some("soak") => soak(&root, &args[1..]),
@@ -94,12 +98,8 @@ fn test(root: &Path) -> Result<()> {
             .current_dir(root),
     )?;
     wasm::build_with(root, route)?;
-    cmd::step(
-        "integration tests (load target/idemgate.wasm)",
-        cmd::cargo()
-            .args(["test", "--workspace", "--test", "*"])
-            .current_dir(root),
-    )?;
+    // The integration tests load target/idemgate.wasm and the fixtures built above.
+    testrun::integration_tests(root)?;
     println!("xtask test: all steps passed");
     Ok(())
 }

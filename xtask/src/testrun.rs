@@ -1,0 +1,162 @@
+//! Running the integration test binaries two at a time.
+//!
+//! `cargo test --test '*'` runs one test binary after another. Ours spend most of their time
+//! waiting on sockets, child processes and timers (live gateways, a real Redis, the demo
+//! driver), so on a 2-core machine running two binaries side by side roughly halves the wall
+//! time of this step without oversubscribing the CPU much. The binaries are built by one
+//! `cargo test --no-run` (cargo lists them as JSON), then run as cargo would run them: from
+//! their package's directory, with `CARGO` and `CARGO_MANIFEST_DIR` set. Each binary's output
+//! is kept in a file and printed whole when it ends, so two binaries never interleave lines.
+
+use crate::cmd;
+use anyhow::{Context, Result, bail};
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::sync::Mutex;
+use std::time::Instant;
+
+/// How many test binaries run at once.
+const LANES: usize = 2;
+/// Binaries known to run longest start first, so the short ones fill the other lane.
+const LONGEST_FIRST: &[&str] = &["e2e", "faults"];
+
+/// One integration test binary as cargo built it.
+struct TestBinary {
+    /// `<package>::<test target>`, for messages.
+    name: String,
+    target: String,
+    executable: PathBuf,
+    package_dir: PathBuf,
+}
+
+/// Builds every integration test of the workspace, then runs the binaries [`LANES`] at a time.
+pub fn integration_tests(root: &Path) -> Result<()> {
+    let binaries = build(root)?;
+    let started = Instant::now();
+    println!(
+        "==> integration tests: {} binaries, {LANES} at a time",
+        binaries.len()
+    );
+    let queue = Mutex::new(binaries);
+    let failures = Mutex::new(Vec::new());
+    let logs = root.join("target/test-logs");
+    std::fs::create_dir_all(&logs)?;
+    std::thread::scope(|scope| {
+        for _ in 0..LANES {
+            scope.spawn(|| {
+                loop {
+                    let next = queue.lock().map(|mut q| q.pop());
+                    let Ok(Some(binary)) = next else { break };
+                    if let Err(err) = run(&binary, &logs)
+                        && let Ok(mut f) = failures.lock()
+                    {
+                        f.push(format!("{}: {err:#}", binary.name));
+                    }
+                }
+            });
+        }
+    });
+    let failures = failures.into_inner().unwrap_or_default();
+    if !failures.is_empty() {
+        bail!("integration tests failed:\n  {}", failures.join("\n  "));
+    }
+    println!("==> integration tests: ok in {:.1?}", started.elapsed());
+    Ok(())
+}
+
+/// `cargo test --workspace --tests --no-run`, returning the integration test binaries in
+/// the order they should be taken from the end of the list (longest last = popped first).
+fn build(root: &Path) -> Result<Vec<TestBinary>> {
+    let mut command = cmd::cargo();
+    command
+        .args(["test", "--workspace", "--test", "*", "--no-run"])
+        .args(["--message-format", "json-render-diagnostics"])
+        .current_dir(root)
+        .stderr(Stdio::inherit());
+    println!("==> build integration tests: cargo test --workspace --test '*' --no-run");
+    let started = Instant::now();
+    let out = command.output().context("running cargo test --no-run")?;
+    if !out.status.success() {
+        bail!("building the integration tests failed ({})", out.status);
+    }
+    println!(
+        "==> build integration tests: ok in {:.1?}",
+        started.elapsed()
+    );
+    let mut binaries = Vec::new();
+    for line in String::from_utf8_lossy(&out.stdout).lines() {
+        let Ok(message) = serde_json::from_str::<serde_json::Value>(line) else {
+            continue;
+        };
+        if message["reason"] != "compiler-artifact" || message["profile"]["test"] != true {
+            continue;
+        }
+        let is_test_target = message["target"]["kind"]
+            .as_array()
+            .is_some_and(|kinds| kinds.iter().any(|k| k == "test"));
+        let (Some(executable), Some(manifest), Some(target)) = (
+            message["executable"].as_str(),
+            message["manifest_path"].as_str(),
+            message["target"]["name"].as_str(),
+        ) else {
+            continue;
+        };
+        if !is_test_target {
+            continue;
+        }
+        let package_dir = Path::new(manifest)
+            .parent()
+            .context("manifest path has a directory")?
+            .to_path_buf();
+        let package = package_dir
+            .file_name()
+            .map(|n| n.to_string_lossy().into_owned())
+            .unwrap_or_default();
+        binaries.push(TestBinary {
+            name: format!("{package}::{target}"),
+            target: target.to_owned(),
+            executable: executable.into(),
+            package_dir,
+        });
+    }
+    if binaries.is_empty() {
+        bail!("cargo listed no integration test binaries");
+    }
+    // Popped from the end: the longest-running ones go last in the vector.
+    binaries.sort_by_key(|b| {
+        LONGEST_FIRST
+            .iter()
+            .position(|name| *name == b.target)
+            .map_or(0, |rank| LONGEST_FIRST.len() - rank)
+    });
+    Ok(binaries)
+}
+
+fn run(binary: &TestBinary, logs: &Path) -> Result<()> {
+    let log_path = logs.join(format!("{}.log", binary.name.replace("::", "-")));
+    let log = std::fs::File::create(&log_path)?;
+    let started = Instant::now();
+    let status = Command::new(&binary.executable)
+        .current_dir(&binary.package_dir)
+        .env(
+            "CARGO",
+            std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into()),
+        )
+        .env("CARGO_MANIFEST_DIR", &binary.package_dir)
+        .stdin(Stdio::null())
+        .stdout(log.try_clone()?)
+        .stderr(log)
+        .status()
+        .with_context(|| format!("starting {}", binary.executable.display()))?;
+    let output = std::fs::read_to_string(&log_path).unwrap_or_default();
+    // Printed whole, so the two lanes' outputs never interleave.
+    println!(
+        "--- {} ({:.1?}, {status})\n{output}",
+        binary.name,
+        started.elapsed()
+    );
+    if !status.success() {
+        bail!("{status}; output in {}", log_path.display());
+    }
+    Ok(())
+}
