@@ -43,6 +43,9 @@ struct Entry {
     last_fence: u64,
     fence_until: Option<Instant>,
     response: Option<StoredRecord>,
+    /// Owner tokens of named places given up while their claim waited, until that claim
+    /// sees it (or its wait would have ended).
+    left: Vec<(String, Instant)>,
 }
 
 struct Holder {
@@ -55,6 +58,8 @@ struct Holder {
 
 struct Waiter {
     owner: String,
+    /// The caller's name for this place (`leave_named`).
+    name: Option<String>,
     fingerprint: Option<String>,
     lease_ms: u64,
     deadline: Instant,
@@ -83,6 +88,7 @@ impl Entry {
         if self.response.as_ref().is_some_and(|r| r.until <= now) {
             self.response = None;
         }
+        self.left.retain(|(_, until)| *until > now);
         let expired = self.held && self.holder.is_none();
         if expired {
             self.held = false;
@@ -94,6 +100,7 @@ impl Entry {
         self.holder.is_none()
             && self.queue.is_empty()
             && self.response.is_none()
+            && self.left.is_empty()
             && self.fence_until.is_none_or(|t| t <= now)
     }
 
@@ -233,6 +240,7 @@ impl Ctx<'_> {
             None => {
                 st.queue.push_back(Waiter {
                     owner: args.owner.to_owned(),
+                    name: queue.waiter.map(str::to_owned),
                     fingerprint: args.fingerprint.map(str::to_owned),
                     lease_ms: millis(args.lease),
                     deadline: self.now + queue.wait,
@@ -256,6 +264,10 @@ impl Store for MemoryStore {
     async fn claim(&self, args: &ClaimArgs<'_>) -> StoreResult<ClaimReply> {
         let step = self.with_key(args.key, |ctx, st, lease_expired| {
             let step = 'step: {
+                if let Some(i) = st.left.iter().position(|(o, _)| o == args.owner) {
+                    st.left.swap_remove(i);
+                    break 'step ClaimStep::Left;
+                }
                 if args.mode == Mode::Idempotency
                     && let Some(rec) = &st.response
                 {
@@ -326,6 +338,27 @@ impl Store for MemoryStore {
                 retry_after_ms: st.holder_ttl(ctx.now),
                 queue_len: u32::try_from(st.queue.len()).unwrap_or(u32::MAX),
             }
+        }))
+    }
+
+    async fn leave_named(&self, key: &str, waiter: &str) -> StoreResult<OwnerOutcome> {
+        Ok(self.with_key(key, |ctx, st, _| {
+            let Some(i) = st
+                .queue
+                .iter()
+                .position(|w| w.name.as_deref() == Some(waiter))
+            else {
+                return OwnerOutcome::Stale;
+            };
+            let Some(gone) = st.queue.remove(i) else {
+                return OwnerOutcome::Stale;
+            };
+            ctx.waiters.wake(&gone.owner);
+            st.left.push((gone.owner, gone.deadline));
+            if st.holder.is_none() {
+                ctx.promote(st);
+            }
+            OwnerOutcome::Released
         }))
     }
 

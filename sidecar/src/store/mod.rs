@@ -48,14 +48,21 @@ pub(crate) struct ClaimArgs<'a> {
     pub fingerprint: Option<&'a str>,
     pub lease: Duration,
     /// `Some` when the caller waits in the queue instead of taking `Busy`.
-    pub queue: Option<QueueArgs>,
+    pub queue: Option<QueueArgs<'a>>,
 }
 
 #[derive(Debug, Clone, Copy)]
-pub(crate) struct QueueArgs {
+pub(crate) struct QueueArgs<'a> {
     /// How long the queue entry stays valid: an entry whose process died is skipped after it.
     pub wait: Duration,
     pub max_queue: u32,
+    /// The name the caller gave its place ([`Store::leave_named`] gives it up), if any.
+    pub waiter: Option<&'a str>,
+    /// How long the place counts as waited for after this step: each step of a waiting
+    /// claim renews it, and a key is never handed to a place (or kept for a hand-off) whose
+    /// waiter has not been seen for this long — its process died (Redis only: a memory
+    /// store's waiters die with it).
+    pub alive: Duration,
 }
 
 /// A grant as the store recorded it.
@@ -94,6 +101,8 @@ pub(crate) enum ClaimStep {
         queue_len: u32,
         holder_ttl_ms: u64,
     },
+    /// The named place was given up ([`Store::leave_named`]) while this claim waited.
+    Left,
 }
 
 /// A claim step plus what the store noticed on the way (for metrics).
@@ -165,6 +174,16 @@ pub(crate) trait Store: crate::rate::RateStore + Send + Sync + 'static {
         owner: &str,
         release_if_granted: bool,
     ) -> impl Future<Output = StoreResult<LeaveStep>> + Send;
+
+    /// Gives up the queued place named `waiter` on `key` (the caller's client went away):
+    /// `Released` when it was removed (its waiting claim then answers [`ClaimStep::Left`]),
+    /// `Stale` when no such place is queued — never queued, already answered, or already
+    /// handed the key (that grant stands: its claim answers it and the caller aborts).
+    fn leave_named(
+        &self,
+        key: &str,
+        waiter: &str,
+    ) -> impl Future<Output = StoreResult<OwnerOutcome>> + Send;
 
     /// Owner-checked: stores `response` (if any) for `retention`, releases, wakes waiters.
     fn complete(

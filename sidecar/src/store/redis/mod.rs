@@ -595,6 +595,7 @@ fn decode_claim(items: &[Value]) -> StoreResult<ClaimReply> {
             queue_len: count(items.get(3))?,
             holder_ttl_ms: number(items.get(4))?,
         },
+        "left" => ClaimStep::Left,
         other => return Err(unexpected(other)),
     };
     Ok(ClaimReply {
@@ -618,9 +619,14 @@ impl Store for RedisStore {
 
     async fn claim(&self, args: &ClaimArgs<'_>) -> StoreResult<ClaimReply> {
         let k = self.keys(args.key);
-        let (wait_ms, max_queue) = args
-            .queue
-            .map_or((0, 0), |q| (millis(q.wait).max(1), q.max_queue));
+        let (wait_ms, max_queue, waiter, alive_ms) = args.queue.map_or((0, 0, "", 0), |q| {
+            (
+                millis(q.wait).max(1),
+                q.max_queue,
+                q.waiter.unwrap_or(""),
+                millis(q.alive).max(1),
+            )
+        });
         let mode = match args.mode {
             Mode::Idempotency => "idempotency",
             Mode::Lock => "lock",
@@ -640,7 +646,9 @@ impl Store for RedisStore {
                     .max(millis(args.lease).saturating_add(1000)),
             )
             .arg(&self.inbox_prefix)
-            .arg(&self.inbox);
+            .arg(&self.inbox)
+            .arg(waiter)
+            .arg(alive_ms);
         let items: Vec<Value> = self.run(Op::Script(script, &cmd)).await?;
         decode_claim(&items)
     }
@@ -667,6 +675,17 @@ impl Store for RedisStore {
             }),
             _ => Err(unexpected("leave outcome")),
         }
+    }
+
+    async fn leave_named(&self, key: &str, waiter: &str) -> StoreResult<OwnerOutcome> {
+        let k = self.keys(key);
+        let script = &*scripts::LEAVE_NAMED;
+        let mut cmd = evalsha(script, &k.all());
+        cmd.arg(waiter)
+            .arg(self.record_ttl_ms)
+            .arg(&self.inbox_prefix);
+        let reply: String = self.run(Op::Script(script, &cmd)).await?;
+        owner_outcome(&reply)
     }
 
     async fn complete(
