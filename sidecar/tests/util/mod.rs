@@ -2,6 +2,10 @@
 //! own redis-server when Redis), and a small client speaking the framed protocol over
 //! HTTP/1.1 or h2c.
 
+mod process;
+
+pub use process::SidecarProcess;
+
 use bytes::Bytes;
 use http_body_util::{BodyExt, Full};
 use hyper::{HeaderMap, Method, Request, StatusCode};
