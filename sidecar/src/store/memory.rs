@@ -7,22 +7,23 @@
 
 use super::{
     ClaimArgs, ClaimReply, ClaimStep, CompletedInfo, Grant, HolderInfo, KeyInfo, KeyState,
-    LeaveStep, Store, StoreResult, Stored, millis, now_us,
+    LeaveStep, RateStore, Store, StoreResult, Stored, millis, now_us,
 };
 use crate::waiters::Waiters;
-use idemgate_wire::{Mode, OwnerOutcome};
+use idemgate_wire::{GcraStep, Mode, OwnerOutcome, Rate};
 use std::collections::{HashMap, VecDeque};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::Duration;
 use tokio::time::Instant;
 
-/// Idle keys are swept every this many operations (amortised, no background task).
+/// Idle keys (and idle rate limits) are swept every this many operations (amortised, no
+/// background task).
 const SWEEP_EVERY: u64 = 4096;
 
 pub(crate) struct MemoryStore {
     inner: Mutex<Inner>,
     /// Rate limits (`crate::rate`): separate state, never touched by lock steps.
-    pub(crate) rates: crate::rate::MemoryRates,
+    rates: Rates,
     waiters: Arc<Waiters>,
     fence_ttl: Duration,
 }
@@ -123,7 +124,7 @@ impl MemoryStore {
     pub(crate) fn new(waiters: Arc<Waiters>, fence_ttl: Duration) -> Self {
         MemoryStore {
             inner: Mutex::new(Inner::default()),
-            rates: crate::rate::MemoryRates::default(),
+            rates: Rates::default(),
             waiters,
             fence_ttl,
         }
@@ -463,5 +464,62 @@ impl Store for MemoryStore {
 
     async fn ping(&self) -> StoreResult<()> {
         Ok(())
+    }
+}
+
+impl RateStore for MemoryStore {
+    async fn gcra(&self, key: &str, rate: Rate) -> StoreResult<GcraStep> {
+        Ok(self.rates.step(key, rate, now_us()))
+    }
+}
+
+/// The memory store's limits: each key's TAT, dropped once in the past (then it equals no
+/// state), so memory follows the keys active within their windows.
+#[derive(Default)]
+struct Rates {
+    inner: Mutex<(HashMap<String, u64>, u64)>,
+}
+
+impl Rates {
+    fn step(&self, key: &str, rate: Rate, now_us: u64) -> GcraStep {
+        let mut guard = self.inner.lock().unwrap_or_else(PoisonError::into_inner);
+        let (tats, ops) = &mut *guard;
+        *ops += 1;
+        if *ops % SWEEP_EVERY == 0 {
+            tats.retain(|_, tat| *tat > now_us);
+        }
+        let tat = tats.get(key).copied().unwrap_or(0);
+        let step = idemgate_wire::gcra(tat, now_us, rate);
+        if step.allowed {
+            tats.insert(key.to_owned(), step.tat_us);
+        }
+        step
+    }
+
+    #[cfg(test)]
+    fn len(&self) -> usize {
+        self.inner
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .0
+            .len()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn rates_forget_idle_keys() {
+        let rates = Rates::default();
+        let rate = Rate {
+            interval_us: 10,
+            burst: 1,
+        };
+        for n in 0..SWEEP_EVERY {
+            assert!(rates.step(&n.to_string(), rate, 1_000 + n).allowed);
+        }
+        assert!(rates.len() < 100, "{}", rates.len());
     }
 }

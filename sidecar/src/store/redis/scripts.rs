@@ -1,4 +1,5 @@
-//! Every atomic step on Redis, as Lua scripts. Each script's KEYS are the keys of ONE lock
+//! Every atomic step on Redis, as Lua scripts: the lock steps, the rate limits' GCRA step
+//! and the operators' inspection. Each script's KEYS are the keys of ONE lock or ONE limit
 //! (same hash tag, see `keys.rs`), so it runs on one Cluster slot.
 //!
 //! Why scripts and not MULTI/EXEC: every step *reads then decides* (is the key held, by
@@ -50,7 +51,7 @@
 //!   the common path stores strings it already has (the clock's, the caller's) and only
 //!   formats when it computes a new value (a fence above the clock, a retention end).
 
-use redis::Script;
+use redis::{Cmd, Script};
 use std::sync::LazyLock;
 
 /// Helpers prepended to every script that changes a lock. `state`, `queue` and `waiters`
@@ -492,6 +493,35 @@ return r[5]
     ))
 });
 
+/// One GCRA step (`idemgate_wire::gcra` in Lua) on Redis's clock.
+///
+/// KEYS: the limit's state (the TAT in µs, as a string). ARGV: interval_us, burst.
+/// Returns {allowed (1|0), tat_us, remaining, retry_after_us, reset_us}.
+///
+/// Atomic so concurrent checks from every gateway spend distinct units: a read-then-write
+/// from the sidecar would let two requests both take the last one. The state expires by
+/// itself once its TAT is past (PEXPIRE), when it would read as a fresh burst anyway.
+/// Lua numbers are doubles: µs since the epoch (~2^51) and day-long windows stay exact.
+pub(crate) static GCRA: LazyLock<Script> = LazyLock::new(|| {
+    Script::new(
+        r#"
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000000 + tonumber(t[2])
+local interval = tonumber(ARGV[1])
+local window = interval * tonumber(ARGV[2])
+local tat = math.max(tonumber(redis.call('GET', KEYS[1]) or '0'), now)
+local next = tat + interval
+local allow_at = next - window
+if now < allow_at then
+  return {0, string.format('%.0f', tat), 0, string.format('%.0f', allow_at - now), string.format('%.0f', tat - now)}
+end
+redis.call('SET', KEYS[1], string.format('%.0f', next), 'PX', math.ceil((next - now) / 1000) + 1)
+local remaining = math.floor((now + window - next) / interval)
+return {1, string.format('%.0f', next), remaining, 0, string.format('%.0f', next - now)}
+"#,
+    )
+});
+
 /// Inspect: a consistent snapshot of one key for operators (reads only).
 ///
 /// KEYS: state, queue.
@@ -524,3 +554,14 @@ return {held and 1 or 0, age_ms, lease_left, redis.call('LLEN', KEYS[2]), r[5] o
 "#,
     )
 });
+
+/// `EVALSHA <sha> <numkeys> <keys...>`, ready for the script's ARGV: built straight into one
+/// command buffer (redis-rs's `ScriptInvocation` copies every key and argument twice).
+pub(super) fn evalsha(script: &Script, keys: &[&str]) -> Cmd {
+    let mut cmd = redis::cmd("EVALSHA");
+    cmd.arg(script.get_hash()).arg(keys.len());
+    for key in keys {
+        cmd.arg(*key);
+    }
+    cmd
+}
