@@ -276,7 +276,7 @@ impl<S: Store> FromRequestParts<Arc<App<S>>> for Authorized {
         let given = parts
             .headers
             .get(header::AUTHORIZATION)
-            .and_then(|v| v.as_bytes().strip_prefix(b"Bearer "))
+            .and_then(|v| bearer_token(v.as_bytes()))
             .unwrap_or_default();
         // Constant time in the token's content (a length mismatch fails fast, which only
         // reveals the length).
@@ -291,6 +291,19 @@ impl<S: Store> FromRequestParts<Arc<App<S>>> for Authorized {
             ))
         }
     }
+}
+
+/// The token of a `Bearer` credential. The scheme is case-insensitive and followed by one
+/// or more spaces (RFC 9110 §11.4, RFC 6750 §2.1): `bearer t`, `BEARER  t` carry `t`.
+fn bearer_token(value: &[u8]) -> Option<&[u8]> {
+    const SCHEME: &[u8] = b"bearer";
+    let scheme = value.get(..SCHEME.len())?;
+    let rest = value.get(SCHEME.len()..)?;
+    if !scheme.eq_ignore_ascii_case(SCHEME) || rest.first() != Some(&b' ') {
+        return None;
+    }
+    let start = rest.iter().position(|b| *b != b' ')?;
+    rest.get(start..)
 }
 
 // === protocol ===
@@ -569,6 +582,23 @@ async fn metrics<S: Store>(State(app): AppState<S>) -> Response {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_bearer_scheme_is_case_insensitive() {
+        for (header, token) in [
+            (&b"Bearer t0k"[..], Some(&b"t0k"[..])),
+            (b"bearer t0k", Some(b"t0k")),
+            (b"BEARER t0k", Some(b"t0k")),
+            (b"bEaReR   t0k", Some(b"t0k")),
+            (b"Bearer", None),
+            (b"Bearer ", None),
+            (b"Bearert0k", None),
+            (b"Basic t0k", None),
+            (b"Bear t0k", None),
+        ] {
+            assert_eq!(bearer_token(header), token, "{header:?}");
+        }
+    }
 
     #[test]
     fn route_labels_name_the_route_patterns() {

@@ -141,7 +141,7 @@ impl Reply {
 pub struct Client {
     base: String,
     inner: HyperClient<HttpConnector, Full<Bytes>>,
-    token: Option<String>,
+    authorization: Option<String>,
 }
 
 impl Client {
@@ -162,12 +162,17 @@ impl Client {
         Client {
             base: base.to_owned(),
             inner,
-            token: None,
+            authorization: None,
         }
     }
 
-    pub fn with_token(mut self, token: &str) -> Client {
-        self.token = Some(token.to_owned());
+    pub fn with_token(self, token: &str) -> Client {
+        self.with_authorization(&format!("Bearer {token}"))
+    }
+
+    /// Sends `value` as the `authorization` header of every request.
+    pub fn with_authorization(mut self, value: &str) -> Client {
+        self.authorization = Some(value.to_owned());
         self
     }
 
@@ -176,8 +181,8 @@ impl Client {
             .method(method)
             .uri(format!("{}{path}", self.base))
             .header("content-type", idemgate_wire::CONTENT_TYPE);
-        if let Some(token) = &self.token {
-            req = req.header("authorization", format!("Bearer {token}"));
+        if let Some(value) = &self.authorization {
+            req = req.header("authorization", value);
         }
         let req = req.body(Full::new(Bytes::from(body))).expect("request");
         let response = tokio::time::timeout(Duration::from_secs(60), self.inner.request(req))
