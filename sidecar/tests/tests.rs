@@ -10,6 +10,7 @@
 mod util;
 
 mod cluster;
+mod connections;
 mod crash;
 mod http_api;
 mod rate;

@@ -44,6 +44,7 @@ impl SidecarProcess {
             .args(["--listen", &addr.to_string()])
             .args(args)
             .env("RUST_LOG", "info")
+            .env("NO_COLOR", "1")
             .env_remove("REDIS_URL")
             .stdout(out.try_clone().expect("log file"))
             .stderr(out)
