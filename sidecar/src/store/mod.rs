@@ -260,7 +260,7 @@ pub(crate) trait Store: RateStore + Send + Sync + 'static {
     /// Releases whoever holds `key` (an operator action); returns the released fence.
     fn force_release(&self, key: &str) -> impl Future<Output = StoreResult<Option<u64>>> + Send;
 
-    /// Reachability, for `/readyz`.
+    /// Whether the store takes writes now, for `/readyz` (Redis: one small write).
     fn ping(&self) -> impl Future<Output = StoreResult<()>> + Send;
 }
 

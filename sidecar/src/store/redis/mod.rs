@@ -398,11 +398,19 @@ impl Store for RedisStore {
     }
 
     async fn ping(&self) -> StoreResult<()> {
-        let pong: String = self.run(Op::Command(&redis::cmd("PING"))).await?;
-        if pong == "PONG" {
+        // A write, not PING: a Redis at `maxmemory` (noeviction) answers PING but refuses
+        // every claim, and must not be reported ready.
+        let mut probe = redis::cmd("SET");
+        probe
+            .arg(format!("{}:ready-probe", self.prefix))
+            .arg(&self.inbox)
+            .arg("PX")
+            .arg(10_000);
+        let ok: String = self.run(Op::Command(&probe)).await?;
+        if ok == "OK" {
             Ok(())
         } else {
-            Err(unexpected("PING"))
+            Err(unexpected("SET"))
         }
     }
 }
