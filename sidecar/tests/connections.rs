@@ -59,6 +59,8 @@ fn idle_connections_cannot_exhaust_the_sidecar() {
     );
     let log = sidecar.log();
     assert!(log.contains("open-file limit"), "{log}");
+    // Version and commit, logged at start.
+    assert!(log.contains("version=\"0.1.0\" commit=\""), "{log}");
     assert!(log.contains("soft=64") && log.contains("hard=64"), "{log}");
     assert!(log.contains("lowered_to=32"), "{log}");
 
