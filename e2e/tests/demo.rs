@@ -211,11 +211,11 @@ fn the_demo_with_redis_url_uses_redis_and_prevents_the_damage() {
     assert!(stdout.contains("(Redis store)"), "{stdout}");
     assert!(stdout.contains("p99"), "the table: {stdout}");
     let keys = redis
-        .cli(&["--scan", "--pattern", "idemgate*"])
+        .cli(&["--scan", "--pattern", "idemgate:{*}:state"])
         .expect("redis-cli");
     assert!(
         keys.lines().count() > 0,
-        "the sidecar stored its state in Redis"
+        "the sidecar stored lock records in Redis"
     );
 }
 

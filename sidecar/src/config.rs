@@ -92,6 +92,18 @@ pub struct Cli {
     /// On shutdown, how long in-flight requests get to finish after waiters were answered.
     #[arg(long, env = "IDEMGATE_SHUTDOWN_GRACE_MS", default_value_t = 10_000)]
     pub shutdown_grace_ms: u64,
+    /// A new connection that sends nothing for this long is closed (and an HTTP/1.1
+    /// request's head must arrive within it).
+    #[arg(long, env = "IDEMGATE_FIRST_BYTE_TIMEOUT_MS", default_value_t = 10_000)]
+    pub first_byte_timeout_ms: u64,
+    /// A connection with no request in flight for this long is closed (HTTP/2: GOAWAY).
+    /// Keep the gateways' own idle timeout to the sidecar below it.
+    #[arg(long, env = "IDEMGATE_IDLE_TIMEOUT_MS", default_value_t = 120_000)]
+    pub idle_timeout_ms: u64,
+    /// Most client connections open at once; more wait in the listen backlog. The binary
+    /// lowers it to fit the open-file limit.
+    #[arg(long, env = "IDEMGATE_MAX_CONNECTIONS", default_value_t = 4096)]
+    pub max_connections: usize,
 }
 
 /// Where state lives.
@@ -186,6 +198,9 @@ pub struct Config {
     pub store_timeout: Duration,
     pub h2_max_streams: u32,
     pub shutdown_grace: Duration,
+    pub first_byte_timeout: Duration,
+    pub idle_timeout: Duration,
+    pub max_connections: usize,
 }
 
 /// A flag value the server cannot run with.
@@ -213,6 +228,9 @@ impl Default for Config {
             store_timeout: Duration::from_secs(2),
             h2_max_streams: 4096,
             shutdown_grace: Duration::from_secs(10),
+            first_byte_timeout: Duration::from_secs(10),
+            idle_timeout: Duration::from_secs(120),
+            max_connections: 4096,
         }
     }
 }
@@ -225,6 +243,14 @@ impl Config {
             store,
             ..Config::default()
         }
+    }
+
+    /// How long a queued place counts as waited for after its claim's last step. A waiting
+    /// claim steps at least every `recheck`, and a step may take up to the store timeout:
+    /// twice the one plus the other (at least a second) leaves room for a slow step, and a
+    /// place whose process died stops being handed the key that much after its last step.
+    pub fn alive_window(&self) -> Duration {
+        (self.recheck * 2 + self.store_timeout).max(Duration::from_secs(1))
     }
 
     /// Validates flags into a runnable configuration.
@@ -355,6 +381,12 @@ impl Config {
             store_timeout: positive("store-timeout-ms", cli.store_timeout_ms)?,
             h2_max_streams: cli.h2_max_streams,
             shutdown_grace: Duration::from_millis(cli.shutdown_grace_ms),
+            first_byte_timeout: positive("first-byte-timeout-ms", cli.first_byte_timeout_ms)?,
+            idle_timeout: positive("idle-timeout-ms", cli.idle_timeout_ms)?,
+            max_connections: match cli.max_connections {
+                0 => return Err(bad("max-connections", "must be greater than zero")),
+                n => n,
+            },
         })
     }
 }
@@ -421,6 +453,9 @@ impl fmt::Debug for Config {
             .field("store_timeout", &self.store_timeout)
             .field("h2_max_streams", &self.h2_max_streams)
             .field("shutdown_grace", &self.shutdown_grace)
+            .field("first_byte_timeout", &self.first_byte_timeout)
+            .field("idle_timeout", &self.idle_timeout)
+            .field("max_connections", &self.max_connections)
             .finish()
     }
 }

@@ -18,8 +18,8 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use bytes::Bytes;
 use idemgate_wire::{
-    AbortRequest, ClaimRequest, CompleteRequest, FieldError, Problem, RateRequest, RenewRequest,
-    paths, problem_types,
+    AbortRequest, ClaimRequest, CompleteRequest, FieldError, LeaveRequest, Problem, RateRequest,
+    RenewRequest, paths, problem_types,
 };
 use serde::Deserialize;
 use std::net::SocketAddr;
@@ -92,6 +92,7 @@ fn route_label(path: &str) -> &'static str {
         paths::CLAIM => paths::CLAIM,
         paths::COMPLETE => paths::COMPLETE,
         paths::ABORT => paths::ABORT,
+        paths::LEAVE => paths::LEAVE,
         paths::RENEW => paths::RENEW,
         paths::RATE => paths::RATE,
         ADMIN_KEYS => ADMIN_KEYS,
@@ -114,6 +115,7 @@ fn router<S: Store>(app: Arc<App<S>>) -> Router {
         .route(paths::CLAIM, post(claim::<S>))
         .route(paths::COMPLETE, post(complete::<S>))
         .route(paths::ABORT, post(abort::<S>))
+        .route(paths::LEAVE, post(leave::<S>))
         .route(paths::RENEW, post(renew::<S>))
         .route(paths::RATE, post(rate::<S>))
         .route(ADMIN_KEYS, get(list_keys::<S>))
@@ -274,7 +276,7 @@ impl<S: Store> FromRequestParts<Arc<App<S>>> for Authorized {
         let given = parts
             .headers
             .get(header::AUTHORIZATION)
-            .and_then(|v| v.as_bytes().strip_prefix(b"Bearer "))
+            .and_then(|v| bearer_token(v.as_bytes()))
             .unwrap_or_default();
         // Constant time in the token's content (a length mismatch fails fast, which only
         // reveals the length).
@@ -289,6 +291,19 @@ impl<S: Store> FromRequestParts<Arc<App<S>>> for Authorized {
             ))
         }
     }
+}
+
+/// The token of a `Bearer` credential. The scheme is case-insensitive and followed by one
+/// or more spaces (RFC 9110 §11.4, RFC 6750 §2.1): `bearer t`, `BEARER  t` carry `t`.
+fn bearer_token(value: &[u8]) -> Option<&[u8]> {
+    const SCHEME: &[u8] = b"bearer";
+    let scheme = value.get(..SCHEME.len())?;
+    let rest = value.get(SCHEME.len()..)?;
+    if !scheme.eq_ignore_ascii_case(SCHEME) || rest.first() != Some(&b' ') {
+        return None;
+    }
+    let start = rest.iter().position(|b| *b != b' ')?;
+    rest.get(start..)
 }
 
 // === protocol ===
@@ -398,6 +413,14 @@ async fn abort<S: Store>(State(app): AppState<S>, _: Authorized, req: Request) -
     let (req, _): (AbortRequest, _) = decode(&frame, false)?;
     app.config.limits.abort(&req).map_err(field_problem)?;
     let outcome = app.locks.abort(&req).await.map_err(|e| app.lock_error(e))?;
+    Ok(framed(&outcome, &[]))
+}
+
+async fn leave<S: Store>(State(app): AppState<S>, _: Authorized, req: Request) -> Answer {
+    let frame = read_body(&app, req).await?;
+    let (req, _): (LeaveRequest, _) = decode(&frame, false)?;
+    app.config.limits.leave(&req).map_err(field_problem)?;
+    let outcome = app.locks.leave(&req).await.map_err(|e| app.lock_error(e))?;
     Ok(framed(&outcome, &[]))
 }
 
@@ -561,11 +584,29 @@ mod tests {
     use super::*;
 
     #[test]
+    fn the_bearer_scheme_is_case_insensitive() {
+        for (header, token) in [
+            (&b"Bearer t0k"[..], Some(&b"t0k"[..])),
+            (b"bearer t0k", Some(b"t0k")),
+            (b"BEARER t0k", Some(b"t0k")),
+            (b"bEaReR   t0k", Some(b"t0k")),
+            (b"Bearer", None),
+            (b"Bearer ", None),
+            (b"Bearert0k", None),
+            (b"Basic t0k", None),
+            (b"Bear t0k", None),
+        ] {
+            assert_eq!(bearer_token(header), token, "{header:?}");
+        }
+    }
+
+    #[test]
     fn route_labels_name_the_route_patterns() {
         for route in [
             paths::CLAIM,
             paths::COMPLETE,
             paths::ABORT,
+            paths::LEAVE,
             paths::RENEW,
             paths::RATE,
             ADMIN_KEYS,

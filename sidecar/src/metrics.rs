@@ -22,10 +22,16 @@ pub(crate) struct Metrics {
     pub lease_expiries: IntCounter,
     /// complete/abort/renew refused because the caller no longer owned the key.
     pub stale_owners: IntCounterVec,
+    /// `/v1/leave` answers: `released` (the place was given up) or `stale` (no such place).
+    pub leaves: IntCounterVec,
     /// Store errors by kind (transient, permanent).
     pub store_errors: IntCounterVec,
     /// Operator force-releases.
     pub force_releases: IntCounter,
+    /// Client connections open now.
+    pub connections: IntGauge,
+    /// Connections the sidecar closed: `first_byte_timeout`, `idle_timeout`, `shutdown`.
+    pub connections_closed: IntCounterVec,
     /// `/v1/rate` answers: `allowed` (under every limit) or `limited`.
     pub rate_decisions: IntCounterVec,
     /// Request latency by route and status.
@@ -118,6 +124,16 @@ impl Metrics {
                     &["op"],
                 )?,
             ),
+            leaves: register(
+                r,
+                IntCounterVec::new(
+                    opts(
+                        "leaves_total",
+                        "Named queue places given up: released, or stale (no such place).",
+                    ),
+                    &["outcome"],
+                )?,
+            ),
             store_errors: register(
                 r,
                 IntCounterVec::new(
@@ -128,6 +144,20 @@ impl Metrics {
             force_releases: register(
                 r,
                 IntCounter::with_opts(opts("force_releases_total", "Operator force-releases."))?,
+            ),
+            connections: register(
+                r,
+                IntGauge::with_opts(opts("connections", "Client connections open now."))?,
+            ),
+            connections_closed: register(
+                r,
+                IntCounterVec::new(
+                    opts(
+                        "connections_closed_total",
+                        "Connections the sidecar closed, by reason.",
+                    ),
+                    &["reason"],
+                )?,
             ),
             rate_decisions: register(
                 r,

@@ -17,13 +17,13 @@ use axum::extract::ConnectInfo;
 use hyper::body::Incoming;
 use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use hyper_util::server::conn::auto;
-use hyper_util::server::graceful::GracefulShutdown;
 use std::future::Future;
 use std::net::SocketAddr;
 use std::sync::Arc;
-use std::time::Duration;
-use tokio::net::TcpListener;
-use tokio::sync::{oneshot, watch};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::time::{Duration, Instant};
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::{Semaphore, oneshot, watch};
 use tokio::task::JoinHandle;
 
 /// Why the server could not start or run.
@@ -80,11 +80,11 @@ async fn serve<S: Store>(
             stop_rx.clone(),
         ),
         config: Arc::clone(&config),
-        metrics,
+        metrics: Arc::clone(&metrics),
         shutting_down: stop_rx,
     });
     let api = Api::new(app);
-    let graceful = accept(listener, &config, shutdown, move |req, peer| {
+    let drain = accept(listener, &config, &metrics, shutdown, move |req, peer| {
         let api = api.clone();
         let mut req = req;
         req.extensions_mut().insert(ConnectInfo(peer));
@@ -93,7 +93,7 @@ async fn serve<S: Store>(
     .await;
     tracing::info!("shutting down: answering waiters, draining connections");
     let _ = stop_tx.send(true);
-    if tokio::time::timeout(config.shutdown_grace, graceful.shutdown())
+    if tokio::time::timeout(config.shutdown_grace, drain.wait())
         .await
         .is_err()
     {
@@ -102,15 +102,76 @@ async fn serve<S: Store>(
     Ok(())
 }
 
+/// What one connection is doing, for its idle timeout: requests in flight and when the
+/// last one started or ended.
+struct Activity {
+    opened: Instant,
+    in_flight: AtomicUsize,
+    /// Milliseconds from `opened` to the last request's start or end.
+    last_ms: AtomicU64,
+}
+
+impl Activity {
+    fn touch(&self) {
+        let ms = u64::try_from(self.opened.elapsed().as_millis()).unwrap_or(u64::MAX);
+        self.last_ms.store(ms, Ordering::Relaxed);
+    }
+
+    /// How long the connection has had nothing in flight (zero while a request runs).
+    fn idle_for(&self) -> Duration {
+        if self.in_flight.load(Ordering::Relaxed) > 0 {
+            return Duration::ZERO;
+        }
+        let last = Duration::from_millis(self.last_ms.load(Ordering::Relaxed));
+        self.opened.elapsed().saturating_sub(last)
+    }
+}
+
+/// Counts a request in flight until dropped (answered, or cancelled with its connection).
+struct InFlight(Arc<Activity>);
+
+impl InFlight {
+    fn start(activity: &Arc<Activity>) -> Self {
+        activity.in_flight.fetch_add(1, Ordering::Relaxed);
+        activity.touch();
+        InFlight(Arc::clone(activity))
+    }
+}
+
+impl Drop for InFlight {
+    fn drop(&mut self) {
+        self.0.touch();
+        self.0.in_flight.fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
+/// The open connections of a server that stopped accepting: [`Drain::wait`] returns once
+/// every one has closed (each was told to finish gracefully).
+pub(crate) struct Drain(watch::Sender<()>);
+
+impl Drain {
+    async fn wait(self) {
+        // No receiver left (no connection open) is as good as told.
+        let _ = self.0.send(());
+        self.0.closed().await;
+    }
+}
+
 /// The accept loop every server of this crate runs: HTTP/1.1 and h2c on one port with the
 /// sidecar's connection settings, each request answered by `handle(request, peer)`, until
 /// `shutdown`. Returns the open connections, for a graceful drain.
+///
+/// Connections cost a file descriptor each, so none may be held for free: at most
+/// `max_connections` are open (more wait in the kernel's listen backlog), one that sends
+/// nothing within `first_byte_timeout` is closed, and so is one with no request in flight
+/// for `idle_timeout`.
 async fn accept<H, F>(
     listener: TcpListener,
     config: &Config,
+    metrics: &Arc<Metrics>,
     shutdown: impl Future<Output = ()> + Send,
     handle: H,
-) -> GracefulShutdown
+) -> Drain
 where
     H: Fn(hyper::Request<Incoming>, SocketAddr) -> F + Clone + Send + Sync + 'static,
     F: Future<Output = axum::response::Response> + Send + 'static,
@@ -119,17 +180,42 @@ where
     builder
         .http1()
         .timer(TokioTimer::new())
-        .header_read_timeout(Duration::from_secs(30))
+        .header_read_timeout(config.first_byte_timeout)
         .keep_alive(true);
     builder
         .http2()
         .timer(TokioTimer::new())
         .max_concurrent_streams(config.h2_max_streams)
         .keep_alive_interval(Some(Duration::from_secs(20)));
-    let graceful = GracefulShutdown::new();
-    tracing::info!(addr = ?listener.local_addr().ok(), "idemgate sidecar listening (HTTP/1.1 and h2c)");
+    let builder = Arc::new(builder);
+    let (drain, stopping) = watch::channel(());
+    let slots = Arc::new(Semaphore::new(config.max_connections));
+    let (first_byte, idle) = (config.first_byte_timeout, config.idle_timeout);
+    tracing::info!(
+        addr = ?listener.local_addr().ok(),
+        max_connections = config.max_connections,
+        ?first_byte,
+        ?idle,
+        "idemgate sidecar listening (HTTP/1.1 and h2c)"
+    );
     tokio::pin!(shutdown);
     loop {
+        let slot = match Arc::clone(&slots).try_acquire_owned() {
+            Ok(slot) => slot,
+            Err(_) => {
+                tracing::warn!(
+                    max_connections = config.max_connections,
+                    "connection cap reached; new connections wait in the listen backlog"
+                );
+                tokio::select! {
+                    slot = Arc::clone(&slots).acquire_owned() => match slot {
+                        Ok(slot) => slot,
+                        Err(_) => break, // never closed
+                    },
+                    () = &mut shutdown => break,
+                }
+            }
+        };
         let (stream, peer) = tokio::select! {
             accepted = listener.accept() => match accepted {
                 Ok(accepted) => accepted,
@@ -144,22 +230,108 @@ where
         };
         // Small request/response messages: do not let Nagle hold them back.
         let _ = stream.set_nodelay(true);
-        let handle = handle.clone();
-        let service = hyper::service::service_fn(move |req: hyper::Request<Incoming>| {
-            let answer = handle(req, peer);
-            async move { Ok::<_, std::convert::Infallible>(answer.await) }
-        });
-        let connection = builder
-            .serve_connection(TokioIo::new(stream), service)
-            .into_owned();
-        let connection = graceful.watch(connection);
+        let (handle, builder, metrics) =
+            (handle.clone(), Arc::clone(&builder), Arc::clone(metrics));
+        let mut stopping = stopping.clone();
         tokio::spawn(async move {
-            if let Err(err) = connection.await {
-                tracing::debug!(%peer, %err, "connection ended with an error");
+            let _slot = slot;
+            metrics.connections.inc();
+            let closed = serve_connection(
+                stream,
+                peer,
+                &builder,
+                handle,
+                first_byte,
+                idle,
+                &mut stopping,
+            )
+            .await;
+            metrics.connections.dec();
+            if let Some(reason) = closed {
+                metrics
+                    .connections_closed
+                    .with_label_values(&[reason])
+                    .inc();
             }
         });
     }
-    graceful
+    Drain(drain)
+}
+
+/// Serves one connection until it ends; returns why the server closed it, if it did
+/// (`first_byte_timeout` or `idle_timeout`).
+async fn serve_connection<H, F>(
+    stream: TcpStream,
+    peer: SocketAddr,
+    builder: &auto::Builder<TokioExecutor>,
+    handle: H,
+    first_byte: Duration,
+    idle: Duration,
+    stopping: &mut watch::Receiver<()>,
+) -> Option<&'static str>
+where
+    H: Fn(hyper::Request<Incoming>, SocketAddr) -> F + Clone + Send + Sync + 'static,
+    F: Future<Output = axum::response::Response> + Send + 'static,
+{
+    // Nothing is parsed (HTTP/1.1 or h2c?) before the first byte: bound that wait here.
+    let mut first = [0u8; 1];
+    tokio::select! {
+        // `peek` waits for a byte (`readable` may report a fresh socket ready at once).
+        peeked = tokio::time::timeout(first_byte, stream.peek(&mut first)) => match peeked {
+            Ok(Ok(0) | Err(_)) => return None,
+            Ok(Ok(_)) => {}
+            Err(_) => {
+                tracing::debug!(%peer, "closed a connection that sent nothing");
+                return Some("first_byte_timeout");
+            }
+        },
+        _ = stopping.changed() => return None,
+    }
+    let activity = Arc::new(Activity {
+        opened: Instant::now(),
+        in_flight: AtomicUsize::new(0),
+        last_ms: AtomicU64::new(0),
+    });
+    let service = {
+        let activity = Arc::clone(&activity);
+        hyper::service::service_fn(move |req: hyper::Request<Incoming>| {
+            let in_flight = InFlight::start(&activity);
+            let answer = handle(req, peer);
+            async move {
+                let response = answer.await;
+                drop(in_flight);
+                Ok::<_, std::convert::Infallible>(response)
+            }
+        })
+    };
+    let connection = builder
+        .serve_connection(TokioIo::new(stream), service)
+        .into_owned();
+    tokio::pin!(connection);
+    let mut closed_by = None;
+    // Checked often enough to close within a quarter of the timeout past it.
+    let check_every = (idle / 4).max(Duration::from_millis(10));
+    loop {
+        tokio::select! {
+            result = connection.as_mut() => {
+                if let Err(err) = result {
+                    tracing::debug!(%peer, %err, "connection ended with an error");
+                }
+                return closed_by;
+            }
+            _ = stopping.changed(), if closed_by.is_none() => {
+                connection.as_mut().graceful_shutdown();
+                closed_by = Some("shutdown");
+            }
+            () = tokio::time::sleep(check_every), if closed_by.is_none() => {
+                if activity.idle_for() >= idle {
+                    tracing::debug!(%peer, "closing an idle connection");
+                    connection.as_mut().graceful_shutdown();
+                    closed_by = Some("idle_timeout");
+                }
+            }
+        }
+    }
 }
 
 /// A sidecar running on a task of the current runtime: for tests, the demo, embedding.
@@ -239,7 +411,8 @@ impl Sidecar {
             let stopped = async {
                 let _ = stopped.await;
             };
-            let graceful = accept(listener, &config, stopped, move |req, _| {
+            let metrics = Arc::new(Metrics::new()?);
+            let drain = accept(listener, &config, &metrics, stopped, move |req, _| {
                 use tower::ServiceExt;
                 let answer = router.clone().oneshot(req.map(axum::body::Body::new));
                 async move {
@@ -250,7 +423,7 @@ impl Sidecar {
                 }
             })
             .await;
-            let _ = tokio::time::timeout(config.shutdown_grace, graceful.shutdown()).await;
+            let _ = tokio::time::timeout(config.shutdown_grace, drain.wait()).await;
             Ok(())
         });
         Ok(Sidecar {

@@ -130,6 +130,20 @@ async fn bearer_token_guards_protocol_and_admin_but_not_health() {
     }
     granted(&right.claim(&req).await.0);
     assert_eq!(right.get("/admin/v1/keys").await.status, StatusCode::OK);
+    // The scheme is case-insensitive (RFC 9110 §11.1), the token is not.
+    for value in ["bearer s3cret", "BEARER  s3cret"] {
+        let other = h.client.clone().with_authorization(value);
+        assert_eq!(
+            other.get("/admin/v1/keys").await.status,
+            StatusCode::OK,
+            "{value}"
+        );
+    }
+    for value in ["bearer S3CRET", "Basic s3cret", "Bearers3cret"] {
+        let other = h.client.clone().with_authorization(value);
+        let status = other.get("/admin/v1/keys").await.status;
+        assert_eq!(status, StatusCode::UNAUTHORIZED, "{value}");
+    }
     for path in ["/healthz", "/readyz", "/metrics"] {
         assert_eq!(anonymous.get(path).await.status, StatusCode::OK, "{path}");
     }

@@ -123,3 +123,44 @@ async fn password_in_the_url_is_used() {
         Ok(ClaimOutcome::Granted { .. })
     ));
 }
+
+/// At `maxmemory` with `noeviction` every claim is refused: `/readyz` must say so too.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_full_redis_is_not_ready() {
+    let redis =
+        RedisServer::start_with(&["--maxmemory", "2mb", "--maxmemory-policy", "noeviction"])
+            .unwrap();
+    let store = redis.store_config();
+    let h = Harness::on_store(store, Some(redis), |_| {}).await;
+    assert_eq!(h.client.get("/readyz").await.status, StatusCode::OK);
+    let body = vec![b'x'; 64 * 1024];
+    let mut full = false;
+    for i in 0..200 {
+        let key = format!("k-full-{i}");
+        let claim = claim_req(&key, Mode::Idempotency, 60_000);
+        let reply = h.client.post(paths::CLAIM, &claim, &[]).await;
+        if reply.status == StatusCode::SERVICE_UNAVAILABLE {
+            full = true;
+            break;
+        }
+        let (outcome, _) = idemgate_wire::decode::<ClaimOutcome>(&reply.body).unwrap();
+        let (owner, _) = granted(&outcome);
+        let complete = idemgate_wire::CompleteRequest {
+            key,
+            owner,
+            retention_ms: 600_000,
+            response: Some(idemgate_wire::StoredResponse {
+                status: 201,
+                headers: vec![],
+            }),
+        };
+        let reply = h.client.post(paths::COMPLETE, &complete, &body).await;
+        if reply.status == StatusCode::SERVICE_UNAVAILABLE {
+            full = true;
+            break;
+        }
+    }
+    assert!(full, "Redis never filled up");
+    let ready = h.client.get("/readyz").await;
+    assert_eq!(ready.status, StatusCode::SERVICE_UNAVAILABLE);
+}

@@ -10,6 +10,8 @@
 mod util;
 
 mod cluster;
+mod connections;
+mod crash;
 mod http_api;
 mod rate;
 mod redis_faults;

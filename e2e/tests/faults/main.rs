@@ -18,6 +18,7 @@ mod util;
 mod rig;
 
 mod bad_input;
+mod checks;
 mod client_abort;
 mod fencing;
 mod properties;

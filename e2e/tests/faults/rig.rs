@@ -206,26 +206,49 @@ impl Rig {
             .unwrap_or_default()
     }
 
-    /// Keys the sidecar reports as held (`GET /admin/v1/keys`).
+    /// Keys the sidecar reports as held (`GET /admin/v1/keys`). A sidecar that cannot answer
+    /// fails the test: an empty list must mean "nothing held", never "could not ask".
     pub fn held_keys(&self) -> Vec<String> {
         let reply = http(self.sidecar_addr(), "GET", "/admin/v1/keys", &[], "");
-        let list: serde_json::Value = serde_json::from_str(&reply.body).unwrap_or_default();
+        assert_eq!(reply.status, 200, "the sidecar lists held keys: {reply:?}");
+        let list: serde_json::Value =
+            serde_json::from_str(&reply.body).expect("the held-key listing is JSON");
         list["keys"]
             .as_array()
-            .map(|keys| {
-                keys.iter()
-                    .filter_map(|k| k.as_str().map(str::to_owned))
-                    .collect()
-            })
-            .unwrap_or_default()
+            .expect("the listing has `keys`")
+            .iter()
+            .map(|k| k.as_str().expect("keys are strings").to_owned())
+            .collect()
     }
 
-    /// Lock keys left in Redis itself.
-    pub fn redis_locks(&self) -> usize {
+    /// Lock records in Redis itself whose lease has not ended (Redis's clock), read
+    /// straight from the store's layout — `<prefix>:{key}:state` hashes, held while `owner`
+    /// is set and `at` (µs) plus `lease` (ms) is in the future — independently of the
+    /// sidecar's own listing. A Redis that cannot answer fails the test.
+    pub fn redis_locks(&self) -> Vec<String> {
+        const HELD: &str = r"
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000000 + tonumber(t[2])
+local held, cursor = {}, '0'
+repeat
+  local page = redis.call('SCAN', cursor, 'MATCH', ARGV[1], 'COUNT', 1000)
+  cursor = page[1]
+  for _, record in ipairs(page[2]) do
+    local r = redis.call('HMGET', record, 'owner', 'at', 'lease')
+    if r[1] and tonumber(r[2]) + tonumber(r[3]) * 1000 > now then
+      table.insert(held, record)
+    end
+  end
+until cursor == '0'
+return held
+";
         self.redis
-            .cli(&["--scan", "--pattern", "*:lock"])
-            .map(|out| out.lines().filter(|l| !l.trim().is_empty()).count())
-            .unwrap_or(0)
+            .cli(&["--raw", "EVAL", HELD, "0", "idemgate:{*}:state"])
+            .expect("redis-cli lists the held records")
+            .lines()
+            .filter(|l| !l.trim().is_empty())
+            .map(str::to_owned)
+            .collect()
     }
 
     /// No lock outlives its lease: within `lease` plus slack, nothing is held, in the
@@ -235,12 +258,12 @@ impl Rig {
         loop {
             let held = self.held_keys();
             let in_redis = self.redis_locks();
-            if held.is_empty() && in_redis == 0 {
+            if held.is_empty() && in_redis.is_empty() {
                 return;
             }
             assert!(
                 Instant::now() < deadline,
-                "locks outlived their lease: sidecar {held:?}, {in_redis} in redis"
+                "locks outlived their lease: sidecar {held:?}, redis {in_redis:?}"
             );
             std::thread::sleep(Duration::from_millis(100));
         }

@@ -15,9 +15,11 @@ async fn main() -> anyhow::Result<()> {
             EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info")),
         )
         .init();
-    let config = Config::from_cli(Cli::parse())?;
+    let mut config = Config::from_cli(Cli::parse())?;
+    fit_connections_to_open_files(&mut config);
     tracing::info!(
         version = env!("CARGO_PKG_VERSION"),
+        commit = env!("IDEMGATE_GIT_COMMIT"),
         ?config,
         "starting idemgate-sidecar"
     );
@@ -27,6 +29,74 @@ async fn main() -> anyhow::Result<()> {
     idemgate_sidecar::run(listener, config, shutdown_signal()).await?;
     tracing::info!("stopped");
     Ok(())
+}
+
+/// File descriptors kept for everything but client connections (Redis connections, the
+/// listener, logs), out of the open-file limit.
+const RESERVED_FILES: u64 = 32;
+
+/// Raises the soft open-file limit to the hard one (the common default soft limit, 1,024, is
+/// far below what a sidecar in front of many gateways needs), logs both, and lowers the
+/// connection cap to what the limit leaves room for: at the cap, new connections wait in the
+/// listen backlog instead of `accept` failing for want of a descriptor.
+fn fit_connections_to_open_files(config: &mut Config) {
+    let Some(soft) = raise_open_file_limit() else {
+        return;
+    };
+    let room = usize::try_from(soft.saturating_sub(RESERVED_FILES).max(1)).unwrap_or(usize::MAX);
+    if config.max_connections > room {
+        tracing::warn!(
+            max_connections = config.max_connections,
+            lowered_to = room,
+            open_file_limit = soft,
+            "the connection cap does not fit the open-file limit; lowered"
+        );
+        config.max_connections = room;
+    }
+}
+
+/// The soft RLIMIT_NOFILE after raising it to the hard one.
+#[cfg(unix)]
+#[allow(
+    clippy::useless_conversion,
+    reason = "rlim_t is u64 on Linux, not on every unix"
+)]
+fn raise_open_file_limit() -> Option<u64> {
+    let mut limit = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: getrlimit writes one rlimit through a valid, exclusive pointer.
+    if unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut limit) } != 0 {
+        tracing::warn!(err = %std::io::Error::last_os_error(), "cannot read the open-file limit");
+        return None;
+    }
+    let before = limit.rlim_cur;
+    if limit.rlim_cur < limit.rlim_max {
+        let raised = libc::rlimit {
+            rlim_cur: limit.rlim_max,
+            rlim_max: limit.rlim_max,
+        };
+        // SAFETY: setrlimit reads one rlimit through a valid pointer.
+        if unsafe { libc::setrlimit(libc::RLIMIT_NOFILE, &raised) } == 0 {
+            limit = raised;
+        } else {
+            tracing::warn!(err = %std::io::Error::last_os_error(), "cannot raise the open-file limit");
+        }
+    }
+    let (soft, hard) = (u64::from(limit.rlim_cur), u64::from(limit.rlim_max));
+    tracing::info!(
+        soft_before = u64::from(before),
+        soft,
+        hard,
+        "open-file limit (RLIMIT_NOFILE)"
+    );
+    Some(soft)
+}
+
+#[cfg(not(unix))]
+fn raise_open_file_limit() -> Option<u64> {
+    None
 }
 
 /// Completes on SIGINT or SIGTERM (what orchestrators send before killing).

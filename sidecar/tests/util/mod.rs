@@ -2,6 +2,10 @@
 //! own redis-server when Redis), and a small client speaking the framed protocol over
 //! HTTP/1.1 or h2c.
 
+mod process;
+
+pub use process::SidecarProcess;
+
 use bytes::Bytes;
 use http_body_util::{BodyExt, Full};
 use hyper::{HeaderMap, Method, Request, StatusCode};
@@ -11,8 +15,8 @@ use hyper_util::rt::TokioExecutor;
 use idemgate_sidecar::testing::RedisServer;
 use idemgate_sidecar::{Config, KeyInfo, Sidecar, StoreConfig};
 use idemgate_wire::{
-    AbortRequest, ClaimOutcome, ClaimRequest, CompleteRequest, Mode, OwnerOutcome, RenewRequest,
-    StoredResponse, WaitPolicy, paths,
+    AbortRequest, ClaimOutcome, ClaimRequest, CompleteRequest, LeaveRequest, Mode, OwnerOutcome,
+    RenewRequest, StoredResponse, WaitPolicy, paths,
 };
 use std::time::Duration;
 
@@ -89,6 +93,19 @@ pub fn claim_req(key: &str, mode: Mode, lease_ms: u64) -> ClaimRequest {
     }
 }
 
+/// `req` waiting in a queue place named `waiter` (see [`waiting`]).
+pub fn named_waiting(
+    req: ClaimRequest,
+    waiter: &str,
+    budget_ms: u64,
+    max_queue: u32,
+) -> ClaimRequest {
+    ClaimRequest {
+        waiter: Some(waiter.to_owned()),
+        ..waiting(req, budget_ms, max_queue)
+    }
+}
+
 pub fn waiting(mut req: ClaimRequest, budget_ms: u64, max_queue: u32) -> ClaimRequest {
     req.wait = Some(WaitPolicy {
         budget_ms,
@@ -124,7 +141,7 @@ impl Reply {
 pub struct Client {
     base: String,
     inner: HyperClient<HttpConnector, Full<Bytes>>,
-    token: Option<String>,
+    authorization: Option<String>,
 }
 
 impl Client {
@@ -145,12 +162,17 @@ impl Client {
         Client {
             base: base.to_owned(),
             inner,
-            token: None,
+            authorization: None,
         }
     }
 
-    pub fn with_token(mut self, token: &str) -> Client {
-        self.token = Some(token.to_owned());
+    pub fn with_token(self, token: &str) -> Client {
+        self.with_authorization(&format!("Bearer {token}"))
+    }
+
+    /// Sends `value` as the `authorization` header of every request.
+    pub fn with_authorization(mut self, value: &str) -> Client {
+        self.authorization = Some(value.to_owned());
         self
     }
 
@@ -159,8 +181,8 @@ impl Client {
             .method(method)
             .uri(format!("{}{path}", self.base))
             .header("content-type", idemgate_wire::CONTENT_TYPE);
-        if let Some(token) = &self.token {
-            req = req.header("authorization", format!("Bearer {token}"));
+        if let Some(value) = &self.authorization {
+            req = req.header("authorization", value);
         }
         let req = req.body(Full::new(Bytes::from(body))).expect("request");
         let response = tokio::time::timeout(Duration::from_secs(60), self.inner.request(req))
@@ -226,6 +248,14 @@ impl Client {
             owner: owner.to_owned(),
         };
         Self::framed(&self.post(paths::ABORT, &req, &[]).await).0
+    }
+
+    pub async fn leave(&self, key: &str, waiter: &str) -> OwnerOutcome {
+        let req = LeaveRequest {
+            key: key.to_owned(),
+            waiter: waiter.to_owned(),
+        };
+        Self::framed(&self.post(paths::LEAVE, &req, &[]).await).0
     }
 
     pub async fn renew(&self, key: &str, owner: &str, lease_ms: u64) -> OwnerOutcome {
