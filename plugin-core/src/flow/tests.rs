@@ -20,6 +20,8 @@ struct Gateway {
     rec: Recorder,
     now: u64,
     next_owner: u64,
+    /// This gateway's waiter secret (random per VM in the filter).
+    secret: [u8; 32],
 }
 
 impl Gateway {
@@ -31,6 +33,7 @@ impl Gateway {
             rec: Recorder::default(),
             now: 1_000_000,
             next_owner: 1,
+            secret: [7; 32],
         }
     }
 
@@ -48,6 +51,7 @@ impl Gateway {
             breaker: &mut self.breaker,
             telemetry: &mut self.rec,
             owner: self.next_owner,
+            waiter_secret: Some(&self.secret),
         };
         f(&self.config, &mut env)
     }
