@@ -774,20 +774,17 @@ impl Flow {
                 if self.phase != Phase::LocalWait {
                     env.telemetry.count(Counter::LocalVetoes);
                 }
-                let queued = matches!(
-                    config.rules.get(self.rule).map(|r| r.conflict),
-                    Some(Conflict::Queue(_))
-                );
-                if queued && env.now_ms < self.local_wait_until_ms {
+                if config.shadow {
+                    env.telemetry.count(Counter::ShadowWouldBlock);
+                    return Some(self.forward_granted(config));
+                }
+                // Only queued claims get here (`reject` holds the slot from the claim on).
+                if env.now_ms < self.local_wait_until_ms {
                     self.phase = Phase::LocalWait;
                     return None;
                 }
                 env.telemetry.count(Counter::Rejected);
-                if queued {
-                    wait_expired(retry_after_ms)
-                } else {
-                    in_progress(retry_after_ms)
-                }
+                wait_expired(retry_after_ms)
             }
         };
         let action = self.block(config, env, reply);
