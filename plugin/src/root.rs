@@ -67,12 +67,18 @@ impl Context for Root {
                 });
             }
             Call::Release(release) => {
-                let result = if release.callout.path == idemgate_wire::paths::LEAVE {
-                    on_leave_answer(answer, &mut vm.metrics)
+                let again = if release.callout.path == idemgate_wire::paths::LEAVE {
+                    match on_leave_answer(answer, &mut vm.metrics) {
+                        ReleaseResult::Done => false,
+                        // No place yet: the claim may not have reached its queue when the
+                        // client left. Again on the next tick while its answer is still due.
+                        ReleaseResult::Stale => vm.flows.contains_key(&release.stream),
+                        ReleaseResult::Retry => true,
+                    }
                 } else {
-                    on_release_answer(answer, &mut vm.metrics)
+                    on_release_answer(answer, &mut vm.metrics) == ReleaseResult::Retry
                 };
-                if result == ReleaseResult::Retry {
+                if again {
                     retry(&mut vm, release);
                 }
             }
@@ -307,7 +313,7 @@ fn settle(
         return;
     };
     if let Some(release) = release {
-        vm.queue_release(release);
+        vm.queue_release(stream, release);
     }
     match for_stream {
         ForStream::Nothing => {}
@@ -336,7 +342,7 @@ fn retry(vm: &mut Vm, mut release: PendingRelease) {
     } else {
         vm.metrics.add(Counter::ReleaseFailures, 1);
         log::error!(
-            "idemgate: giving up a {} after {attempts} attempts; the lease will expire it",
+            "idemgate: giving up a {} after {attempts} attempts: its lease or wait budget ends it",
             release.callout.path
         );
     }

@@ -57,7 +57,7 @@ impl Stream {
             flow.take_release()
         });
         if let Some(Some(release)) = release {
-            vm.queue_release(release);
+            vm.queue_release(self.id, release);
         }
     }
 
@@ -96,7 +96,7 @@ impl Context for Stream {
             // Never sent: nobody at the sidecar holds anything for it (nor a place to leave).
             vm.claims.remove(i);
         } else if let Some(release) = release {
-            vm.queue_release(release);
+            vm.queue_release(self.id, release);
         }
         if !awaiting_answer || undispatched.is_some() {
             vm.flows.remove(&self.id);

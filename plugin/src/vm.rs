@@ -19,10 +19,12 @@ pub(crate) enum Call {
     Release(PendingRelease),
 }
 
-/// A complete/abort callout, retried a bounded number of times.
+/// A complete/abort/leave callout, retried a bounded number of times.
 pub(crate) struct PendingRelease {
     pub(crate) callout: Callout,
     pub(crate) attempts: u32,
+    /// The stream it releases for (a leave is retried while that stream's claim is unanswered).
+    pub(crate) stream: u32,
 }
 
 #[derive(Default)]
@@ -131,10 +133,11 @@ impl Vm {
     }
 
     /// Queues a release for the root and makes sure a tick comes soon to dispatch it.
-    pub(crate) fn queue_release(&mut self, callout: Callout) {
+    pub(crate) fn queue_release(&mut self, stream: u32, callout: Callout) {
         self.releases.push(PendingRelease {
             callout,
             attempts: 0,
+            stream,
         });
         self.kick();
     }
