@@ -227,6 +227,14 @@ impl Config {
         }
     }
 
+    /// How long a queued place counts as waited for after its claim's last step. A waiting
+    /// claim steps at least every `recheck`, and a step may take up to the store timeout:
+    /// twice the one plus the other (at least a second) leaves room for a slow step, and a
+    /// place whose process died stops being handed the key that much after its last step.
+    pub fn alive_window(&self) -> Duration {
+        (self.recheck * 2 + self.store_timeout).max(Duration::from_secs(1))
+    }
+
     /// Validates flags into a runnable configuration.
     ///
     /// # Errors

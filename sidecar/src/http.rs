@@ -18,8 +18,8 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use bytes::Bytes;
 use idemgate_wire::{
-    AbortRequest, ClaimRequest, CompleteRequest, FieldError, Problem, RateRequest, RenewRequest,
-    paths, problem_types,
+    AbortRequest, ClaimRequest, CompleteRequest, FieldError, LeaveRequest, Problem, RateRequest,
+    RenewRequest, paths, problem_types,
 };
 use serde::Deserialize;
 use std::net::SocketAddr;
@@ -92,6 +92,7 @@ fn route_label(path: &str) -> &'static str {
         paths::CLAIM => paths::CLAIM,
         paths::COMPLETE => paths::COMPLETE,
         paths::ABORT => paths::ABORT,
+        paths::LEAVE => paths::LEAVE,
         paths::RENEW => paths::RENEW,
         paths::RATE => paths::RATE,
         ADMIN_KEYS => ADMIN_KEYS,
@@ -114,6 +115,7 @@ fn router<S: Store>(app: Arc<App<S>>) -> Router {
         .route(paths::CLAIM, post(claim::<S>))
         .route(paths::COMPLETE, post(complete::<S>))
         .route(paths::ABORT, post(abort::<S>))
+        .route(paths::LEAVE, post(leave::<S>))
         .route(paths::RENEW, post(renew::<S>))
         .route(paths::RATE, post(rate::<S>))
         .route(ADMIN_KEYS, get(list_keys::<S>))
@@ -401,6 +403,14 @@ async fn abort<S: Store>(State(app): AppState<S>, _: Authorized, req: Request) -
     Ok(framed(&outcome, &[]))
 }
 
+async fn leave<S: Store>(State(app): AppState<S>, _: Authorized, req: Request) -> Answer {
+    let frame = read_body(&app, req).await?;
+    let (req, _): (LeaveRequest, _) = decode(&frame, false)?;
+    app.config.limits.leave(&req).map_err(field_problem)?;
+    let outcome = app.locks.leave(&req).await.map_err(|e| app.lock_error(e))?;
+    Ok(framed(&outcome, &[]))
+}
+
 async fn renew<S: Store>(State(app): AppState<S>, _: Authorized, req: Request) -> Answer {
     let frame = read_body(&app, req).await?;
     let (req, _): (RenewRequest, _) = decode(&frame, false)?;
@@ -566,6 +576,7 @@ mod tests {
             paths::CLAIM,
             paths::COMPLETE,
             paths::ABORT,
+            paths::LEAVE,
             paths::RENEW,
             paths::RATE,
             ADMIN_KEYS,

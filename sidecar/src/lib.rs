@@ -6,8 +6,9 @@
 //! - `http`: the versioned HTTP API (`/v1/claim|complete|abort|renew`), admin, health,
 //!   metrics; RFC 9457 problems for everything that is not a protocol answer.
 //! - `locks`: the protocol verbs, owner tokens, FIFO long-polls and their wake-ups.
-//! - `rate`: the global tier of rate limits (`/v1/rate`, GCRA, one script per limit).
-//! - `store`: one trait, two implementations (memory, Redis with Lua scripts).
+//! - `rate`: the global tier of rate limits (`/v1/rate`, GCRA, one store step per limit).
+//! - `store`: the lock and rate-limit store traits, two implementations (memory, Redis
+//!   with Lua scripts).
 //! - `waiters`: the per-process registry that stores wake waiting claims through.
 //! - [`server`]: the HTTP/1.1 + h2c accept loop, [`run`] and [`Sidecar`].
 //! - `testing` (feature `testing`): real `redis-server` processes for tests.

@@ -16,7 +16,8 @@ use crate::store::{
 };
 use bytes::Bytes;
 use idemgate_wire::{
-    AbortRequest, ClaimOutcome, ClaimRequest, CompleteRequest, OwnerOutcome, RenewRequest,
+    AbortRequest, ClaimOutcome, ClaimRequest, CompleteRequest, LeaveRequest, OwnerOutcome,
+    RenewRequest,
 };
 use std::sync::Arc;
 use std::time::Duration;
@@ -140,6 +141,8 @@ impl<S: Store> Locks<S> {
         args.queue = Some(QueueArgs {
             wait: longest,
             max_queue: policy.max_queue.min(self.config.max_queue),
+            waiter: req.waiter.as_deref(),
+            alive: self.config.alive_window(),
         });
         let started = Instant::now();
         let notify = self.store.waiters().register(&owner);
@@ -290,6 +293,17 @@ impl<S: Store> Locks<S> {
                 },
                 Bytes::new(),
             ),
+            // Nobody waits for this answer any more (the caller gave the place up): what a
+            // wait that ends without the key answers.
+            ClaimStep::Left => (
+                "left",
+                ClaimOutcome::Busy {
+                    retry_after_ms: 1,
+                    queue_len: 0,
+                    waited: true,
+                },
+                Bytes::new(),
+            ),
             // A final step is never `Queued`: the wait loop handles it. Answer busy rather
             // than panic should a store ever return it for a non-waiting claim.
             ClaimStep::Queued {
@@ -330,6 +344,18 @@ impl<S: Store> Locks<S> {
             .complete(&req.key, &req.owner, retention, stored)
             .await?;
         Ok(self.owner_answer("complete", outcome))
+    }
+
+    /// Gives up a named queued place (`/v1/leave`).
+    pub(crate) async fn leave(&self, req: &LeaveRequest) -> Result<OwnerOutcome, LockError> {
+        let outcome = self.store.leave_named(&req.key, &req.waiter).await?;
+        let label = if outcome == OwnerOutcome::Released {
+            "released"
+        } else {
+            "stale"
+        };
+        self.metrics.leaves.with_label_values(&[label]).inc();
+        Ok(outcome)
     }
 
     pub(crate) async fn abort(&self, req: &AbortRequest) -> Result<OwnerOutcome, LockError> {

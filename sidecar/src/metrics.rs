@@ -22,6 +22,8 @@ pub(crate) struct Metrics {
     pub lease_expiries: IntCounter,
     /// complete/abort/renew refused because the caller no longer owned the key.
     pub stale_owners: IntCounterVec,
+    /// `/v1/leave` answers: `released` (the place was given up) or `stale` (no such place).
+    pub leaves: IntCounterVec,
     /// Store errors by kind (transient, permanent).
     pub store_errors: IntCounterVec,
     /// Operator force-releases.
@@ -116,6 +118,16 @@ impl Metrics {
                         "Refused complete/abort/renew from non-owners.",
                     ),
                     &["op"],
+                )?,
+            ),
+            leaves: register(
+                r,
+                IntCounterVec::new(
+                    opts(
+                        "leaves_total",
+                        "Named queue places given up: released, or stale (no such place).",
+                    ),
+                    &["outcome"],
                 )?,
             ),
             store_errors: register(

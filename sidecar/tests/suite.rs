@@ -1,7 +1,7 @@
 //! One behavioural suite, expanded once per store (memory and Redis): the store trait's
 //! contract, observed through the HTTP API.
 
-use crate::util::{Backend, Harness, claim_req, granted, store_suite, waiting};
+use crate::util::{Backend, Harness, claim_req, granted, named_waiting, store_suite, waiting};
 use idemgate_wire::{ClaimOutcome, Mode, OwnerOutcome, StoredResponse};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -17,6 +17,8 @@ store_suite!(
     wait_budget_runs_out_as_busy,
     queue_depth_is_bounded,
     a_waiter_whose_connection_closes_leaves_the_queue,
+    a_named_waiter_that_leaves_frees_its_place_at_once,
+    a_leave_after_the_hand_off_keeps_the_grant,
     fingerprint_mismatch_is_reported,
 );
 
@@ -363,4 +365,77 @@ async fn fingerprint_mismatch_is_reported(backend: Backend) {
         h.client.claim(&req).await.0,
         ClaimOutcome::Completed { .. }
     ));
+}
+
+/// A caller that gives up names its place and leaves: the queue has room again at once, the
+/// waiting claim ends without the key, and the key goes to whoever is queued next.
+async fn a_named_waiter_that_leaves_frees_its_place_at_once(backend: Backend) {
+    let h = Harness::start(backend).await;
+    let key = "k-leave";
+    let (holder, _) = granted(&h.client.claim(&claim_req(key, Mode::Lock, 60_000)).await.0);
+    let client = h.client.clone();
+    let gone = tokio::spawn(async move {
+        let req = named_waiting(claim_req(key, Mode::Lock, 10_000), "w-gone", 30_000, 1);
+        client.claim(&req).await.0
+    });
+    h.client
+        .wait_for_key(key, "the named waiter to queue", |info| info.queue_len == 1)
+        .await;
+    let full = waiting(claim_req(key, Mode::Lock, 10_000), 30_000, 1);
+    assert!(matches!(
+        h.client.claim(&full).await.0,
+        ClaimOutcome::QueueFull { .. }
+    ));
+    assert_eq!(h.client.leave(key, "w-never").await, OwnerOutcome::Stale);
+    assert_eq!(h.client.leave(key, "w-gone").await, OwnerOutcome::Released);
+    assert_eq!(h.client.inspect(key).await.queue_len, 0);
+    // Its long-poll ends promptly (woken, not at its 30 s budget), without the key.
+    let answer = tokio::time::timeout(Duration::from_secs(5), gone)
+        .await
+        .expect("the left claim answers at once")
+        .unwrap();
+    assert!(
+        matches!(answer, ClaimOutcome::Busy { waited: true, .. }),
+        "{answer:?}"
+    );
+    assert_eq!(h.client.leave(key, "w-gone").await, OwnerOutcome::Stale);
+    // The place is free for the next caller, who gets the key when the holder finishes.
+    let next = h.client.queued_waiter(key).await;
+    assert_eq!(
+        h.client.complete(key, &holder, 1000, None).await,
+        OwnerOutcome::Released
+    );
+    let (owner, _) = granted(&next.await.unwrap());
+    assert_eq!(h.client.abort(key, &owner).await, OwnerOutcome::Released);
+    assert_eq!(
+        h.client
+            .metric("idemgate_sidecar_leaves_total{outcome=\"released\"}")
+            .await,
+        1.0
+    );
+}
+
+/// The key is handed to a named waiter just before its caller's leave arrives: the leave
+/// is stale, the grant stands (its claim answers it; the caller aborts it).
+async fn a_leave_after_the_hand_off_keeps_the_grant(backend: Backend) {
+    let h = Harness::start(backend).await;
+    let key = "k-leave-late";
+    let (holder, _) = granted(&h.client.claim(&claim_req(key, Mode::Lock, 60_000)).await.0);
+    let client = h.client.clone();
+    let waiter = tokio::spawn(async move {
+        let req = named_waiting(claim_req(key, Mode::Lock, 10_000), "w-late", 30_000, 10);
+        client.claim(&req).await.0
+    });
+    h.client
+        .wait_for_key(key, "the named waiter to queue", |info| info.queue_len == 1)
+        .await;
+    assert_eq!(h.client.abort(key, &holder).await, OwnerOutcome::Released);
+    let (owner, _) = granted(&waiter.await.unwrap());
+    assert_eq!(h.client.leave(key, "w-late").await, OwnerOutcome::Stale);
+    assert_eq!(
+        h.client.inspect(key).await.state,
+        idemgate_sidecar::KeyState::Held
+    );
+    assert_eq!(h.client.abort(key, &owner).await, OwnerOutcome::Released);
+    granted(&h.client.claim(&claim_req(key, Mode::Lock, 1000)).await.0);
 }

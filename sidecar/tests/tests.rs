@@ -10,6 +10,7 @@
 mod util;
 
 mod cluster;
+mod crash;
 mod http_api;
 mod rate;
 mod redis_faults;

@@ -18,6 +18,7 @@ async fn main() -> anyhow::Result<()> {
     let config = Config::from_cli(Cli::parse())?;
     tracing::info!(
         version = env!("CARGO_PKG_VERSION"),
+        commit = env!("IDEMGATE_GIT_COMMIT"),
         ?config,
         "starting idemgate-sidecar"
     );

@@ -7,22 +7,23 @@
 
 use super::{
     ClaimArgs, ClaimReply, ClaimStep, CompletedInfo, Grant, HolderInfo, KeyInfo, KeyState,
-    LeaveStep, Store, StoreResult, Stored, millis, now_us,
+    LeaveStep, RateStore, Store, StoreResult, Stored, millis, now_us,
 };
 use crate::waiters::Waiters;
-use idemgate_wire::{Mode, OwnerOutcome};
+use idemgate_wire::{GcraStep, Mode, OwnerOutcome, Rate};
 use std::collections::{HashMap, VecDeque};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::Duration;
 use tokio::time::Instant;
 
-/// Idle keys are swept every this many operations (amortised, no background task).
+/// Idle keys (and idle rate limits) are swept every this many operations (amortised, no
+/// background task).
 const SWEEP_EVERY: u64 = 4096;
 
 pub(crate) struct MemoryStore {
     inner: Mutex<Inner>,
     /// Rate limits (`crate::rate`): separate state, never touched by lock steps.
-    pub(crate) rates: crate::rate::MemoryRates,
+    rates: Rates,
     waiters: Arc<Waiters>,
     fence_ttl: Duration,
 }
@@ -43,6 +44,9 @@ struct Entry {
     last_fence: u64,
     fence_until: Option<Instant>,
     response: Option<StoredRecord>,
+    /// Owner tokens of named places given up while their claim waited, until that claim
+    /// sees it (or its wait would have ended).
+    left: Vec<(String, Instant)>,
 }
 
 struct Holder {
@@ -55,6 +59,8 @@ struct Holder {
 
 struct Waiter {
     owner: String,
+    /// The caller's name for this place (`leave_named`).
+    name: Option<String>,
     fingerprint: Option<String>,
     lease_ms: u64,
     deadline: Instant,
@@ -83,6 +89,7 @@ impl Entry {
         if self.response.as_ref().is_some_and(|r| r.until <= now) {
             self.response = None;
         }
+        self.left.retain(|(_, until)| *until > now);
         let expired = self.held && self.holder.is_none();
         if expired {
             self.held = false;
@@ -94,6 +101,7 @@ impl Entry {
         self.holder.is_none()
             && self.queue.is_empty()
             && self.response.is_none()
+            && self.left.is_empty()
             && self.fence_until.is_none_or(|t| t <= now)
     }
 
@@ -116,7 +124,7 @@ impl MemoryStore {
     pub(crate) fn new(waiters: Arc<Waiters>, fence_ttl: Duration) -> Self {
         MemoryStore {
             inner: Mutex::new(Inner::default()),
-            rates: crate::rate::MemoryRates::default(),
+            rates: Rates::default(),
             waiters,
             fence_ttl,
         }
@@ -233,6 +241,7 @@ impl Ctx<'_> {
             None => {
                 st.queue.push_back(Waiter {
                     owner: args.owner.to_owned(),
+                    name: queue.waiter.map(str::to_owned),
                     fingerprint: args.fingerprint.map(str::to_owned),
                     lease_ms: millis(args.lease),
                     deadline: self.now + queue.wait,
@@ -256,6 +265,10 @@ impl Store for MemoryStore {
     async fn claim(&self, args: &ClaimArgs<'_>) -> StoreResult<ClaimReply> {
         let step = self.with_key(args.key, |ctx, st, lease_expired| {
             let step = 'step: {
+                if let Some(i) = st.left.iter().position(|(o, _)| o == args.owner) {
+                    st.left.swap_remove(i);
+                    break 'step ClaimStep::Left;
+                }
                 if args.mode == Mode::Idempotency
                     && let Some(rec) = &st.response
                 {
@@ -326,6 +339,27 @@ impl Store for MemoryStore {
                 retry_after_ms: st.holder_ttl(ctx.now),
                 queue_len: u32::try_from(st.queue.len()).unwrap_or(u32::MAX),
             }
+        }))
+    }
+
+    async fn leave_named(&self, key: &str, waiter: &str) -> StoreResult<OwnerOutcome> {
+        Ok(self.with_key(key, |ctx, st, _| {
+            let Some(i) = st
+                .queue
+                .iter()
+                .position(|w| w.name.as_deref() == Some(waiter))
+            else {
+                return OwnerOutcome::Stale;
+            };
+            let Some(gone) = st.queue.remove(i) else {
+                return OwnerOutcome::Stale;
+            };
+            ctx.waiters.wake(&gone.owner);
+            st.left.push((gone.owner, gone.deadline));
+            if st.holder.is_none() {
+                ctx.promote(st);
+            }
+            OwnerOutcome::Released
         }))
     }
 
@@ -430,5 +464,62 @@ impl Store for MemoryStore {
 
     async fn ping(&self) -> StoreResult<()> {
         Ok(())
+    }
+}
+
+impl RateStore for MemoryStore {
+    async fn gcra(&self, key: &str, rate: Rate) -> StoreResult<GcraStep> {
+        Ok(self.rates.step(key, rate, now_us()))
+    }
+}
+
+/// The memory store's limits: each key's TAT, dropped once in the past (then it equals no
+/// state), so memory follows the keys active within their windows.
+#[derive(Default)]
+struct Rates {
+    inner: Mutex<(HashMap<String, u64>, u64)>,
+}
+
+impl Rates {
+    fn step(&self, key: &str, rate: Rate, now_us: u64) -> GcraStep {
+        let mut guard = self.inner.lock().unwrap_or_else(PoisonError::into_inner);
+        let (tats, ops) = &mut *guard;
+        *ops += 1;
+        if *ops % SWEEP_EVERY == 0 {
+            tats.retain(|_, tat| *tat > now_us);
+        }
+        let tat = tats.get(key).copied().unwrap_or(0);
+        let step = idemgate_wire::gcra(tat, now_us, rate);
+        if step.allowed {
+            tats.insert(key.to_owned(), step.tat_us);
+        }
+        step
+    }
+
+    #[cfg(test)]
+    fn len(&self) -> usize {
+        self.inner
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .0
+            .len()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn rates_forget_idle_keys() {
+        let rates = Rates::default();
+        let rate = Rate {
+            interval_us: 10,
+            burst: 1,
+        };
+        for n in 0..SWEEP_EVERY {
+            assert!(rates.step(&n.to_string(), rate, 1_000 + n).allowed);
+        }
+        assert!(rates.len() < 100, "{}", rates.len());
     }
 }

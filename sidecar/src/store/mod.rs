@@ -12,27 +12,61 @@ pub(crate) mod redis;
 
 use crate::waiters::Waiters;
 use bytes::Bytes;
-use idemgate_wire::{Mode, OwnerOutcome, StoredResponse};
+use idemgate_wire::{GcraStep, Mode, OwnerOutcome, Rate, StoredResponse};
 use serde::{Deserialize, Serialize};
 use std::future::Future;
 use std::sync::Arc;
 use std::time::Duration;
 
-/// A store error, classified once where it is converted so callers only ask
-/// [`StoreError::is_transient`].
+/// A store error. Redis's own errors are kept whole (kind, code, source), and whether
+/// retrying can help is decided in one place, [`StoreError::is_transient`].
 #[derive(Debug, thiserror::Error)]
 pub enum StoreError {
-    /// Worth retrying: connection lost, timeout, failover, cluster resharding, loading.
-    #[error("store temporarily unavailable: {0}")]
-    Transient(String),
-    /// Retrying will not help: wrong credentials, a script error, an unexpected reply.
-    #[error("store error: {0}")]
-    Permanent(String),
+    /// Redis refused the command or the connection failed.
+    #[error("Redis: {0}")]
+    Redis(#[from] ::redis::RedisError),
+    /// Redis did not answer within the store timeout.
+    #[error("Redis did not answer within {0:?}")]
+    Timeout(Duration),
+    /// Redis answered something this sidecar does not understand (a script of another
+    /// version, a key of the wrong type).
+    #[error("unexpected reply from Redis: {0}")]
+    UnexpectedReply(String),
+    /// A stored response's headers could not be encoded.
+    #[error("cannot encode a stored response: {0}")]
+    Encoding(#[from] serde_json::Error),
+    /// The store cannot be set up as configured.
+    #[error("store configuration: {0}")]
+    Config(&'static str),
 }
 
 impl StoreError {
+    /// Worth retrying: connection lost, timeout, failover, cluster resharding, loading.
+    /// Not: wrong credentials, a script error, an unexpected reply, a full Redis.
     pub fn is_transient(&self) -> bool {
-        matches!(self, StoreError::Transient(_))
+        match self {
+            StoreError::Redis(err) => {
+                !matches!(err.retry_method(), ::redis::RetryMethod::NoRetry)
+                    && err.kind() != ::redis::ErrorKind::AuthenticationFailed
+            }
+            StoreError::Timeout(_) => true,
+            StoreError::UnexpectedReply(_) | StoreError::Encoding(_) | StoreError::Config(_) => {
+                false
+            }
+        }
+    }
+
+    /// The kind of the Redis error behind this one, if Redis raised it.
+    pub fn redis_kind(&self) -> Option<::redis::ErrorKind> {
+        match self {
+            StoreError::Redis(err) => Some(err.kind()),
+            _ => None,
+        }
+    }
+
+    /// Redis refused a write because it is at `maxmemory` (and evicts nothing).
+    pub fn is_out_of_memory(&self) -> bool {
+        matches!(self, StoreError::Redis(err) if err.code() == Some("OOM"))
     }
 }
 
@@ -48,14 +82,21 @@ pub(crate) struct ClaimArgs<'a> {
     pub fingerprint: Option<&'a str>,
     pub lease: Duration,
     /// `Some` when the caller waits in the queue instead of taking `Busy`.
-    pub queue: Option<QueueArgs>,
+    pub queue: Option<QueueArgs<'a>>,
 }
 
 #[derive(Debug, Clone, Copy)]
-pub(crate) struct QueueArgs {
+pub(crate) struct QueueArgs<'a> {
     /// How long the queue entry stays valid: an entry whose process died is skipped after it.
     pub wait: Duration,
     pub max_queue: u32,
+    /// The name the caller gave its place ([`Store::leave_named`] gives it up), if any.
+    pub waiter: Option<&'a str>,
+    /// How long the place counts as waited for after this step: each step of a waiting
+    /// claim renews it, and a key is never handed to a place (or kept for a hand-off) whose
+    /// waiter has not been seen for this long — its process died (Redis only: a memory
+    /// store's waiters die with it).
+    pub alive: Duration,
 }
 
 /// A grant as the store recorded it.
@@ -94,6 +135,8 @@ pub(crate) enum ClaimStep {
         queue_len: u32,
         holder_ttl_ms: u64,
     },
+    /// The named place was given up ([`Store::leave_named`]) while this claim waited.
+    Left,
 }
 
 /// A claim step plus what the store noticed on the way (for metrics).
@@ -148,8 +191,14 @@ pub struct CompletedInfo {
     pub retention_remaining_ms: u64,
 }
 
+/// One GCRA step (`idemgate_wire::gcra`) on a rate-limited key, atomically: the global
+/// tier of rate limits (`crate::rate`). Its state is separate from every lock's.
+pub(crate) trait RateStore: Send + Sync + 'static {
+    fn gcra(&self, key: &str, rate: Rate) -> impl Future<Output = StoreResult<GcraStep>> + Send;
+}
+
 /// Atomic steps on key state. Every method is one atomic step in the backing store.
-pub(crate) trait Store: crate::rate::RateStore + Send + Sync + 'static {
+pub(crate) trait Store: RateStore + Send + Sync + 'static {
     /// The registry this store wakes when it hands a key to one of this process's waiters.
     fn waiters(&self) -> &Arc<Waiters>;
 
@@ -165,6 +214,16 @@ pub(crate) trait Store: crate::rate::RateStore + Send + Sync + 'static {
         owner: &str,
         release_if_granted: bool,
     ) -> impl Future<Output = StoreResult<LeaveStep>> + Send;
+
+    /// Gives up the queued place named `waiter` on `key` (the caller's client went away):
+    /// `Released` when it was removed (its waiting claim then answers [`ClaimStep::Left`]),
+    /// `Stale` when no such place is queued — never queued, already answered, or already
+    /// handed the key (that grant stands: its claim answers it and the caller aborts).
+    fn leave_named(
+        &self,
+        key: &str,
+        waiter: &str,
+    ) -> impl Future<Output = StoreResult<OwnerOutcome>> + Send;
 
     /// Owner-checked: stores `response` (if any) for `retention`, releases, wakes waiters.
     fn complete(

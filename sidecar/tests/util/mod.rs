@@ -2,6 +2,10 @@
 //! own redis-server when Redis), and a small client speaking the framed protocol over
 //! HTTP/1.1 or h2c.
 
+mod process;
+
+pub use process::SidecarProcess;
+
 use bytes::Bytes;
 use http_body_util::{BodyExt, Full};
 use hyper::{HeaderMap, Method, Request, StatusCode};
@@ -11,8 +15,8 @@ use hyper_util::rt::TokioExecutor;
 use idemgate_sidecar::testing::RedisServer;
 use idemgate_sidecar::{Config, KeyInfo, Sidecar, StoreConfig};
 use idemgate_wire::{
-    AbortRequest, ClaimOutcome, ClaimRequest, CompleteRequest, Mode, OwnerOutcome, RenewRequest,
-    StoredResponse, WaitPolicy, paths,
+    AbortRequest, ClaimOutcome, ClaimRequest, CompleteRequest, LeaveRequest, Mode, OwnerOutcome,
+    RenewRequest, StoredResponse, WaitPolicy, paths,
 };
 use std::time::Duration;
 
@@ -86,6 +90,19 @@ pub fn claim_req(key: &str, mode: Mode, lease_ms: u64) -> ClaimRequest {
         fingerprint: None,
         wait: None,
         waiter: None,
+    }
+}
+
+/// `req` waiting in a queue place named `waiter` (see [`waiting`]).
+pub fn named_waiting(
+    req: ClaimRequest,
+    waiter: &str,
+    budget_ms: u64,
+    max_queue: u32,
+) -> ClaimRequest {
+    ClaimRequest {
+        waiter: Some(waiter.to_owned()),
+        ..waiting(req, budget_ms, max_queue)
     }
 }
 
@@ -226,6 +243,14 @@ impl Client {
             owner: owner.to_owned(),
         };
         Self::framed(&self.post(paths::ABORT, &req, &[]).await).0
+    }
+
+    pub async fn leave(&self, key: &str, waiter: &str) -> OwnerOutcome {
+        let req = LeaveRequest {
+            key: key.to_owned(),
+            waiter: waiter.to_owned(),
+        };
+        Self::framed(&self.post(paths::LEAVE, &req, &[]).await).0
     }
 
     pub async fn renew(&self, key: &str, owner: &str, lease_ms: u64) -> OwnerOutcome {

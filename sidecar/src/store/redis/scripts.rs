@@ -1,4 +1,5 @@
-//! Every atomic step on Redis, as Lua scripts. Each script's KEYS are the keys of ONE lock
+//! Every atomic step on Redis, as Lua scripts: the lock steps, the rate limits' GCRA step
+//! and the operators' inspection. Each script's KEYS are the keys of ONE lock or ONE limit
 //! (same hash tag, see `keys.rs`), so it runs on one Cluster slot.
 //!
 //! Why scripts and not MULTI/EXEC: every step *reads then decides* (is the key held, by
@@ -14,6 +15,10 @@
 //! - while held: `owner`, `fp` (fingerprint, '' = none), `since` (grant, µs), `at` (start of
 //!   the current lease: the grant or the last renewal, µs), `lease` (its length, ms) — the
 //!   lease ends at `at + lease`;
+//! - `pick`: for a key handed to a queued waiter, the time (ms) by which that waiter must
+//!   have picked the grant up (its claim step sets it to '0'); past it, claims by others
+//!   treat the grant as expired — the waiter's process died between queueing and the
+//!   hand-off. '0' (or absent) for every other grant;
 //! - `q` = '1' while the queue may hold waiters: without it the queue and waiters keys are
 //!   known to be empty and are not touched;
 //! - a stored response (idempotency): `status`, `headers` (JSON), `body`, `rfp` (the
@@ -33,14 +38,20 @@
 //!   expired or was lost in a failover, the clock still puts the next fence above every
 //!   earlier one (one script takes well over 1 µs).
 //! - A queued waiter is its owner token in the queue list plus
-//!   `inbox|deadline_ms|lease_ms|fingerprint` in the waiters hash; handing it the key
-//!   PUBLISHes its owner token to its process's inbox channel.
+//!   `inbox|deadline_ms|lease_ms|alive_ms|window_ms|fingerprint` in the waiters hash; handing
+//!   it the key PUBLISHes its owner token to its process's inbox channel. `alive_ms` is when
+//!   the waiter stops counting as waited for unless its claim steps again (each step renews
+//!   it by `window_ms`): a process that died leaves places nobody waits for, and a key is
+//!   never handed to one of those.
+//! - A waiter its caller named also has `w:<name>` → owner and `n:<owner>` → name in the
+//!   waiters hash (owner tokens are hex, so the fields never collide); a named place given up
+//!   leaves `owner` → `left` behind until its waiting claim sees it.
 //! - Numbers leave Lua as strings: Lua's own number formatting would print µs timestamps in
 //!   exponent notation, and `string.format('%.0f')` costs about as much as a Redis call, so
 //!   the common path stores strings it already has (the clock's, the caller's) and only
 //!   formats when it computes a new value (a fence above the clock, a retention end).
 
-use redis::Script;
+use redis::{Cmd, Script};
 use std::sync::LazyLock;
 
 /// Helpers prepended to every script that changes a lock. `state`, `queue` and `waiters`
@@ -59,13 +70,25 @@ local function int(n)
   return string.format('%.0f', n)
 end
 
+-- `inbox, deadline, lease, fingerprint, alive, window` of a waiter record (nil: none).
 local function parse_waiter(v)
   if not v then return nil end
-  local inbox, deadline, lease, fp = string.match(v, '^([^|]*)|(%d+)|(%d+)|(.*)$')
-  return inbox, tonumber(deadline), tonumber(lease), fp
+  local inbox, deadline, lease, alive, window, fp =
+    string.match(v, '^([^|]*)|(%d+)|(%d+)|(%d+)|(%d+)|(.*)$')
+  return inbox, tonumber(deadline), tonumber(lease), fp, tonumber(alive), tonumber(window)
 end
 
-local HOLDER = {'owner', 'fp', 'since', 'at', 'lease'}
+local HOLDER = {'owner', 'fp', 'since', 'at', 'lease', 'pick'}
+
+-- Drops the name of `owner`'s place, if it has one (and the name still points to it).
+local function forget_name(waiters, owner)
+  local name = redis.call('HGET', waiters, 'n:' .. owner)
+  if not name then return end
+  redis.call('HDEL', waiters, 'n:' .. owner)
+  if redis.call('HGET', waiters, 'w:' .. name) == owner then
+    redis.call('HDEL', waiters, 'w:' .. name)
+  end
+end
 
 -- When the lease that started at `at` (µs) and lasts `lease` (ms) ends.
 local function lease_end(at, lease)
@@ -80,12 +103,14 @@ end
 
 -- Grants a free key (no valid holder) for `lease` ms (a string); returns the fence (a
 -- string). `last` is the record's fence (false: none); `kept` the end of a stored
--- response's retention (false: none), which the record's expiry must not cut short.
-local function grant(state, queue, queued, owner, fp, lease, now, now_s, last, kept, grant_ttl)
+-- response's retention (false: none), which the record's expiry must not cut short;
+-- `pick` the hand-off's pick-up deadline in ms ('0': none, the claimant has it now).
+local function grant(state, queue, queued, owner, fp, lease, now, now_s, last, kept, grant_ttl,
+    pick)
   local f = now_s
   if last and tonumber(last) >= now then f = int(tonumber(last) + 1) end
   redis.call('HSET', state, 'fence', f, 'owner', owner, 'fp', fp, 'since', now_s, 'at', now_s,
-    'lease', lease)
+    'lease', lease, 'pick', pick)
   local ttl = grant_ttl
   if kept then ttl = math.max(ttl, math.ceil((tonumber(kept) - now) / 1000)) end
   if queued or kept then
@@ -100,13 +125,15 @@ end
 local function dequeue(state, queue, waiters, owner)
   redis.call('LREM', queue, 0, owner)
   redis.call('HDEL', waiters, owner)
+  forget_name(waiters, owner)
   if redis.call('LLEN', queue) == 0 then redis.call('HDEL', state, 'q') end
 end
 
--- Hands a free key to the first queued waiter whose wait has not ended and tells its
--- process. Only called while the record's queue mark is set. Returns the new holder's
--- owner, fence and lease (nil when nobody is left waiting: then the mark goes). Its grant
--- TTL: the fence TTL, at least its lease plus a second.
+-- Hands a free key to the first queued waiter whose wait has not ended and that is still
+-- waited for (its claim stepped within its window), and tells its process. Only called
+-- while the record's queue mark is set. Returns the new holder's owner, fence and lease
+-- (nil when nobody is left waiting: then the mark goes). Its grant TTL: the fence TTL, at
+-- least its lease plus a second; it must be picked up within the waiter's window.
 local function promote(state, queue, waiters, last, kept, now, now_s, record_ttl, inbox_prefix)
   while true do
     local owner = redis.call('LPOP', queue)
@@ -114,11 +141,15 @@ local function promote(state, queue, waiters, last, kept, now, now_s, record_ttl
       redis.call('HDEL', state, 'q')
       return nil
     end
-    local inbox, deadline, lease, fp = parse_waiter(redis.call('HGET', waiters, owner))
+    local inbox, deadline, lease, fp, alive, window =
+      parse_waiter(redis.call('HGET', waiters, owner))
     redis.call('HDEL', waiters, owner)
-    if inbox and deadline * 1000 > now then
+    forget_name(waiters, owner)
+    if inbox and deadline * 1000 > now and alive * 1000 > now then
       local ttl = math.max(record_ttl, lease + 1000)
-      local f = grant(state, queue, true, owner, fp, int(lease), now, now_s, last, kept, ttl)
+      local pick = int(math.floor(now / 1000) + window)
+      local f = grant(state, queue, true, owner, fp, int(lease), now, now_s, last, kept, ttl,
+        pick)
       redis.call('PUBLISH', inbox_prefix .. inbox, owner)
       return owner, f, lease
     end
@@ -143,11 +174,11 @@ end
 /// KEYS: state, queue, waiters.
 /// ARGV: owner, fingerprint ('' = none), mode ('idempotency'|'lock'), lease_ms,
 ///       wait_ms ('0' = do not queue), max_queue, record_ttl_ms, grant_ttl_ms, inbox_prefix,
-///       inbox.
+///       inbox, waiter name ('' = none), alive window_ms.
 /// Returns `{outcome, lease_expired(0|1), ...}`:
 ///   `completed, status, headers_json, body` | `mismatch` | `granted, fence, lease_ms, since_us`
 ///   | `busy, ttl_ms, queue_len` | `queue_full, ttl_ms, queue_len`
-///   | `queued, position, queue_len, holder_ttl_ms`.
+///   | `queued, position, queue_len, holder_ttl_ms` | `left`.
 ///
 /// Atomic because the stored-response check, the holder check, the queue order and the
 /// grant must see one state: otherwise two claimers both see "free" and both get a grant.
@@ -160,26 +191,38 @@ local owner, fp, mode, lease = ARGV[1], ARGV[2], ARGV[3], ARGV[4]
 local wait_ms, max_queue = tonumber(ARGV[5]), tonumber(ARGV[6])
 local record_ttl, grant_ttl = tonumber(ARGV[7]), tonumber(ARGV[8])
 local inbox_prefix, inbox = ARGV[9], ARGV[10]
+local name, window = ARGV[11], tonumber(ARGV[12])
 
 local now, now_s = clock()
 local r
 if mode == 'idempotency' then
   r = redis.call('HMGET', state, 'owner', 'at', 'lease', 'fence', 'q', 'fp', 'since', 'kept',
-    'status', 'rfp', 'headers', 'body')
+    'pick', 'status', 'rfp', 'headers', 'body')
 else
-  r = redis.call('HMGET', state, 'owner', 'at', 'lease', 'fence', 'q', 'fp', 'since', 'kept')
+  r = redis.call('HMGET', state, 'owner', 'at', 'lease', 'fence', 'q', 'fp', 'since', 'kept',
+    'pick')
 end
-local holder, last, queued, kept = r[1], r[4], r[5] == '1', r[8]
+local holder, last, queued, kept, pick = r[1], r[4], r[5] == '1', r[8], r[9]
 local holder_end = holder and lease_end(r[2], r[3])
 -- A lease that ran out leaves its holder in the record: the key is free, and this claim is
 -- the one that notices (and reports) it. Every path below that does not grant clears it.
+-- So does a hand-off its waiter did not pick up in time (its process died meanwhile),
+-- for everyone but that waiter.
 local expired = 0
-if holder and holder_end <= now then
+if holder and (holder_end <= now or (holder ~= owner and pick and pick ~= '0'
+    and tonumber(pick) * 1000 <= now)) then
   holder = false
   expired = 1
 end
 local function clear_expired()
   if expired == 1 then redis.call('HDEL', state, unpack(HOLDER)) end
+end
+
+-- A named place given up while this claim waited: the claim ends here.
+if name ~= '' and wait_ms > 0 and redis.call('HGET', waiters, owner) == 'left' then
+  redis.call('HDEL', waiters, owner)
+  clear_expired()
+  return {'left', expired}
 end
 
 local function differs(a, b)
@@ -196,11 +239,21 @@ local function busy_or_queue(ttl)
   if wait_ms == 0 then return {'busy', expired, ttl, len} end
   local pos = false
   if queued then pos = redis.call('LPOS', queue, owner) end
-  if not pos then
+  local alive = int(math.floor(now / 1000) + window)
+  if pos then
+    -- Still waited for: renew the place's window.
+    local head, tail = string.match(redis.call('HGET', waiters, owner) or '',
+      '^([^|]*|%d+|%d+|)%d+(|.*)$')
+    if head then redis.call('HSET', waiters, owner, head .. alive .. tail) end
+  else
     if len >= max_queue then return {'queue_full', expired, ttl, len} end
     redis.call('RPUSH', queue, owner)
     local deadline = math.floor(now / 1000) + wait_ms
-    redis.call('HSET', waiters, owner, inbox .. '|' .. int(deadline) .. '|' .. lease .. '|' .. fp)
+    redis.call('HSET', waiters, owner, inbox .. '|' .. int(deadline) .. '|' .. lease .. '|'
+      .. alive .. '|' .. int(window) .. '|' .. fp)
+    if name ~= '' then
+      redis.call('HSET', waiters, 'w:' .. name, owner, 'n:' .. owner, name)
+    end
     -- The queue outlives its longest waiter by a second, then disappears by itself; the
     -- record outlives the queue.
     local keep = wait_ms + 1000
@@ -216,12 +269,12 @@ local function busy_or_queue(ttl)
   return {'queued', expired, pos, len, ttl}
 end
 
-if mode == 'idempotency' and r[9] then
+if mode == 'idempotency' and r[10] then
   if tonumber(kept) > now then
     leave_queue()
     clear_expired()
-    if differs(r[10], fp) then return {'mismatch', expired} end
-    return {'completed', expired, r[9], r[11], r[12]}
+    if differs(r[11], fp) then return {'mismatch', expired} end
+    return {'completed', expired, r[10], r[12], r[13]}
   end
   -- The retention is over (the record outlived it for its queue or a later grant).
   redis.call('HDEL', state, 'status', 'headers', 'body', 'rfp', 'kept')
@@ -229,7 +282,10 @@ if mode == 'idempotency' and r[9] then
 end
 
 if holder then
-  if holder == owner then return {'granted', expired, last, r[3], r[7]} end
+  if holder == owner then
+    if pick and pick ~= '0' then redis.call('HSET', state, 'pick', '0') end
+    return {'granted', expired, last, r[3], r[7]}
+  end
   if mode == 'idempotency' and differs(r[6], fp) then
     leave_queue()
     return {'mismatch', expired}
@@ -250,7 +306,7 @@ if queued then
     dequeue(state, queue, waiters, owner)
   end
 end
-local f = grant(state, queue, queued, owner, fp, lease, now, now_s, last, kept, grant_ttl)
+local f = grant(state, queue, queued, owner, fp, lease, now, now_s, last, kept, grant_ttl, '0')
 return {'granted', expired, f, lease, now_s}
 "#
     ))
@@ -290,6 +346,41 @@ else
   end
 end
 return {'left', ttl, redis.call('LLEN', queue)}
+"#
+    ))
+});
+
+/// Leave by name: the caller gave up the place it named in its claim.
+///
+/// KEYS: state, queue, waiters. ARGV: waiter name, record_ttl_ms, inbox_prefix.
+/// Returns 'released' (the place was removed) | 'stale' (no such place: never queued,
+/// answered, or already handed the key — that grant stands).
+///
+/// Atomic for the same reason as leave: a hand-off between "is it queued" and the removal
+/// would leave a grant nobody is told about.
+pub(crate) static LEAVE_NAMED: LazyLock<Script> = LazyLock::new(|| {
+    Script::new(concat!(
+        prelude!(),
+        r#"
+local state, queue, waiters = KEYS[1], KEYS[2], KEYS[3]
+local name, record_ttl, inbox_prefix = ARGV[1], tonumber(ARGV[2]), ARGV[3]
+local owner = redis.call('HGET', waiters, 'w:' .. name)
+if not owner then return 'stale' end
+local now, now_s = clock()
+local inbox, deadline = parse_waiter(redis.call('HGET', waiters, owner))
+dequeue(state, queue, waiters, owner)
+-- Its claim may still be waiting (on any sidecar): it must end, not queue again. The mark
+-- lives as long as that wait could (the hash may have just emptied and lost its expiry).
+redis.call('HSET', waiters, owner, 'left')
+local keep = 1000
+if deadline then keep = math.max(keep, deadline - math.floor(now / 1000) + 1000) end
+if redis.call('PTTL', waiters) < keep then redis.call('PEXPIRE', waiters, keep) end
+if inbox then redis.call('PUBLISH', inbox_prefix .. inbox, owner) end
+local r = redis.call('HMGET', state, 'owner', 'at', 'lease', 'fence', 'q', 'kept')
+if r[5] == '1' and not (r[1] and lease_end(r[2], r[3]) > now) then
+  promote(state, queue, waiters, r[4], r[6], now, now_s, record_ttl, inbox_prefix)
+end
+return 'released'
 "#
     ))
 });
@@ -402,6 +493,35 @@ return r[5]
     ))
 });
 
+/// One GCRA step (`idemgate_wire::gcra` in Lua) on Redis's clock.
+///
+/// KEYS: the limit's state (the TAT in µs, as a string). ARGV: interval_us, burst.
+/// Returns {allowed (1|0), tat_us, remaining, retry_after_us, reset_us}.
+///
+/// Atomic so concurrent checks from every gateway spend distinct units: a read-then-write
+/// from the sidecar would let two requests both take the last one. The state expires by
+/// itself once its TAT is past (PEXPIRE), when it would read as a fresh burst anyway.
+/// Lua numbers are doubles: µs since the epoch (~2^51) and day-long windows stay exact.
+pub(crate) static GCRA: LazyLock<Script> = LazyLock::new(|| {
+    Script::new(
+        r#"
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000000 + tonumber(t[2])
+local interval = tonumber(ARGV[1])
+local window = interval * tonumber(ARGV[2])
+local tat = math.max(tonumber(redis.call('GET', KEYS[1]) or '0'), now)
+local next = tat + interval
+local allow_at = next - window
+if now < allow_at then
+  return {0, string.format('%.0f', tat), 0, string.format('%.0f', allow_at - now), string.format('%.0f', tat - now)}
+end
+redis.call('SET', KEYS[1], string.format('%.0f', next), 'PX', math.ceil((next - now) / 1000) + 1)
+local remaining = math.floor((now + window - next) / interval)
+return {1, string.format('%.0f', next), remaining, 0, string.format('%.0f', next - now)}
+"#,
+    )
+});
+
 /// Inspect: a consistent snapshot of one key for operators (reads only).
 ///
 /// KEYS: state, queue.
@@ -434,3 +554,14 @@ return {held and 1 or 0, age_ms, lease_left, redis.call('LLEN', KEYS[2]), r[5] o
 "#,
     )
 });
+
+/// `EVALSHA <sha> <numkeys> <keys...>`, ready for the script's ARGV: built straight into one
+/// command buffer (redis-rs's `ScriptInvocation` copies every key and argument twice).
+pub(super) fn evalsha(script: &Script, keys: &[&str]) -> Cmd {
+    let mut cmd = redis::cmd("EVALSHA");
+    cmd.arg(script.get_hash()).arg(keys.len());
+    for key in keys {
+        cmd.arg(*key);
+    }
+    cmd
+}

@@ -1,0 +1,292 @@
+//! Connections, whatever the topology: a standalone server, a Sentinel-managed master or a
+//! Cluster, with TLS where configured. Connections reconnect by themselves (redis-rs
+//! `ConnectionManager`, the cluster client, re-resolving the Sentinel master after an error).
+
+use super::StoreResult;
+use crate::config::{RedisConfig, RedisTls, RedisTopology};
+use crate::store::StoreError;
+use redis::aio::{ConnectionManager, ConnectionManagerConfig};
+use redis::cluster_async::ClusterConnection;
+use redis::sentinel::{
+    SentinelClient, SentinelClientBuilder, SentinelNodeConnectionInfo, SentinelServerType,
+};
+use redis::{
+    Cmd, ErrorKind, FromRedisValue, IntoConnectionInfo, RedisError, RetryMethod, Script,
+    ServerErrorKind,
+};
+use std::time::Duration;
+use tokio::sync::{Mutex, RwLock};
+
+/// TCP_NODELAY (redis-rs leaves Nagle on by default, which delays small request/response
+/// exchanges) and keep-alive (a dead peer is noticed on an idle connection).
+fn tcp_settings() -> redis::io::tcp::TcpSettings {
+    redis::io::tcp::TcpSettings::default()
+        .set_nodelay(true)
+        .set_keepalive(
+            redis::io::tcp::socket2::TcpKeepalive::new().with_time(Duration::from_secs(30)),
+        )
+}
+
+fn connection_info(url: &str) -> StoreResult<redis::ConnectionInfo> {
+    Ok(url.into_connection_info()?.set_tcp_settings(tcp_settings()))
+}
+
+/// The configured CA and client certificate, when there are any.
+fn certificates(tls: &RedisTls) -> Option<redis::TlsCertificates> {
+    (!tls.is_empty()).then(|| redis::TlsCertificates {
+        client_tls: tls
+            .client_pem
+            .as_ref()
+            .map(|(cert, key)| redis::ClientTlsConfig {
+                client_cert: cert.clone(),
+                client_key: key.clone(),
+            }),
+        root_cert: tls.ca_pem.clone(),
+    })
+}
+
+/// A client for one node; a `rediss://` URL gets the configured certificates.
+pub(super) fn node_client(url: &str, tls: &RedisTls) -> Result<redis::Client, RedisError> {
+    let info = url.into_connection_info()?.set_tcp_settings(tcp_settings());
+    match certificates(tls) {
+        Some(certs) if url.starts_with("rediss://") => redis::Client::build_with_tls(info, certs),
+        _ => redis::Client::open(info),
+    }
+}
+
+/// One logical connection, whatever the topology; cheap to clone per call.
+pub(super) enum Conn {
+    Single(ConnectionManager),
+    Cluster(ClusterConnection),
+    Sentinel(Box<SentinelConn>),
+}
+
+/// The master behind Sentinels: resolved lazily and again after any transient error, so a
+/// failover is followed without restarting.
+pub(super) struct SentinelConn {
+    sentinel: Mutex<SentinelClient>,
+    current: RwLock<Option<ConnectionManager>>,
+    config: ConnectionManagerConfig,
+}
+
+impl SentinelConn {
+    async fn get(&self) -> Result<ConnectionManager, RedisError> {
+        if let Some(conn) = self.current.read().await.as_ref() {
+            return Ok(conn.clone());
+        }
+        let mut current = self.current.write().await;
+        if let Some(conn) = current.as_ref() {
+            return Ok(conn.clone());
+        }
+        let client = self.sentinel.lock().await.async_get_client().await?;
+        let conn = ConnectionManager::new_lazy_with_config(client, self.config.clone())?;
+        *current = Some(conn.clone());
+        Ok(conn)
+    }
+
+    /// After a failover the old master refuses writes (READONLY) or is gone: any error
+    /// worth retrying makes the next call ask the Sentinels again.
+    async fn checked<T>(&self, result: Result<T, RedisError>) -> Result<T, RedisError> {
+        if result
+            .as_ref()
+            .is_err_and(|e| !matches!(e.retry_method(), RetryMethod::NoRetry))
+        {
+            *self.current.write().await = None;
+        }
+        result
+    }
+}
+
+impl Conn {
+    /// Connects to the configured topology: lazily where the client allows it (a server or
+    /// Sentinel that is down only makes calls fail until it is back).
+    ///
+    /// # Errors
+    /// A URL that does not parse, or a Cluster whose seed nodes are all unreachable.
+    pub(super) async fn connect(cfg: &RedisConfig, timeout: Duration) -> StoreResult<Conn> {
+        let manager_config = ConnectionManagerConfig::new()
+            .set_connection_timeout(Some(timeout))
+            .set_response_timeout(Some(timeout))
+            .set_number_of_retries(1)
+            .set_max_delay(Duration::from_millis(500));
+        let first_url = cfg.urls.first().ok_or(StoreError::Config("no Redis URL"))?;
+        Ok(match &cfg.topology {
+            RedisTopology::Standalone => {
+                let client = node_client(first_url, &cfg.tls)?;
+                Conn::Single(ConnectionManager::new_lazy_with_config(
+                    client,
+                    manager_config,
+                )?)
+            }
+            RedisTopology::Cluster => {
+                let nodes = cfg
+                    .urls
+                    .iter()
+                    .map(|u| connection_info(u))
+                    .collect::<StoreResult<Vec<_>>>()?;
+                let mut builder = redis::cluster::ClusterClientBuilder::new(nodes)
+                    .connection_timeout(timeout)
+                    .response_timeout(timeout)
+                    .retries(2);
+                if let Some(certs) = certificates(&cfg.tls) {
+                    builder = builder.certs(certs);
+                }
+                Conn::Cluster(builder.build()?.get_async_connection().await?)
+            }
+            RedisTopology::Sentinel { master } => Conn::Sentinel(Box::new(SentinelConn {
+                sentinel: Mutex::new(sentinel_client(cfg, master)?),
+                current: RwLock::new(None),
+                config: manager_config,
+            })),
+        })
+    }
+
+    /// Sends one command or script on the current connection (not bounded in time: the
+    /// caller bounds it).
+    pub(super) async fn send<T: FromRedisValue>(&self, op: Op<'_>) -> Result<T, RedisError> {
+        match self {
+            Conn::Single(c) => op.send(&mut c.clone()).await,
+            Conn::Cluster(c) => op.send(&mut c.clone()).await,
+            Conn::Sentinel(s) => {
+                let result = match s.get().await {
+                    Ok(mut c) => op.send(&mut c).await,
+                    Err(e) => Err(e),
+                };
+                s.checked(result).await
+            }
+        }
+    }
+}
+
+/// The primaries of a Cluster (`host`, `port`) from a `CLUSTER NODES` reply; failed ones
+/// are left out (their slots' keys are listed once a replica took over).
+pub(super) fn cluster_primaries(nodes: &str) -> Vec<(String, u16)> {
+    nodes
+        .lines()
+        .filter_map(|line| {
+            let mut fields = line.split_whitespace();
+            let address = fields.nth(1)?;
+            let flags = fields.next()?;
+            let flag = |f: &str| flags.split(',').any(|x| x == f);
+            if !flag("master") || flag("fail") || flag("noaddr") {
+                return None;
+            }
+            // `ip:port@cport[,hostname]`
+            let (host, port) = address.split(['@', ',']).next()?.rsplit_once(':')?;
+            Some((host.to_owned(), port.parse().ok()?))
+        })
+        .collect()
+}
+
+/// What [`RedisStore::run`] sends.
+#[derive(Clone, Copy)]
+pub(super) enum Op<'a> {
+    Command(&'a Cmd),
+    /// An `EVALSHA` built by [`evalsha`] for this script: loaded and retried once when the
+    /// server does not know the script (first use, restart, failover).
+    Script(&'a Script, &'a Cmd),
+}
+
+impl Op<'_> {
+    async fn send<C, T>(self, conn: &mut C) -> Result<T, RedisError>
+    where
+        C: redis::aio::ConnectionLike + Send,
+        T: FromRedisValue,
+    {
+        match self {
+            Op::Command(cmd) => cmd.query_async(conn).await,
+            Op::Script(script, cmd) => match cmd.query_async(conn).await {
+                Err(err) if err.kind() == ErrorKind::Server(ServerErrorKind::NoScript) => {
+                    script.load_async(conn).await?;
+                    cmd.query_async(conn).await
+                }
+                other => other,
+            },
+        }
+    }
+}
+
+pub(super) fn sentinel_client(cfg: &RedisConfig, master: &str) -> StoreResult<SentinelClient> {
+    let first = cfg
+        .urls
+        .first()
+        .ok_or(StoreError::Config("no Sentinel URL"))?;
+    let info = connection_info(first)?;
+    if let Some(certs) = certificates(&cfg.tls) {
+        return tls_sentinel_client(cfg, master, &info, certs);
+    }
+    let mut node = SentinelNodeConnectionInfo::default()
+        .set_redis_connection_info(info.redis_settings().clone())
+        .set_tcp_settings(info.tcp_settings().clone());
+    if first.starts_with("rediss://") {
+        node = node.set_tls_mode(redis::TlsMode::Secure);
+    }
+    SentinelClient::build(
+        cfg.urls.iter().map(String::as_str).collect(),
+        master,
+        Some(node),
+        SentinelServerType::Master,
+    )
+    .map_err(StoreError::from)
+}
+
+/// With a private CA or a client certificate: only the builder hands certificates to both
+/// the Sentinel connections and the master's (the configuration made every URL `rediss://`).
+/// The first URL's user, password and database apply to both, as one URL per Sentinel could
+/// not say which credentials are the master's.
+fn tls_sentinel_client(
+    cfg: &RedisConfig,
+    master: &str,
+    first: &redis::ConnectionInfo,
+    certs: redis::TlsCertificates,
+) -> StoreResult<SentinelClient> {
+    let sentinels = cfg
+        .urls
+        .iter()
+        .map(|url| connection_info(url).map(|info| info.addr().clone()))
+        .collect::<StoreResult<Vec<_>>>()?;
+    let auth = first.redis_settings();
+    let mut builder = SentinelClientBuilder::new(sentinels, master, SentinelServerType::Master)?
+        .set_client_to_sentinel_tls_mode(redis::TlsMode::Secure)
+        .set_client_to_sentinel_certificates(certs.clone())
+        .set_client_to_sentinel_tcp_settings(tcp_settings())
+        .set_client_to_redis_tls_mode(redis::TlsMode::Secure)
+        .set_client_to_redis_certificates(certs)
+        .set_client_to_redis_tcp_settings(tcp_settings())
+        .set_client_to_redis_db(auth.db());
+    if let Some(user) = auth.username() {
+        builder = builder
+            .set_client_to_sentinel_username(user)
+            .set_client_to_redis_username(user);
+    }
+    if let Some(password) = auth.password() {
+        builder = builder
+            .set_client_to_sentinel_password(password)
+            .set_client_to_redis_password(password);
+    }
+    Ok(builder.build()?)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::cluster_primaries;
+
+    #[test]
+    fn cluster_primaries_come_from_cluster_nodes() {
+        let nodes = "\
+a1 127.0.0.1:7001@17001 myself,master - 0 0 1 connected 0-5460
+b2 127.0.0.1:7002@17002,redis-b master - 0 1 2 connected 5461-10922
+c3 127.0.0.1:7003@17003 master,fail - 0 1 3 disconnected
+d4 127.0.0.1:7004@17004 slave a1 0 1 1 connected
+e5 [::1]:7005@17005 master - 0 1 5 connected 10923-16383
+";
+        assert_eq!(
+            cluster_primaries(nodes),
+            vec![
+                ("127.0.0.1".to_owned(), 7001),
+                ("127.0.0.1".to_owned(), 7002),
+                ("[::1]".to_owned(), 7005),
+            ]
+        );
+    }
+}
