@@ -21,6 +21,7 @@ mod bad_input;
 mod client_abort;
 mod fencing;
 mod properties;
+mod queue_leave;
 mod redis;
 mod sidecar;
 mod soak;
