@@ -20,6 +20,7 @@ mod rig;
 mod bad_input;
 mod client_abort;
 mod fencing;
+mod local_veto;
 mod properties;
 mod queue_leave;
 mod redis;
