@@ -3,7 +3,7 @@
 use crate::util::*;
 use idemgate_host::HeaderMap;
 use idemgate_host::gateway::bootstrap::{Bootstrap, LISTENER};
-use idemgate_host::testing::Request;
+use idemgate_host::testing::{Request, TestStream};
 
 const PAYMENTS: &str = r#"[{"name":"payments","match":{"path_prefix":"/payments"}}]"#;
 
@@ -235,6 +235,234 @@ fn queued_lock_holders_run_in_arrival_order() {
             .len(),
         3
     );
+}
+
+const QUEUED_AGENT_LOCK: &str = r#"[{"name":"mcp","mode":"lock","match":{"path_template":"/agents/{agent_id}/mcp"},"key":{"path_param":"agent_id"},"on_conflict":"queue","queue":{"max_wait":"20s","max_queue":8},"lease":"30s"}]"#;
+
+fn put_tool(agent: &str, tool: &str) -> Request {
+    Request::put(&format!("/agents/{agent}/mcp"))
+        .header("content-type", "application/json")
+        .body(format!("{{\"tool\":\"{tool}\"}}"))
+}
+
+/// A request whose claim waits at the sidecar: sent on `worker`, its claim forwarded on a
+/// thread (the long-poll) once it is queued. Returns the stream, the claim's callout and the
+/// thread.
+fn queued(
+    gw: &Gateway,
+    stack: &Stack,
+    worker: usize,
+    request: Request,
+    ahead: u64,
+) -> (
+    TestStream,
+    (usize, u32),
+    idemgate_wire::ClaimRequest,
+    std::thread::JoinHandle<bool>,
+) {
+    let before: Vec<(usize, u32)> = gw.pending().into_iter().map(|(w, t, _)| (w, t)).collect();
+    let s = gw.worker(worker).stream();
+    s.send_request(request);
+    gw.host.advance(std::time::Duration::from_millis(2));
+    let (w, token, _) = gw
+        .pending()
+        .into_iter()
+        .find(|(w, t, p)| p == idemgate_wire::paths::CLAIM && !before.contains(&(*w, *t)))
+        .expect("its claim was dispatched");
+    let call = gw
+        .worker(w)
+        .pending_callouts()
+        .into_iter()
+        .find(|c| c.token == token)
+        .unwrap();
+    let (claim, _): (idemgate_wire::ClaimRequest, &[u8]) =
+        idemgate_wire::decode(&call.body).unwrap();
+    let vm = gw.worker(w).clone();
+    let forward = std::thread::spawn(move || vm.forward_callout(token));
+    stack.wait_for_queue(&claim.key, ahead);
+    (s, (w, token), claim, forward)
+}
+
+/// Redis restarted empty while a call runs on this gateway: the sidecar forgets the holder
+/// and grants the request queued behind it. This gateway's local tier still shows the holder
+/// running, and vetoes the grant until it ends (before, the two ran side by side).
+#[test]
+fn the_local_tier_vetoes_a_queue_grant_while_this_gateway_runs_the_key() {
+    let stack = Stack::start();
+    let gw = Gateway::boot(stack.addr, &config("", QUEUED_AGENT_LOCK), 2);
+    let holder = gw.worker(0).stream();
+    holder.send_request(put_tool("agent-9", "holder"));
+    gw.pump();
+    assert!(fence(&holder).is_some(), "the holder runs");
+    let (waiter, call, _, forward) = queued(&gw, &stack, 1, put_tool("agent-9", "waiter"), 1);
+    stack.empty_redis();
+    assert!(
+        forward.join().unwrap(),
+        "the sidecar answered the long-poll"
+    );
+    gw.host.advance(std::time::Duration::from_millis(2));
+    assert!(
+        waiter.upstream_headers().is_none(),
+        "granted by the sidecar, but not beside the holder this gateway runs"
+    );
+    assert_eq!(gw.counter("idemgate.local.vetoes"), 1);
+    for _ in 0..5 {
+        gw.host.advance(std::time::Duration::from_millis(100));
+        assert!(
+            waiter.upstream_headers().is_none(),
+            "held while the holder runs"
+        );
+    }
+    holder.respond(
+        200,
+        HeaderMap::from([("content-type", "application/json")]),
+        "{}",
+    );
+    gw.pump_except(&[call]);
+    // The next tick lets it through, with the grant's fence.
+    gw.host.advance(std::time::Duration::from_millis(100));
+    assert!(fence(&waiter).is_some(), "runs once the holder ended");
+    waiter.respond(
+        200,
+        HeaderMap::from([("content-type", "application/json")]),
+        "{}",
+    );
+    gw.pump_except(&[call]);
+    assert_eq!(gw.counter("idemgate.requests.granted"), 2);
+}
+
+/// `failure_mode: local`: a request granted through the queue holds this gateway's slot, so
+/// with the sidecar gone a duplicate here is refused (before, it ran beside the first).
+#[test]
+fn fail_local_catches_a_duplicate_of_a_request_granted_through_the_queue() {
+    let mut stack = Stack::start();
+    let gw = Gateway::boot(
+        stack.addr,
+        &config(r#""failure_mode":"local""#, QUEUED_AGENT_LOCK),
+        2,
+    );
+    let holder = gw.worker(0).stream();
+    holder.send_request(put_tool("agent-5", "holder"));
+    gw.pump();
+    let (waiter, call, _, forward) = queued(&gw, &stack, 1, put_tool("agent-5", "waiter"), 1);
+    holder.respond(
+        200,
+        HeaderMap::from([("content-type", "application/json")]),
+        "{}",
+    );
+    gw.pump_except(&[call]);
+    assert!(forward.join().unwrap());
+    gw.host.advance(std::time::Duration::from_millis(2));
+    assert!(fence(&waiter).is_some(), "handed the key in turn");
+
+    stack.kill_sidecar();
+    for worker in 0..2 {
+        let dup = gw.worker(worker).stream();
+        dup.send_request(put_tool("agent-5", "dup"));
+        gw.pump();
+        assert_eq!(
+            dup.response_status(),
+            Some(409),
+            "the queued grant holds this gateway's slot: {:?}",
+            dup.upstream_headers()
+        );
+        assert_eq!(problem_type(&dup), "urn:idemgate:problem:in-progress");
+    }
+    waiter.respond(200, HeaderMap::new(), "");
+    let next = gw.worker(0).stream();
+    next.send_request(put_tool("agent-5", "next"));
+    gw.pump();
+    assert_eq!(
+        next.upstream_headers()
+            .and_then(|h| h.get("x-idemgate-degraded")),
+        Some("local".to_string()),
+        "free again once the call ended"
+    );
+}
+
+/// `failure_mode: local` with every probed slot held by other keys (one slot here; an
+/// attacker can choose keys that collide): the request cannot be recorded on this gateway,
+/// so it fails closed (before, it was forwarded, and so was its duplicate).
+#[test]
+fn fail_local_refuses_a_request_whose_local_claim_cannot_be_made() {
+    let gw = Gateway::boot(
+        dead_address(),
+        &config(
+            r#""failure_mode":"local","local":{"slots":1,"probes":1}"#,
+            PAYMENTS,
+        ),
+        2,
+    );
+    let first = gw.worker(0).stream();
+    first.send_request(post("/payments", "pay-a", "{}"));
+    gw.pump();
+    assert!(first.upstream_headers().is_some(), "holds the one slot");
+    for worker in 0..2 {
+        let s = gw.worker(worker).stream();
+        s.send_request(post("/payments", "pay-b", "{}"));
+        gw.pump();
+        assert!(s.upstream_headers().is_none(), "never forwarded unrecorded");
+        assert_eq!(s.response_status(), Some(503));
+        assert_eq!(problem_type(&s), "urn:idemgate:problem:unavailable");
+        assert!(s.response_headers().unwrap().get("retry-after").is_some());
+    }
+    let dup = gw.worker(1).stream();
+    dup.send_request(post("/payments", "pay-a", "{}"));
+    assert_eq!(
+        dup.response_status(),
+        Some(409),
+        "409 when another request here holds it"
+    );
+    assert_eq!(gw.counter("idemgate.local.unavailable"), 2);
+}
+
+/// A queued client that goes away gives its place up by name: the claim names an
+/// unguessable waiter (unique per claim, different per VM) and the root sends `/v1/leave`
+/// with it when the stream ends.
+#[test]
+fn a_queued_client_that_leaves_gives_its_place_up_by_name() {
+    let stack = Stack::start();
+    let gw = Gateway::boot(stack.addr, &config("", QUEUED_AGENT_LOCK), 2);
+    let holder = gw.worker(0).stream();
+    holder.send_request(put_tool("agent-3", "holder"));
+    gw.pump();
+    let (quitter, call, claim, forward) = queued(&gw, &stack, 1, put_tool("agent-3", "quitter"), 1);
+    let (stays, stays_call, other, other_forward) =
+        queued(&gw, &stack, 0, put_tool("agent-3", "stays"), 2);
+    let name = claim
+        .waiter
+        .clone()
+        .expect("a queued claim names its waiter");
+    let other_name = other.waiter.clone().unwrap();
+    assert_eq!(name.len(), 32);
+    assert!(name.bytes().all(|b| b.is_ascii_hexdigit()));
+    assert_ne!(name, other_name);
+    quitter.abort();
+    gw.host.advance(std::time::Duration::from_millis(2));
+    let leave = gw
+        .worker(call.0)
+        .pending_callouts()
+        .into_iter()
+        .find(|c| c.headers.get(":path").as_deref() == Some(idemgate_wire::paths::LEAVE))
+        .expect("the root sent a leave at once");
+    let (body, _): (idemgate_wire::LeaveRequest, &[u8]) =
+        idemgate_wire::decode(&leave.body).unwrap();
+    assert_eq!((body.key, body.waiter), (claim.key, name));
+    gw.worker(call.0).forward_callout(leave.token);
+    // Whatever the sidecar does with it, the key is not lost: the holder's release hands it
+    // on (a grant for the gone client is aborted) and the request that stayed runs.
+    holder.respond(
+        200,
+        HeaderMap::from([("content-type", "application/json")]),
+        "{}",
+    );
+    gw.pump_except(&[call, stays_call]);
+    assert!(forward.join().unwrap());
+    gw.pump_except(&[stays_call]);
+    assert!(other_forward.join().unwrap());
+    gw.pump();
+    assert!(fence(&stays).is_some(), "the request that stayed runs");
+    assert_eq!(gw.counter("idemgate.requests.abandoned"), 1);
 }
 
 #[test]

@@ -10,8 +10,8 @@ use alloc::string::{String, ToString};
 use alloc::vec;
 use alloc::vec::Vec;
 use idemgate_wire::{
-    AbortRequest, ClaimOutcome, ClaimRequest, CompleteRequest, Limits, Mode, OwnerOutcome,
-    RateCheck, RateOutcome, RateRequest, RenewRequest, StoredResponse, paths,
+    AbortRequest, ClaimOutcome, ClaimRequest, CompleteRequest, LeaveRequest, Limits, Mode,
+    OwnerOutcome, RateCheck, RateOutcome, RateRequest, RenewRequest, StoredResponse, paths,
 };
 
 use crate::breaker::Breaker;
@@ -33,6 +33,9 @@ pub struct Env<'a> {
     pub telemetry: &'a mut dyn Telemetry,
     /// Unique per request on this gateway (VM nonce and sequence): the local-tier owner.
     pub owner: u64,
+    /// This VM's random secret (read once from the host's randomness) that waiter names are
+    /// derived from; `None` when the host had none: queued claims then go unnamed (no leave).
+    pub waiter_secret: Option<&'a [u8; 32]>,
 }
 
 /// A sidecar request for the root context to dispatch.
@@ -81,6 +84,10 @@ enum Phase {
     Claiming,
     /// The client went away while the claim was out: a late grant is released at once.
     Abandoned,
+    /// Granted by the sidecar while another request on this gateway still runs the key (the
+    /// sidecar lost that request's claim, e.g. Redis restarted empty): the request stays
+    /// paused, with its grant, until the local holder ends or the wait budget does.
+    LocalWait,
     /// Forwarded: the response is watched, the key released when it completes.
     Upstream,
     /// Answered locally or released: nothing left to do.
@@ -97,12 +104,11 @@ struct Grant {
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Local {
+    /// Not held: the tier is off, or (queue policy) the slot is taken only when the request is
+    /// let through — held while waiting, it would block the earlier waiter the sidecar grants.
     Off,
     Held(Hold),
-    /// Another request on this gateway holds the key (queue policy: the sidecar decides).
-    Busy {
-        retry_after_ms: u64,
-    },
+    /// No slot could be taken (every probed one held by other keys): the sidecar decides.
     Unavailable,
 }
 
@@ -126,6 +132,10 @@ pub struct Flow {
     grant: Option<Grant>,
     /// When this gateway's in-flight entry expires (while `local` is `Held`).
     local_expires_ms: u64,
+    /// The name the queued claim gave its place at the sidecar (for a leave).
+    waiter: Option<String>,
+    /// End of a [`Phase::LocalWait`]: when the wait budget from the claim ends.
+    local_wait_until_ms: u64,
     capture: Option<Capture>,
     claim_sent_ms: u64,
     release: Option<Callout>,
@@ -196,6 +206,8 @@ impl Flow {
             local: Local::Off,
             grant: None,
             local_expires_ms: 0,
+            waiter: None,
+            local_wait_until_ms: 0,
             capture: None,
             claim_sent_ms: env.now_ms,
             release: None,
@@ -247,7 +259,9 @@ impl Flow {
             Phase::Body => {}
             // Body callbacks while the claim is out happen only with
             // allow_on_headers_stop_iteration; Continue here would release the held headers.
-            Phase::Rating | Phase::Claiming | Phase::Abandoned => return Action::Pause,
+            Phase::Rating | Phase::Claiming | Phase::Abandoned | Phase::LocalWait => {
+                return Action::Pause;
+            }
             Phase::Upstream | Phase::Finished => return Action::pass(),
         }
         let Some(rule) = config.rules.get(self.rule) else {
@@ -292,7 +306,7 @@ impl Flow {
     pub fn holds_request(&self) -> bool {
         matches!(
             self.phase,
-            Phase::Body | Phase::Rating | Phase::Claiming | Phase::Abandoned
+            Phase::Body | Phase::Rating | Phase::Claiming | Phase::Abandoned | Phase::LocalWait
         )
     }
 
@@ -303,35 +317,38 @@ impl Flow {
         {
             return action;
         }
+        let wait = match rule.conflict {
+            Conflict::Queue(policy) if !config.shadow => Some(policy),
+            _ => None,
+        };
         if config.local.enabled {
-            let table = Table {
-                config: &config.local,
-                store: env.shared,
-            };
-            match table.claim(&self.key, env.owner, env.now_ms, rule.lease_ms) {
-                LocalClaim::Claimed(hold) => {
-                    self.local = Local::Held(hold);
-                    self.local_expires_ms = env.now_ms.saturating_add(rule.lease_ms);
+            let found = if wait.is_some() {
+                // Queued requests take the slot when they are let through (`Local::Off`).
+                Table {
+                    config: &config.local,
+                    store: env.shared,
                 }
-                LocalClaim::InFlight { retry_after_ms } => {
+                .lookup(&self.key, env.now_ms)
+            } else {
+                Some(self.take_local(config, rule.lease_ms, env))
+            };
+            match found {
+                None | Some(LocalClaim::Claimed(_)) => {}
+                Some(LocalClaim::InFlight { retry_after_ms }) => {
                     env.telemetry.count(Counter::LocalHits);
                     if rule.conflict == Conflict::Reject {
                         env.telemetry.count(Counter::Rejected);
                         return self.block(config, env, in_progress(retry_after_ms));
                     }
-                    self.local = Local::Busy { retry_after_ms };
                 }
-                LocalClaim::Completed(done) => {
-                    env.telemetry.count(Counter::LocalHits);
-                    if done.fingerprint != self.fingerprint {
-                        env.telemetry.count(Counter::Mismatch);
-                        return self.block(config, env, mismatch());
-                    }
-                    env.telemetry.count(Counter::Replayed);
-                    return self.block(config, env, problem::replay(&done.response, &done.body));
-                }
-                LocalClaim::Unavailable => {
+                Some(LocalClaim::Completed(done)) => return self.replay_local(config, done, env),
+                Some(LocalClaim::Unavailable) => {
                     env.telemetry.count(Counter::LocalUnavailable);
+                    if config.failure_mode == FailureMode::Local {
+                        // `local` promises that this gateway catches a duplicate while the
+                        // sidecar is down; unrecorded here, this request could not be caught.
+                        return self.block(config, env, unavailable(config));
+                    }
                     self.local = Local::Unavailable;
                 }
             }
@@ -340,17 +357,17 @@ impl Flow {
             env.telemetry.count(Counter::BreakerOpen);
             return self.sidecar_failed(config, env);
         }
-        let wait = match rule.conflict {
-            Conflict::Queue(policy) if !config.shadow => Some(policy),
-            _ => None,
-        };
+        if let Some(policy) = wait {
+            self.waiter = env.waiter_secret.map(|s| waiter_name(s, env.owner));
+            self.local_wait_until_ms = env.now_ms.saturating_add(policy.longest_budget());
+        }
         let request = ClaimRequest {
             key: self.key.clone(),
             mode: rule.mode,
             lease_ms: rule.lease_ms,
             fingerprint: self.fingerprint.clone(),
             wait,
-            waiter: None,
+            waiter: self.waiter.clone(),
         };
         self.phase = Phase::Claiming;
         self.claim_sent_ms = env.now_ms;
@@ -595,14 +612,14 @@ impl Flow {
                 ..
             } => {
                 env.telemetry.count(Counter::Granted);
-                self.phase = Phase::Upstream;
                 self.grant = Some(Grant {
                     owner,
                     fence,
                     renew_at_ms: env.now_ms.saturating_add(lease_ms / 2),
                     renewing: false,
                 });
-                Action::Continue(vec![(config.fencing_header.clone(), fence.to_string())])
+                self.go_upstream_granted(config, env)
+                    .unwrap_or(Action::Pause)
             }
             ClaimOutcome::Completed { response, .. } => {
                 env.telemetry.count(Counter::Replayed);
@@ -622,15 +639,7 @@ impl Flow {
                 ..
             } => {
                 env.telemetry.count(Counter::Rejected);
-                let reply = problem::problem(
-                    503,
-                    types::WAIT_EXPIRED,
-                    "Waited too long for an earlier request",
-                    "an earlier request with this key is still running; retry later",
-                    Some(retry_after_ms),
-                    "idemgate_wait_expired",
-                );
-                self.block(config, env, reply)
+                self.block(config, env, wait_expired(retry_after_ms))
             }
             ClaimOutcome::Busy { retry_after_ms, .. } => {
                 env.telemetry.count(Counter::Rejected);
@@ -667,12 +676,22 @@ impl Flow {
             }
             FailureMode::Local => {
                 env.telemetry.count(Counter::FailedLocal);
-                if let Local::Busy { retry_after_ms } = self.local {
-                    env.telemetry.count(Counter::Rejected);
-                    return self.block(config, env, in_progress(retry_after_ms));
+                // Forwarded only while holding this gateway's slot: the only claim there is.
+                match self.take_local_late(config, env) {
+                    None => {
+                        self.phase = Phase::Upstream;
+                        degraded(&config.degraded_header, "local")
+                    }
+                    Some(LocalClaim::InFlight { retry_after_ms }) => {
+                        env.telemetry.count(Counter::Rejected);
+                        self.block(config, env, in_progress(retry_after_ms))
+                    }
+                    Some(LocalClaim::Completed(done)) => self.replay_local(config, done, env),
+                    Some(LocalClaim::Claimed(_) | LocalClaim::Unavailable) => {
+                        env.telemetry.count(Counter::LocalUnavailable);
+                        self.block(config, env, unavailable(config))
+                    }
                 }
-                self.phase = Phase::Upstream;
-                degraded(&config.degraded_header, "local")
             }
         }
     }
@@ -688,6 +707,118 @@ impl Flow {
         self.release_local(config, env, None);
         self.phase = Phase::Finished;
         Action::Respond(reply)
+    }
+
+    /// Claims this gateway's slot; on success the request holds it (`Local::Held`).
+    fn take_local(&mut self, config: &Config, lease_ms: u64, env: &mut Env<'_>) -> LocalClaim {
+        let found = Table {
+            config: &config.local,
+            store: env.shared,
+        }
+        .claim(&self.key, env.owner, env.now_ms, lease_ms);
+        if let LocalClaim::Claimed(hold) = found {
+            self.local = Local::Held(hold);
+            self.local_expires_ms = env.now_ms.saturating_add(lease_ms);
+        }
+        found
+    }
+
+    /// Takes the local slot of a queued request about to be let through (held while it
+    /// waited, it would have blocked the earlier waiters). `None`: it holds the slot now, or
+    /// there is none to take (tier off, or no slot free and the sidecar decides); otherwise
+    /// what stands in the way.
+    fn take_local_late(&mut self, config: &Config, env: &mut Env<'_>) -> Option<LocalClaim> {
+        if !config.local.enabled || self.local != Local::Off {
+            return None;
+        }
+        let lease_ms = config.rules.get(self.rule)?.lease_ms;
+        match self.take_local(config, lease_ms, env) {
+            LocalClaim::Claimed(_) => None,
+            found => Some(found),
+        }
+    }
+
+    /// A completed local entry answers the request: its replay, or 422 for another request.
+    fn replay_local(&mut self, config: &Config, done: LocalResponse, env: &mut Env<'_>) -> Action {
+        env.telemetry.count(Counter::LocalHits);
+        if done.fingerprint != self.fingerprint {
+            env.telemetry.count(Counter::Mismatch);
+            return self.block(config, env, mismatch());
+        }
+        env.telemetry.count(Counter::Replayed);
+        self.block(config, env, problem::replay(&done.response, &done.body))
+    }
+
+    /// The sidecar granted the key: forward with the fence once this gateway's slot is held.
+    /// The local tier vetoes a grant for a key that another request here still runs (the
+    /// sidecar lost that claim: Redis restarted empty): `None` = wait for it
+    /// ([`Phase::LocalWait`], retried by [`Flow::on_local_wait_tick`]).
+    fn go_upstream_granted(&mut self, config: &Config, env: &mut Env<'_>) -> Option<Action> {
+        let reply = match self.take_local_late(config, env) {
+            None | Some(LocalClaim::Claimed(_)) => return Some(self.forward_granted(config)),
+            Some(LocalClaim::Completed(done)) => {
+                // The call ran here and the sidecar forgot it: replay, never run it again.
+                let action = self.replay_local(config, done, env);
+                self.abort_grant(config);
+                return Some(action);
+            }
+            Some(LocalClaim::Unavailable) => {
+                env.telemetry.count(Counter::LocalUnavailable);
+                if config.failure_mode != FailureMode::Local {
+                    self.local = Local::Unavailable;
+                    return Some(self.forward_granted(config));
+                }
+                unavailable(config)
+            }
+            Some(LocalClaim::InFlight { retry_after_ms }) => {
+                if self.phase != Phase::LocalWait {
+                    env.telemetry.count(Counter::LocalVetoes);
+                }
+                if config.shadow {
+                    env.telemetry.count(Counter::ShadowWouldBlock);
+                    return Some(self.forward_granted(config));
+                }
+                // Only queued claims get here (`reject` holds the slot from the claim on).
+                if env.now_ms < self.local_wait_until_ms {
+                    self.phase = Phase::LocalWait;
+                    return None;
+                }
+                env.telemetry.count(Counter::Rejected);
+                wait_expired(retry_after_ms)
+            }
+        };
+        let action = self.block(config, env, reply);
+        self.abort_grant(config);
+        Some(action)
+    }
+
+    fn forward_granted(&mut self, config: &Config) -> Action {
+        self.phase = Phase::Upstream;
+        let fence = self.grant.as_ref().map_or(0, |g| g.fence);
+        Action::Continue(vec![(config.fencing_header.clone(), fence.to_string())])
+    }
+
+    /// A request answered locally after its grant gives the key back at the sidecar.
+    fn abort_grant(&mut self, config: &Config) {
+        if self.phase == Phase::Finished
+            && let Some(grant) = self.grant.take()
+        {
+            self.release = Some(abort_callout(config, &self.key, grant.owner));
+        }
+    }
+
+    /// Whether this request waits for a holder on this gateway ([`Phase::LocalWait`]).
+    pub fn waits_locally(&self) -> bool {
+        self.phase == Phase::LocalWait
+    }
+
+    /// The tick's retry of a [`Phase::LocalWait`]: `Some` once the wait ends (forward, or
+    /// answer locally with the grant aborted: [`Flow::take_release`]).
+    pub fn on_local_wait_tick(&mut self, config: &Config, env: &mut Env<'_>) -> Option<Action> {
+        if self.phase != Phase::LocalWait {
+            return None;
+        }
+        self.go_upstream_granted(config, env)
     }
 
     fn release_local(
@@ -839,9 +970,24 @@ impl Flow {
                 env.telemetry.count(Counter::Abandoned);
                 self.release_local(config, env, None);
                 self.phase = Phase::Abandoned;
+                // The filter cannot cancel the claim's callout: a queued claim's place is given
+                // up by name, or it would block the queue until its budget ran out. Best
+                // effort (a late grant is still aborted), and not into an open breaker.
+                if let Some(waiter) = self.waiter.take()
+                    && !env.breaker.is_open(env.now_ms)
+                {
+                    self.release = Some(leave_callout(config, &self.key, waiter));
+                }
                 true
             }
             Phase::Abandoned => true,
+            Phase::LocalWait => {
+                // Granted but never forwarded: nothing ran, the key goes back at once.
+                env.telemetry.count(Counter::Abandoned);
+                self.phase = Phase::Finished;
+                self.abort_grant(config);
+                false
+            }
             // Nothing is held yet: the rate answer, when it comes, finds no flow.
             Phase::Rating => {
                 self.phase = Phase::Finished;
@@ -893,7 +1039,7 @@ impl Flow {
     /// or `open`, or in shadow mode) this gateway's in-flight entry is the only protection
     /// left, so it is extended here directly, or a duplicate would pass after one lease.
     pub fn renewal_due(&mut self, config: &Config, env: &mut Env<'_>) -> Option<Callout> {
-        if self.phase != Phase::Upstream {
+        if !matches!(self.phase, Phase::Upstream | Phase::LocalWait) {
             return None;
         }
         let lease_ms = config.rules.get(self.rule)?.lease_ms;
@@ -983,11 +1129,11 @@ impl Flow {
     }
 }
 
-/// What became of a complete/abort callout.
+/// What became of a complete/abort/leave callout.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum ReleaseResult {
     Done,
-    /// Not the owner any more: the lease had ended.
+    /// Not the owner any more: the lease had ended (a leave: no place left to give up).
     Stale,
     /// No usable answer: dispatch again (bounded by `release_attempts`).
     Retry,
@@ -1000,6 +1146,22 @@ pub fn on_release_answer(answer: Answer<'_>, telemetry: &mut dyn Telemetry) -> R
             telemetry.count(Counter::LeaseLost);
             ReleaseResult::Stale
         }
+        None => {
+            telemetry.count(Counter::SidecarErrors);
+            ReleaseResult::Retry
+        }
+    }
+}
+
+/// The answer to a leave: `Stale` when the place was gone (the claim was answered meanwhile,
+/// a grant is then aborted), which loses no lease.
+pub fn on_leave_answer(answer: Answer<'_>, telemetry: &mut dyn Telemetry) -> ReleaseResult {
+    match parse_owner(answer) {
+        Some(OwnerOutcome::Released | OwnerOutcome::Renewed { .. }) => {
+            telemetry.count(Counter::QueueLeft);
+            ReleaseResult::Done
+        }
+        Some(OwnerOutcome::Stale) => ReleaseResult::Stale,
         None => {
             telemetry.count(Counter::SidecarErrors);
             ReleaseResult::Retry
@@ -1027,6 +1189,29 @@ fn abort_callout(config: &Config, key: &str, owner: String) -> Callout {
     }
 }
 
+fn leave_callout(config: &Config, key: &str, waiter: String) -> Callout {
+    let request = LeaveRequest {
+        key: key.to_string(),
+        waiter,
+    };
+    Callout {
+        path: paths::LEAVE,
+        body: idemgate_wire::encode(&request, &[]),
+        timeout_ms: config.sidecar.timeout_ms,
+    }
+}
+
+/// The name a queued claim gives its place: unguessable without this VM's secret (so no
+/// one else can give the place up), unique per claim (`owner` is), 32 hex characters.
+fn waiter_name(secret: &[u8; 32], owner: u64) -> String {
+    let mut h = key::PartHasher::new("idemgate.waiter.v1");
+    h.part(secret);
+    h.part(&owner.to_le_bytes());
+    let mut name = h.finish_hex();
+    name.truncate(32);
+    name
+}
+
 fn in_progress(retry_after_ms: u64) -> Reply {
     problem::problem(
         409,
@@ -1035,6 +1220,17 @@ fn in_progress(retry_after_ms: u64) -> Reply {
         "an earlier request with the same key has not finished; retry later",
         Some(retry_after_ms),
         "idemgate_in_progress",
+    )
+}
+
+fn wait_expired(retry_after_ms: u64) -> Reply {
+    problem::problem(
+        503,
+        types::WAIT_EXPIRED,
+        "Waited too long for an earlier request",
+        "an earlier request with this key is still running; retry later",
+        Some(retry_after_ms),
+        "idemgate_wait_expired",
     )
 }
 

@@ -37,7 +37,9 @@ mod testing;
 
 pub use breaker::Breaker;
 pub use config::{Config, ConfigError};
-pub use flow::{Action, Answer, Callout, Env, Flow, ReleaseResult, Route, on_release_answer};
+pub use flow::{
+    Action, Answer, Callout, Env, Flow, ReleaseResult, Route, on_leave_answer, on_release_answer,
+};
 pub use local::{HostError, SharedStore};
 pub use metrics::{Counter, Histogram, Telemetry};
 pub use problem::Reply;

@@ -78,6 +78,16 @@ pub enum LocalClaim {
     Unavailable,
 }
 
+/// One read of a key's probed slots.
+enum Scan {
+    /// The key is live here: [`LocalClaim::InFlight`] or [`LocalClaim::Completed`].
+    Live(LocalClaim),
+    /// Not live here; this slot (read with this CAS) is the one to take.
+    Take { slot: u32, cas: Option<u32> },
+    /// Every probed slot holds another key's in-flight entry, or shared data failed.
+    Unavailable,
+}
+
 pub struct Table<'a> {
     pub config: &'a LocalConfig,
     pub store: &'a dyn SharedStore,
@@ -103,45 +113,62 @@ impl Table<'_> {
             .map(move |p| ((u64::from(home) + u64::from(p)) % u64::from(slots)) as u32)
     }
 
+    /// Reads `key`'s probed slots: its live entry, else the best slot to take for it.
+    fn scan(&self, key: &str, now_ms: u64) -> Scan {
+        // Best slot to take: (slot, cas, evicts a completed entry, its expiry).
+        let mut best: Option<(u32, Option<u32>, bool, u64)> = None;
+        for slot in self.probe(key) {
+            let Ok(current) = self.store.get(&slot_key(slot)) else {
+                return Scan::Unavailable;
+            };
+            let (entry, cas) = match current {
+                None => (None, None),
+                Some((bytes, cas)) => (decode(&bytes), Some(cas)),
+            };
+            let live = entry.filter(|e| e.state != State::Free && e.expires_ms > now_ms);
+            let evicts = match live {
+                Some(e) if e.key == key => {
+                    return Scan::Live(match e.completed {
+                        Some(done) if e.state == State::Completed => LocalClaim::Completed(done),
+                        _ => LocalClaim::InFlight {
+                            retry_after_ms: e.expires_ms - now_ms,
+                        },
+                    });
+                }
+                Some(e) if e.state == State::InFlight => continue,
+                Some(e) => Some(e.expires_ms),
+                None => None,
+            };
+            best = match (best, evicts) {
+                (None, _) => Some((slot, cas, evicts.is_some(), evicts.unwrap_or(0))),
+                // A free slot beats evicting; among evictions the one expiring first goes.
+                (Some((_, _, true, _)), None) => Some((slot, cas, false, 0)),
+                (Some((_, _, true, exp)), Some(e)) if e < exp => Some((slot, cas, true, e)),
+                (b, _) => b,
+            };
+        }
+        match best {
+            Some((slot, cas, _, _)) => Scan::Take { slot, cas },
+            None => Scan::Unavailable,
+        }
+    }
+
+    /// What this gateway knows of `key`, without claiming it: `Some` with
+    /// [`LocalClaim::InFlight`] or [`LocalClaim::Completed`] when it is live here.
+    pub fn lookup(&self, key: &str, now_ms: u64) -> Option<LocalClaim> {
+        match self.scan(key, now_ms) {
+            Scan::Live(found) => Some(found),
+            Scan::Take { .. } | Scan::Unavailable => None,
+        }
+    }
+
     /// Looks `key` up among its slots and, when it is not live there, claims a slot for it.
     pub fn claim(&self, key: &str, owner: u64, now_ms: u64, lease_ms: u64) -> LocalClaim {
         for _ in 0..ROUNDS {
-            // Best slot to take: (slot, cas, evicts a completed entry, its expiry).
-            let mut best: Option<(u32, Option<u32>, bool, u64)> = None;
-            for slot in self.probe(key) {
-                let Ok(current) = self.store.get(&slot_key(slot)) else {
-                    return LocalClaim::Unavailable;
-                };
-                let (entry, cas) = match current {
-                    None => (None, None),
-                    Some((bytes, cas)) => (decode(&bytes), Some(cas)),
-                };
-                let live = entry.filter(|e| e.state != State::Free && e.expires_ms > now_ms);
-                let evicts = match live {
-                    Some(e) if e.key == key => {
-                        return match e.completed {
-                            Some(done) if e.state == State::Completed => {
-                                LocalClaim::Completed(done)
-                            }
-                            _ => LocalClaim::InFlight {
-                                retry_after_ms: e.expires_ms - now_ms,
-                            },
-                        };
-                    }
-                    Some(e) if e.state == State::InFlight => continue,
-                    Some(e) => Some(e.expires_ms),
-                    None => None,
-                };
-                best = match (best, evicts) {
-                    (None, _) => Some((slot, cas, evicts.is_some(), evicts.unwrap_or(0))),
-                    // A free slot beats evicting; among evictions the one expiring first goes.
-                    (Some((_, _, true, _)), None) => Some((slot, cas, false, 0)),
-                    (Some((_, _, true, exp)), Some(e)) if e < exp => Some((slot, cas, true, e)),
-                    (b, _) => b,
-                };
-            }
-            let Some((slot, cas, _, _)) = best else {
-                return LocalClaim::Unavailable;
+            let (slot, cas) = match self.scan(key, now_ms) {
+                Scan::Live(found) => return found,
+                Scan::Unavailable => return LocalClaim::Unavailable,
+                Scan::Take { slot, cas } => (slot, cas),
             };
             let entry = Entry {
                 state: State::InFlight,

@@ -31,6 +31,11 @@ pub enum Counter {
     /// Clients gone after their request was forwarded, the key held until its lease ends
     /// (`on_client_abort: hold`).
     AbandonedUpstream,
+    /// Queued places given up at the sidecar (`/v1/leave` answered released) because their
+    /// client went away.
+    QueueLeft,
+    /// Sidecar grants held back because a request on this gateway still ran the key.
+    LocalVetoes,
     RateAllowedLocal,
     RateLimitedLocal,
     RateAllowedGlobal,
@@ -38,7 +43,7 @@ pub enum Counter {
 }
 
 impl Counter {
-    pub const ALL: [Counter; 28] = [
+    pub const ALL: [Counter; 30] = [
         Counter::Pass,
         Counter::Granted,
         Counter::Replayed,
@@ -63,6 +68,8 @@ impl Counter {
         Counter::ReleaseFailures,
         Counter::Abandoned,
         Counter::AbandonedUpstream,
+        Counter::QueueLeft,
+        Counter::LocalVetoes,
         Counter::RateAllowedLocal,
         Counter::RateLimitedLocal,
         Counter::RateAllowedGlobal,
@@ -95,6 +102,8 @@ impl Counter {
             Counter::ReleaseFailures => "idemgate.release.failures",
             Counter::Abandoned => "idemgate.requests.abandoned",
             Counter::AbandonedUpstream => "idemgate.requests.abandoned_upstream",
+            Counter::QueueLeft => "idemgate.queue.left",
+            Counter::LocalVetoes => "idemgate.local.vetoes",
             Counter::RateAllowedLocal => "idemgate.rate.local.allowed",
             Counter::RateLimitedLocal => "idemgate.rate.local.limited",
             Counter::RateAllowedGlobal => "idemgate.rate.global.allowed",

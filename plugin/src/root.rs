@@ -9,7 +9,9 @@ use std::rc::Rc;
 use std::time::Duration;
 
 use idemgate_core::metrics::Counter;
-use idemgate_core::{Action, Answer, Callout, Config, ReleaseResult, on_release_answer};
+use idemgate_core::{
+    Action, Answer, Callout, Config, Env, Flow, ReleaseResult, on_leave_answer, on_release_answer,
+};
 use proxy_wasm::hostcalls;
 use proxy_wasm::traits::{Context, HttpContext, RootContext};
 use proxy_wasm::types::{BufferType, ContextType};
@@ -65,7 +67,18 @@ impl Context for Root {
                 });
             }
             Call::Release(release) => {
-                if on_release_answer(answer, &mut vm.metrics) == ReleaseResult::Retry {
+                let again = if release.callout.path == idemgate_wire::paths::LEAVE {
+                    match on_leave_answer(answer, &mut vm.metrics) {
+                        ReleaseResult::Done => false,
+                        // No place yet: the claim may not have reached its queue when the
+                        // client left. Again on the next tick while its answer is still due.
+                        ReleaseResult::Stale => vm.flows.contains_key(&release.stream),
+                        ReleaseResult::Retry => true,
+                    }
+                } else {
+                    on_release_answer(answer, &mut vm.metrics) == ReleaseResult::Retry
+                };
+                if again {
                     retry(&mut vm, release);
                 }
             }
@@ -105,6 +118,14 @@ impl RootContext for Root {
         let mut vm = self.vm.borrow_mut();
         let number = vm_number();
         vm.nonce = u64::from(number) << 32;
+        if vm.waiter_secret.is_none() {
+            let mut secret = [0u8; 32];
+            if getrandom::fill(&mut secret).is_ok() {
+                vm.waiter_secret = Some(secret);
+            } else {
+                log::error!("idemgate: no host randomness: queued claims cannot be left");
+            }
+        }
         vm.wake_queue = host::register_wake_queue(number);
         vm.metrics = Metrics::define(&config);
         host::set_tick_ms(config.tick_ms);
@@ -135,16 +156,23 @@ impl RootContext for Root {
         dispatch_queued(&mut vm, &config);
         let retries = std::mem::take(&mut vm.retries);
         dispatch_releases(&mut vm, &config, retries);
-        for (stream, callout) in vm.renewals_due() {
-            match dispatch(&config, &callout) {
-                Some(token) => {
-                    vm.calls.insert(token, Call::Renew(stream));
+        for (stream, renewal, waits_locally) in vm.tick_work() {
+            if let Some(callout) = renewal {
+                match dispatch(&config, &callout) {
+                    Some(token) => {
+                        vm.calls.insert(token, Call::Renew(stream));
+                    }
+                    None => {
+                        vm.with_flow(stream, |config, flow, env| {
+                            flow.on_renew_answer(config, Answer::Failed, env)
+                        });
+                    }
                 }
-                None => {
-                    vm.with_flow(stream, |config, flow, env| {
-                        flow.on_renew_answer(config, Answer::Failed, env)
-                    });
-                }
+            }
+            if waits_locally {
+                settle(&mut vm, stream, &mut |config, flow, env| {
+                    flow.on_local_wait_tick(config, env)
+                });
             }
         }
     }
@@ -197,6 +225,12 @@ fn dispatch_queued(vm: &mut Vm, config: &Config) {
 
 fn dispatch_releases(vm: &mut Vm, config: &Config, releases: Vec<PendingRelease>) {
     for release in releases {
+        // A leave is best effort and never sent into an open breaker: the place it gives up
+        // ends with its wait budget anyway.
+        if release.callout.path == idemgate_wire::paths::LEAVE && vm.breaker.is_open(host::now_ms())
+        {
+            continue;
+        }
         match dispatch(config, &release.callout) {
             Some(token) => {
                 vm.calls.insert(token, Call::Release(release));
@@ -239,39 +273,63 @@ fn dispatch(config: &Config, callout: &Callout) -> Option<u32> {
 
 /// Applies a claim's answer to its flow and, if the stream is still paused, to the stream.
 fn settle_claim(vm: &mut Vm, stream: u32, answer: Answer<'_>) {
+    settle(vm, stream, &mut |config, flow, env| {
+        Some(flow.on_claim_answer(config, answer, env))
+    });
+}
+
+/// What a decision made at the root means for its stream.
+enum ForStream {
+    /// Nothing yet (a local wait goes on).
+    Nothing,
+    /// The stream is gone (its client left while the claim was out): the flow is dropped.
+    Gone,
+    Apply(Action),
+}
+
+/// Applies a decision made at the root (a claim's answer, the end of a local wait) to its
+/// flow and, if the stream is still paused, to the stream.
+fn settle(
+    vm: &mut Vm,
+    stream: u32,
+    // `dyn`: one copy of this in the module whatever the caller (the size budget).
+    decide: &mut dyn FnMut(&Config, &mut Flow, &mut Env<'_>) -> Option<Action>,
+) {
     let settled = vm.with_flow(stream, |config, flow, env| {
         let abandoned = flow.is_abandoned();
-        let action = flow.on_claim_answer(config, answer, env);
-        if abandoned {
-            return (None, flow.take_release());
-        }
-        if hostcalls::set_effective_context(stream).is_err() {
-            // Envoy no longer knows the stream: treat it as gone.
-            flow.on_stream_end(config, env);
-            return (None, flow.take_release());
-        }
-        (Some(action), flow.take_release())
+        let for_stream = match decide(config, flow, env) {
+            _ if abandoned => ForStream::Gone,
+            None => ForStream::Nothing,
+            Some(_) if hostcalls::set_effective_context(stream).is_err() => {
+                // Envoy no longer knows the stream: treat it as gone.
+                flow.on_stream_end(config, env);
+                ForStream::Gone
+            }
+            Some(action) => ForStream::Apply(action),
+        };
+        (for_stream, flow.take_release())
     });
-    let Some((action, release)) = settled else {
+    let Some((for_stream, release)) = settled else {
         return;
     };
     if let Some(release) = release {
-        vm.queue_release(release);
+        vm.queue_release(stream, release);
     }
-    match action {
-        None => {
+    match for_stream {
+        ForStream::Nothing => {}
+        ForStream::Gone => {
             vm.flows.remove(&stream);
         }
-        Some(Action::Continue(headers)) => {
+        ForStream::Apply(Action::Continue(headers)) => {
             host::set_request_headers(&headers);
             if hostcalls::resume_http_request().is_err() {
                 log::error!("idemgate: could not resume #{stream}");
             }
         }
-        Some(Action::Respond(reply)) => host::send_reply(&reply),
+        ForStream::Apply(Action::Respond(reply)) => host::send_reply(&reply),
         // The rate check passed: the key's claim goes out next.
-        Some(Action::Claim(callout)) => vm.queue_claim(stream, callout),
-        Some(Action::Pause) => {}
+        ForStream::Apply(Action::Claim(callout)) => vm.queue_claim(stream, callout),
+        ForStream::Apply(Action::Pause) => {}
     }
 }
 
@@ -284,7 +342,7 @@ fn retry(vm: &mut Vm, mut release: PendingRelease) {
     } else {
         vm.metrics.add(Counter::ReleaseFailures, 1);
         log::error!(
-            "idemgate: giving up a {} after {attempts} attempts; the lease will expire it",
+            "idemgate: giving up a {} after {attempts} attempts: its lease or wait budget ends it",
             release.callout.path
         );
     }

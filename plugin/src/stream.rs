@@ -57,7 +57,7 @@ impl Stream {
             flow.take_release()
         });
         if let Some(Some(release)) = release {
-            vm.queue_release(release);
+            vm.queue_release(self.id, release);
         }
     }
 
@@ -91,13 +91,12 @@ impl Context for Stream {
         let Some((awaiting_answer, release)) = ended else {
             return true;
         };
-        if let Some(release) = release {
-            vm.queue_release(release);
-        }
         let undispatched = vm.claims.iter().position(|(id, _)| *id == self.id);
         if let Some(i) = undispatched {
-            // Never sent: nobody at the sidecar holds anything for it.
+            // Never sent: nobody at the sidecar holds anything for it (nor a place to leave).
             vm.claims.remove(i);
+        } else if let Some(release) = release {
+            vm.queue_release(self.id, release);
         }
         if !awaiting_answer || undispatched.is_some() {
             vm.flows.remove(&self.id);
@@ -124,9 +123,12 @@ impl HttpContext for Stream {
         let owner = vm.next_owner();
         let (flow, action) = {
             let Vm {
-                breaker, metrics, ..
+                breaker,
+                metrics,
+                waiter_secret,
+                ..
             } = &mut *vm;
-            let mut env = vm::host_env(breaker, metrics, owner);
+            let mut env = vm::host_env(breaker, metrics, owner, waiter_secret.as_ref());
             Flow::on_request_headers(&config, route, &RequestHeaders, end_of_stream, &mut env)
         };
         if let Some(flow) = flow {

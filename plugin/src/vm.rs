@@ -19,10 +19,12 @@ pub(crate) enum Call {
     Release(PendingRelease),
 }
 
-/// A complete/abort callout, retried a bounded number of times.
+/// A complete/abort/leave callout, retried a bounded number of times.
 pub(crate) struct PendingRelease {
     pub(crate) callout: Callout,
     pub(crate) attempts: u32,
+    /// The stream it releases for (a leave is retried while that stream's claim is unanswered).
+    pub(crate) stream: u32,
 }
 
 #[derive(Default)]
@@ -51,6 +53,8 @@ pub(crate) struct Vm {
     /// High half of local-tier owner ids, unique per VM; the low half counts requests.
     pub(crate) nonce: u64,
     pub(crate) sequence: u32,
+    /// Random per VM: queued claims' waiter names are derived from it (`Env::waiter_secret`).
+    pub(crate) waiter_secret: Option<[u8; 32]>,
 }
 
 /// The decisions' environment over this VM: the host's clock read now, Envoy's shared data,
@@ -59,6 +63,7 @@ pub(crate) fn host_env<'a>(
     breaker: &'a mut Breaker,
     metrics: &'a mut Metrics,
     owner: u64,
+    waiter_secret: Option<&'a [u8; 32]>,
 ) -> Env<'a> {
     Env {
         now_ms: host::now_ms(),
@@ -66,6 +71,7 @@ pub(crate) fn host_env<'a>(
         breaker,
         telemetry: metrics,
         owner,
+        waiter_secret,
     }
 }
 
@@ -84,18 +90,21 @@ impl Vm {
             metrics,
             nonce,
             sequence,
+            waiter_secret,
             ..
         } = self;
         let config = config.as_deref()?;
         let flow = flows.get_mut(&context_id)?;
         *sequence = sequence.wrapping_add(1);
-        let mut env = host_env(breaker, metrics, *nonce | u64::from(*sequence));
+        let owner = *nonce | u64::from(*sequence);
+        let mut env = host_env(breaker, metrics, owner, waiter_secret.as_ref());
         Some(f(config, flow, &mut env))
     }
 
-    /// The tick's lease work over every live flow: renewal callouts to dispatch (local-tier
-    /// entries of requests forwarded without a grant are extended on the way).
-    pub(crate) fn renewals_due(&mut self) -> Vec<(u32, Callout)> {
+    /// The tick's work over every live flow: renewal callouts to dispatch (local-tier
+    /// entries of requests forwarded without a grant are extended on the way), and whether
+    /// the stream waits for a request on this gateway to end ([`Flow::waits_locally`]).
+    pub(crate) fn tick_work(&mut self) -> Vec<(u32, Option<Callout>, bool)> {
         let Vm {
             config,
             flows,
@@ -107,10 +116,14 @@ impl Vm {
         let Some(config) = config.as_deref() else {
             return Vec::new();
         };
-        let mut env = host_env(breaker, metrics, *nonce);
+        let mut env = host_env(breaker, metrics, *nonce, None);
         flows
             .iter_mut()
-            .filter_map(|(id, flow)| flow.renewal_due(config, &mut env).map(|c| (*id, c)))
+            .filter_map(|(id, flow)| {
+                let renewal = flow.renewal_due(config, &mut env);
+                let waits = flow.waits_locally();
+                (renewal.is_some() || waits).then_some((*id, renewal, waits))
+            })
             .collect()
     }
 
@@ -120,10 +133,11 @@ impl Vm {
     }
 
     /// Queues a release for the root and makes sure a tick comes soon to dispatch it.
-    pub(crate) fn queue_release(&mut self, callout: Callout) {
+    pub(crate) fn queue_release(&mut self, stream: u32, callout: Callout) {
         self.releases.push(PendingRelease {
             callout,
             attempts: 0,
+            stream,
         });
         self.kick();
     }

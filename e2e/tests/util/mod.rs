@@ -94,6 +94,11 @@ impl Stack {
         self.runtime = Some(runtime);
     }
 
+    /// Redis loses everything it held, as a restart without persistence would.
+    pub fn empty_redis(&self) {
+        self.redis.cli(&["FLUSHALL"]).expect("FLUSHALL");
+    }
+
     /// The sidecar's `idemgate_sidecar_waiters` gauge: claims waiting in its queues.
     pub fn waiters(&self) -> u64 {
         let metrics = http(self.addr, "GET", "/metrics", &[], "");

@@ -20,6 +20,8 @@ struct Gateway {
     rec: Recorder,
     now: u64,
     next_owner: u64,
+    /// This gateway's waiter secret (random per VM in the filter).
+    secret: [u8; 32],
 }
 
 impl Gateway {
@@ -31,6 +33,7 @@ impl Gateway {
             rec: Recorder::default(),
             now: 1_000_000,
             next_owner: 1,
+            secret: [7; 32],
         }
     }
 
@@ -48,6 +51,7 @@ impl Gateway {
             breaker: &mut self.breaker,
             telemetry: &mut self.rec,
             owner: self.next_owner,
+            waiter_secret: Some(&self.secret),
         };
         f(&self.config, &mut env)
     }
@@ -318,6 +322,316 @@ fn queued_lock_is_granted_in_turn() {
     let (complete, _): (CompleteRequest, &[u8]) = idemgate_wire::decode(&body).unwrap();
     assert_eq!(complete.response, None);
     assert_eq!(gw.count(Counter::Queued), 1);
+}
+
+/// Lock mode, queued: a held agent lock on this gateway, then a queued request for it.
+const QUEUED_LOCK: &str = r#"[{"mode":"lock","match":{"path_template":"/agents/{agent_id}/mcp"},"key":{"path_param":"agent_id"},"on_conflict":"queue","queue":{"max_wait":"10s"},"lease":"30s"}]"#;
+
+fn put(agent: &str) -> Req {
+    Req::new("PUT", &format!("/agents/{agent}/mcp"))
+}
+
+fn granted_after_wait(fence: u64) -> ClaimOutcome {
+    ClaimOutcome::Granted {
+        owner: format!("owner-{fence}"),
+        fence,
+        lease_ms: 30_000,
+        waited_ms: 100,
+    }
+}
+
+fn tick(gw: &mut Gateway, flow: &mut Flow) -> Option<Action> {
+    gw.with(|c, env| flow.on_local_wait_tick(c, env))
+}
+
+#[test]
+fn queued_claims_name_their_waiter_and_leave_when_the_client_goes() {
+    let mut gw = Gateway::rules(QUEUE);
+    let (mut first, claim, _) = gw.claim(&post("k"));
+    let name = claim
+        .waiter
+        .clone()
+        .expect("a queued claim names its waiter");
+    assert_eq!(name.len(), 32);
+    assert!(name.bytes().all(|b| b.is_ascii_hexdigit()));
+    assert!(Limits::default().claim(&claim).is_ok());
+    gw.grant(&mut first, 1);
+    let (mut second, claim2, _) = gw.claim(&post("k"));
+    let name2 = claim2.waiter.clone().unwrap();
+    assert_ne!(name, name2, "unique per claim");
+    // Another gateway (its own secret) names the same request differently: the name cannot
+    // be derived from what a client sees.
+    let mut other = Gateway::rules(QUEUE);
+    other.secret = [8; 32];
+    other.next_owner = gw.next_owner - 1;
+    let (_, claim3, _) = other.claim(&post("k"));
+    assert_ne!(claim3.waiter.unwrap(), name2);
+
+    // The client gives up while queued: its place is left by name, at once.
+    assert!(gw.end(&mut second), "kept for the claim's answer");
+    let (path, body) = release(&mut second);
+    assert_eq!(path, paths::LEAVE);
+    let (leave, _): (LeaveRequest, &[u8]) = idemgate_wire::decode(&body).unwrap();
+    assert_eq!((leave.key, leave.waiter), (claim2.key, name2));
+    assert!(
+        Limits::default()
+            .leave(&LeaveRequest {
+                key: claim.key.clone(),
+                waiter: name,
+            })
+            .is_ok()
+    );
+    // A grant that was on its way is aborted, as before.
+    gw.answer_with(&mut second, &granted_after_wait(2), &[]);
+    assert_eq!(release(&mut second).0, paths::ABORT);
+
+    // The leave's answers: released is counted, stale (answered meanwhile) loses no lease.
+    let mut rec = Recorder::default();
+    let released = idemgate_wire::encode(&OwnerOutcome::Released, &[]);
+    let stale = idemgate_wire::encode(&OwnerOutcome::Stale, &[]);
+    let http = |body| Answer::Http { status: 200, body };
+    assert_eq!(
+        on_leave_answer(http(&released), &mut rec),
+        ReleaseResult::Done
+    );
+    assert_eq!(
+        on_leave_answer(http(&stale), &mut rec),
+        ReleaseResult::Stale
+    );
+    assert_eq!(
+        on_leave_answer(Answer::Failed, &mut rec),
+        ReleaseResult::Retry
+    );
+    assert_eq!(
+        (
+            rec.count_of(Counter::QueueLeft),
+            rec.count_of(Counter::LeaseLost)
+        ),
+        (1, 0)
+    );
+
+    // With the breaker open no leave goes out (the place ends with its budget).
+    let (mut third, _, _) = gw.claim(&post("k"));
+    for _ in 0..5 {
+        gw.breaker.failure(&gw.config.breaker, gw.now);
+    }
+    assert!(gw.end(&mut third));
+    assert!(third.take_release().is_none());
+
+    // Claims that do not wait name no waiter and leave nothing.
+    let mut reject = Gateway::rules(REJECT);
+    let (mut flow, claim, _) = reject.claim(&post("k"));
+    assert_eq!(claim.waiter, None);
+    assert!(reject.end(&mut flow));
+    assert!(flow.take_release().is_none());
+}
+
+#[test]
+fn queue_grants_hold_the_local_slot_so_fail_local_catches_a_later_duplicate() {
+    let json =
+        format!(r#"{{"sidecar":{{"cluster":"s"}},"failure_mode":"local","rules":{QUEUED_LOCK}}}"#);
+    let mut gw = Gateway::new(&json);
+    let (mut first, _, _) = gw.claim(&put("a1"));
+    assert!(matches!(gw.grant(&mut first, 1), Action::Continue(_)));
+    let (mut second, _, _) = gw.claim(&put("a1"));
+    // A finishes; the sidecar hands the key to the queued request.
+    gw.respond(&mut first, "200", "application/json", &[b"{}"]);
+    let action = gw.answer_with(&mut second, &granted_after_wait(2), &[]);
+    assert_eq!(
+        action,
+        Action::Continue(vec![("x-fencing-token".into(), "2".into())])
+    );
+    // The sidecar goes down: a duplicate here meets the running call's local entry.
+    let (mut third, _, _) = gw.claim(&put("a1"));
+    let r = reply(gw.answer(&mut third, Answer::Failed));
+    assert_eq!(
+        (r.status, problem_type(&r).as_str()),
+        (409, types::IN_PROGRESS)
+    );
+    // Once it ends, the next one runs (marked local).
+    gw.respond(&mut second, "200", "application/json", &[b"{}"]);
+    let (mut fourth, _, _) = gw.claim(&put("a1"));
+    assert_eq!(
+        gw.answer(&mut fourth, Answer::Failed),
+        Action::Continue(vec![("x-idemgate-degraded".into(), "local".into())])
+    );
+}
+
+#[test]
+fn fail_local_fails_closed_when_no_local_slot_can_be_taken() {
+    // One slot: any two keys collide, as keys an attacker chose would.
+    let json = |rules: &str| {
+        format!(
+            r#"{{"sidecar":{{"cluster":"s"}},"failure_mode":"local","local":{{"slots":1,"probes":1}},"rules":{rules}}}"#
+        )
+    };
+    let mut gw = Gateway::new(&json(REJECT));
+    let (mut holder, _, _) = gw.claim(&post("a"));
+    assert!(matches!(
+        gw.answer(&mut holder, Answer::Failed),
+        Action::Continue(_)
+    ));
+    // Another key finds no slot: refused at once, before any callout, and so is its duplicate.
+    for _ in 0..2 {
+        let r = reply(gw.start(&post("x")).1);
+        assert_eq!(
+            (r.status, problem_type(&r).as_str()),
+            (503, types::UNAVAILABLE)
+        );
+    }
+    assert_eq!(gw.count(Counter::LocalUnavailable), 2);
+    // The holder's own duplicate is a 409, as the README promises.
+    assert_eq!(reply(gw.start(&post("a")).1).status, 409);
+
+    // Queue policy: the slot is taken at the grant; without one the grant is given back.
+    let mut gw = Gateway::new(&json(QUEUED_LOCK));
+    let (mut holder, _, _) = gw.claim(&put("a"));
+    gw.grant(&mut holder, 1);
+    let (mut other, _, _) = gw.claim(&put("b"));
+    let r = reply(gw.answer_with(&mut other, &granted_after_wait(2), &[]));
+    assert_eq!(
+        (r.status, problem_type(&r).as_str()),
+        (503, types::UNAVAILABLE)
+    );
+    let (path, body) = release(&mut other);
+    assert_eq!(path, paths::ABORT);
+    let (abort, _): (AbortRequest, &[u8]) = idemgate_wire::decode(&body).unwrap();
+    assert_eq!(abort.owner, "owner-2");
+    // The sidecar down too: refused the same way.
+    let (mut down, _, _) = gw.claim(&put("b"));
+    assert_eq!(reply(gw.answer(&mut down, Answer::Failed)).status, 503);
+
+    // Other failure modes keep deciding at the sidecar when no slot is free.
+    let mut gw =
+        Gateway::new(r#"{"sidecar":{"cluster":"s"},"local":{"slots":1,"probes":1},"rules":[{}]}"#);
+    let (mut holder, _, _) = gw.claim(&post("a"));
+    gw.grant(&mut holder, 1);
+    let (mut flow, _, _) = gw.claim(&post("x"));
+    assert!(matches!(gw.grant(&mut flow, 2), Action::Continue(_)));
+}
+
+#[test]
+fn local_tier_vetoes_a_queue_grant_while_another_request_here_runs_the_key() {
+    let mut gw = Gateway::new(&format!(
+        r#"{{"sidecar":{{"cluster":"s"}},"failure_mode":"local","rules":{QUEUED_LOCK}}}"#
+    ));
+    let (mut holder, _, _) = gw.claim(&put("a1"));
+    gw.grant(&mut holder, 1);
+    let (mut waiter, _, _) = gw.claim(&put("a1"));
+    // Redis restarted empty: the sidecar forgot the holder and grants the waiter.
+    assert_eq!(
+        gw.answer_with(&mut waiter, &granted_after_wait(2), &[]),
+        Action::Pause,
+        "not beside the holder this gateway sees running"
+    );
+    assert!(waiter.holds_request() && waiter.waits_locally());
+    assert_eq!(gw.count(Counter::LocalVetoes), 1);
+    gw.now += 1_000;
+    assert_eq!(tick(&mut gw, &mut waiter), None, "still running");
+    // The grant is kept alive meanwhile.
+    assert!(gw.due(&mut waiter, gw.now + 15_000).is_some());
+    // The holder ends: the next tick lets the waiter through with its own fence, holding
+    // the local slot.
+    gw.respond(&mut holder, "200", "application/json", &[b"{}"]);
+    assert_eq!(
+        tick(&mut gw, &mut waiter),
+        Some(Action::Continue(vec![(
+            "x-fencing-token".into(),
+            "2".into()
+        )]))
+    );
+    assert!(waiter.watches_response());
+    let (mut dup, _, _) = gw.claim(&put("a1"));
+    assert_eq!(
+        reply(gw.answer(&mut dup, Answer::Failed)).status,
+        409,
+        "the waiter holds this gateway's slot now"
+    );
+    gw.respond(&mut waiter, "200", "application/json", &[b"{}"]);
+    assert_eq!(release(&mut waiter).0, paths::COMPLETE);
+}
+
+#[test]
+fn a_vetoed_grant_is_given_back_on_every_other_path() {
+    // The wait budget (10 s from the claim) runs out while the holder still runs.
+    let mut gw = Gateway::rules(QUEUED_LOCK);
+    let (mut holder, _, _) = gw.claim(&put("a1"));
+    gw.grant(&mut holder, 1);
+    let (mut waiter, _, _) = gw.claim(&put("a1"));
+    gw.answer_with(&mut waiter, &granted_after_wait(2), &[]);
+    gw.now += 10_000;
+    let r = reply(tick(&mut gw, &mut waiter).unwrap());
+    assert_eq!(
+        (r.status, problem_type(&r).as_str()),
+        (503, types::WAIT_EXPIRED)
+    );
+    let (path, body) = release(&mut waiter);
+    assert_eq!(path, paths::ABORT);
+    let (abort, _): (AbortRequest, &[u8]) = idemgate_wire::decode(&body).unwrap();
+    assert_eq!(abort.owner, "owner-2");
+    assert!(!gw.end(&mut waiter));
+
+    // The client leaves while it waits here: nothing ran, the grant goes back at once.
+    let (mut waiter, _, _) = gw.claim(&put("a1"));
+    gw.answer_with(&mut waiter, &granted_after_wait(3), &[]);
+    assert!(!gw.end(&mut waiter), "no answer still due");
+    assert_eq!(release(&mut waiter).0, paths::ABORT);
+    assert_eq!(tick(&mut gw, &mut waiter), None);
+    // The holder's slot is untouched by all this.
+    assert_eq!(gw.count(Counter::LocalVetoes), 2);
+    gw.respond(&mut holder, "200", "application/json", &[b"{}"]);
+
+    // Idempotency mode: the holder completes and is kept here; the waiter gets its response
+    // (never a second run) and gives its grant back.
+    let mut gw = Gateway::rules(QUEUE);
+    let (mut holder, _, _) = gw.claim(&post("k"));
+    gw.grant(&mut holder, 1);
+    let (mut waiter, _, _) = gw.claim(&post("k"));
+    assert_eq!(
+        gw.answer_with(&mut waiter, &granted_after_wait(2), &[]),
+        Action::Pause
+    );
+    gw.respond(&mut holder, "201", "application/json", &[b"{\"id\":1}"]);
+    let r = reply(tick(&mut gw, &mut waiter).unwrap());
+    assert_eq!((r.status, r.body.as_slice()), (201, &b"{\"id\":1}"[..]));
+    assert_eq!(release(&mut waiter).0, paths::ABORT);
+
+    // Shadow mode never waits nor blocks: the grant is forwarded, the veto only counted.
+    let mut gw = Gateway::new(&format!(
+        r#"{{"sidecar":{{"cluster":"s"}},"shadow":true,"rules":{QUEUED_LOCK}}}"#
+    ));
+    let (mut holder, _, _) = gw.claim(&put("a1"));
+    gw.grant(&mut holder, 1);
+    let (mut dup, _, _) = gw.claim(&put("a1"));
+    assert_eq!(
+        gw.grant(&mut dup, 2),
+        Action::Continue(vec![("x-fencing-token".into(), "2".into())])
+    );
+    assert!(dup.take_release().is_none(), "the grant is kept: it runs");
+    assert_eq!(gw.count(Counter::ShadowWouldBlock), 1);
+}
+
+#[test]
+fn queued_requests_take_no_local_slot_while_they_wait_so_hand_offs_are_fifo() {
+    // Waiters on this gateway hold nothing here: whichever the sidecar grants first runs at
+    // once (a waiter holding the slot would block the earlier one the sidecar picked).
+    let mut gw = Gateway::rules(QUEUED_LOCK);
+    let (mut holder, _, _) = gw.claim(&put("a1"));
+    gw.grant(&mut holder, 1);
+    let (mut second, _, _) = gw.claim(&put("a1"));
+    gw.respond(&mut holder, "200", "application/json", &[b"{}"]);
+    // A third arrives after the holder's local release, before the sidecar's hand-off.
+    let (mut third, _, _) = gw.claim(&put("a1"));
+    assert!(matches!(
+        gw.answer_with(&mut second, &granted_after_wait(2), &[]),
+        Action::Continue(_)
+    ));
+    gw.respond(&mut second, "200", "application/json", &[b"{}"]);
+    assert!(matches!(
+        gw.answer_with(&mut third, &granted_after_wait(3), &[]),
+        Action::Continue(_)
+    ));
+    assert_eq!(gw.count(Counter::LocalVetoes), 0);
 }
 
 #[test]
