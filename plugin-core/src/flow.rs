@@ -174,6 +174,9 @@ impl Flow {
                         types::MISSING_KEY,
                         "Idempotency key required",
                     ),
+                    KeyError::RepeatedScope | KeyError::EncodedSeparator => {
+                        (Counter::Ambiguous, types::AMBIGUOUS, "Ambiguous request")
+                    }
                     _ => (
                         Counter::InvalidKey,
                         types::INVALID_KEY,
@@ -1103,5 +1106,7 @@ fn parse_owner(answer: Answer<'_>) -> Option<OwnerOutcome> {
     payload.is_empty().then_some(outcome)
 }
 
+#[cfg(test)]
+mod input_tests;
 #[cfg(test)]
 mod tests;
