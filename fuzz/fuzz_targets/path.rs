@@ -6,11 +6,11 @@
 
 #![no_main]
 
+use idemgate_core::RequestView;
 use idemgate_core::canonical::canonical_path;
 use idemgate_core::config::Config;
 use idemgate_core::key::{self, KeyError};
 use idemgate_core::rule::match_rule;
-use idemgate_core::RequestView;
 use libfuzzer_sys::arbitrary::{self, Arbitrary};
 use libfuzzer_sys::fuzz_target;
 use std::sync::OnceLock;
@@ -62,7 +62,11 @@ fn respell(canonical: &[u8], choices: &[u8], trailing_slash: bool) -> Vec<u8> {
     let mut choice = choices.iter().copied().cycle();
     let mut i = 0;
     while let Some(&b) = canonical.get(i) {
-        let c = if choices.is_empty() { 0 } else { choice.next().unwrap_or(0) % 6 };
+        let c = if choices.is_empty() {
+            0
+        } else {
+            choice.next().unwrap_or(0) % 6
+        };
         i += 1;
         match (b, c) {
             (b'%', _) => {
@@ -102,7 +106,8 @@ fn keyed(path: &[u8]) -> Keyed {
     let req = Req(path.to_vec());
     let (i, head) = match_rule(config(), &req)?;
     let rule = config().rules.get(i)?;
-    let key = key::extract(rule, &head, &req).map(|k| k.map(|k| key::scoped(rule, &head, &req, &k)));
+    let key =
+        key::extract(rule, &head, &req).map(|k| k.map(|k| key::scoped(rule, &head, &req, &k)));
     Some((i, key))
 }
 
