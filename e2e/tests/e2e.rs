@@ -1,6 +1,7 @@
 //! End-to-end scenarios: the built filter in the host harness, a real sidecar, real Redis;
 //! `live` plays issue #6's scenarios through live gateways to the demo backend; `demo` runs
-//! the demo driver's binary.
+//! the demo driver's binary; `hostile` plays hostile spellings and forged headers through live
+//! gateways.
 
 #![allow(
     clippy::unwrap_used,
@@ -12,6 +13,7 @@
 mod util;
 
 mod demo;
+mod hostile;
 mod live;
 mod rate;
 mod scenarios;

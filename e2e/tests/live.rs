@@ -208,11 +208,19 @@ fn scenario_3_a_hundred_concurrent_calls_in_reject_mode_run_once() {
 /// same `Idempotency-Key` → charged once, the retry gets the stored response with
 /// `Idempotent-Replayed: true`; no key where required → 400; the same key from another
 /// user → a different key (charged for that user).
+///
+/// The retry can run at once only because the payments rule here releases on client abort
+/// (`on_client_abort: release`) and the demo's payment service cancels a payment whose client
+/// left (these calls send no `x-demo-detach`): that is the one kind of backend `release` suits.
+/// The shipped file keeps the safe default, `hold` (its retries wait out the lease, proven in
+/// tests/faults/client_abort.rs).
 #[test]
 fn scenario_4_a_retried_payment_is_charged_once_and_replayed() {
     let stack = Stack::start();
     let demo = Demo::start();
-    let gateway = shipped(demo.addr, stack.addr, 2);
+    let mut plugin = shipped_plugin();
+    rule(&mut plugin, "payments")["on_client_abort"] = "release".into();
+    let gateway = variant(demo.addr, stack.addr, &plugin, 2);
     let run = demo.play(&gateway, &scenarios::payment_retry("pay-4"));
     let answered: Vec<_> = run.outcomes.iter().filter(|o| o.status.is_some()).collect();
     assert!(answered.len() >= 2, "{:?}", run.outcomes);

@@ -57,6 +57,9 @@ impl RequestView for Req {
     fn property(&self, _: &[String]) -> Option<Vec<u8>> {
         None
     }
+    fn repeated(&self, _: &[String]) -> bool {
+        false
+    }
 }
 
 /// Envoy's shared data semantics, enough for one request.

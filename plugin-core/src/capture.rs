@@ -108,7 +108,8 @@ impl Capture {
     }
 }
 
-/// Prefix match on the media type; event streams are never replayable.
+/// Prefix match on the media type, or `type/*suffix` (`application/*+json`): any subtype of
+/// `type` ending in `suffix`. Event streams are never replayable.
 fn content_type_allowed(policy: &ResponsePolicy, raw: &[u8]) -> bool {
     let Ok(raw) = core::str::from_utf8(raw) else {
         return false;
@@ -123,7 +124,13 @@ fn content_type_allowed(policy: &ResponsePolicy, raw: &[u8]) -> bool {
         && policy
             .content_types
             .iter()
-            .any(|allowed| media.starts_with(allowed.as_str()))
+            .any(|allowed| match allowed.split_once("/*") {
+                Some((kind, suffix)) => media
+                    .strip_prefix(kind)
+                    .and_then(|m| m.strip_prefix('/'))
+                    .is_some_and(|subtype| subtype.ends_with(suffix)),
+                None => media.starts_with(allowed.as_str()),
+            })
 }
 
 #[cfg(test)]
@@ -177,9 +184,25 @@ mod tests {
     }
 
     #[test]
+    fn json_suffix_types_are_replayable_by_default() {
+        let p = policy("");
+        for ct in [
+            "application/vnd.api+json",
+            "application/hal+json; charset=utf-8",
+            "application/problem+json",
+            "Application/JSON",
+        ] {
+            let mut c = Capture::begin(&p, &headers("201", ct));
+            c.chunk(&p, b"{}");
+            assert!(matches!(c.finish(&p), Outcome::Store(..)), "{ct}");
+        }
+    }
+
+    #[test]
     fn statuses_that_abort() {
         let p = policy("");
-        for s in ["500", "503", "408", "429", "garbage"] {
+        // 401/403/407: a retry with fresh credentials must run, not replay the refusal.
+        for s in ["500", "503", "401", "403", "407", "408", "429", "garbage"] {
             assert_eq!(
                 Capture::begin(&p, &headers(s, "application/json")).finish(&p),
                 Outcome::Abort,
@@ -206,6 +229,16 @@ mod tests {
             Capture::begin(&p, &headers("200", "image/png")).finish(&p),
             Outcome::Abort
         );
+        for not_json in [
+            "application/xml+jsonx",
+            "text/x+json",
+            "application/vnd.x+xml",
+        ] {
+            assert!(
+                !Capture::begin(&p, &headers("200", not_json)).wants_body(),
+                "{not_json}"
+            );
+        }
         let p = policy(r#","unreplayable":"store_status""#);
         let mut big = Capture::begin(&p, &headers("200", "application/json"));
         big.chunk(&p, b"123456789");

@@ -221,8 +221,12 @@ const DEFAULT_MAX_WAIT_MS: u64 = 30_000;
 const DEFAULT_MAX_QUEUE: u32 = 16;
 const DEFAULT_FINGERPRINT_BODY: usize = 64 * 1024;
 const DEFAULT_RESPONSE_BODY: usize = 256 * 1024;
-const DEFAULT_CONTENT_TYPES: [&str; 3] =
-    ["application/json", "application/problem+json", "text/plain"];
+/// `application/*+json`: every RFC 6839 `+json` type (`problem+json`, `vnd.api+json`,
+/// `hal+json`), replayable as JSON is.
+const DEFAULT_CONTENT_TYPES: [&str; 3] = ["application/json", "application/*+json", "text/plain"];
+/// Never stored unless configured: a retry of these is a different situation (fresh
+/// credentials, after a timeout, after a rate limit), which a replay would deny.
+const DEFAULT_EXCEPT: [u16; 5] = [401, 403, 407, 408, 429];
 const DEFAULT_REPLAYED_HEADERS: [&str; 6] = [
     "content-type",
     "content-language",
@@ -1005,7 +1009,7 @@ fn compile_response(r: &Section<'_>) -> Result<ResponsePolicy, ConfigError> {
         store_classes |= 1 << bit;
     }
     let except = match r.array("except")? {
-        None => [408, 429].into(),
+        None => DEFAULT_EXCEPT.into(),
         Some(items) => {
             let at = r.at("except");
             let mut codes = Vec::with_capacity(items.len());

@@ -1,4 +1,4 @@
-//! Request fingerprints (idempotency mode): SHA-256 over method, path (with query), the rule's
+//! Request fingerprints (idempotency mode): SHA-256 over method, canonical path (with query), the rule's
 //! chosen headers and — only when Envoy lets the filter see the body before forwarding
 //! (`allow_on_headers_stop_iteration`) — the body up to the rule's cap. Reusing a key with a
 //! different fingerprint is answered 422.
@@ -55,10 +55,11 @@ mod tests {
             headers: vec!["content-type".into()],
             max_body: 10,
         };
-        let head = RequestHead {
-            method: req.header(":method").unwrap(),
-            path: req.header(":path").unwrap(),
-        };
+        let head = RequestHead::new(
+            req.header(":method").unwrap(),
+            &req.header(":path").unwrap(),
+            false,
+        );
         let f = Fingerprint::start(&spec, &head, req);
         match body {
             Some(b) => f.body(b).finish(),
@@ -95,6 +96,14 @@ mod tests {
         assert_ne!(a, fp(&Req::new("POST", "/a"), None));
         assert_ne!(a, fp(&base, Some(b"")));
         assert_ne!(fp(&base, Some(b"1")), fp(&base, Some(b"2")));
+        // Spellings of one path are one request.
+        assert_eq!(
+            a,
+            fp(
+                &Req::new("POST", "//%61/./").with("content-type", "application/json"),
+                None
+            )
+        );
         // Unlisted headers do not count.
         assert_eq!(a, fp(&base.clone().with("x-other", "1"), None));
     }

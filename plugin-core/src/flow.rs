@@ -184,6 +184,9 @@ impl Flow {
                         types::MISSING_KEY,
                         "Idempotency key required",
                     ),
+                    KeyError::RepeatedScope | KeyError::EncodedSeparator => {
+                        (Counter::Ambiguous, types::AMBIGUOUS, "Ambiguous request")
+                    }
                     _ => (
                         Counter::InvalidKey,
                         types::INVALID_KEY,
@@ -1299,5 +1302,7 @@ fn parse_owner(answer: Answer<'_>) -> Option<OwnerOutcome> {
     payload.is_empty().then_some(outcome)
 }
 
+#[cfg(test)]
+mod input_tests;
 #[cfg(test)]
 mod tests;

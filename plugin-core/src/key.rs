@@ -3,11 +3,11 @@
 //! key — a hex SHA-256 over the length-prefixed scope and key. Raw keys and caller identities
 //! never leave this module: nothing stores, sends or logs them.
 
-use alloc::borrow::Cow;
 use alloc::string::String;
 use alloc::vec::Vec;
 use sha2::{Digest, Sha256};
 
+use crate::canonical::decode;
 use crate::config::{KeySource, Rule};
 use crate::rule::{RequestHead, RequestView};
 
@@ -18,6 +18,13 @@ pub enum KeyError {
     Malformed,
     TooLong,
     BadCharacter,
+    /// The key header was sent more than once (or a query key parameter repeated): which one
+    /// is the key is a guess, and the other may be what the backend reads.
+    Repeated,
+    /// A scope header was sent more than once: the caller is ambiguous.
+    RepeatedScope,
+    /// The path carries an encoded `/` or `\` (see `RequestHead::encoded_separator`).
+    EncodedSeparator,
 }
 
 impl KeyError {
@@ -27,6 +34,11 @@ impl KeyError {
             KeyError::Malformed => "the key is not a valid RFC 8941 string or token",
             KeyError::TooLong => "the key is longer than this endpoint allows",
             KeyError::BadCharacter => "the key contains characters this endpoint does not allow",
+            KeyError::Repeated => "the key is sent more than once",
+            KeyError::RepeatedScope => "a header that identifies the caller is sent more than once",
+            KeyError::EncodedSeparator => {
+                "the path has an encoded / or \\ (%2F, %5C), which servers read differently"
+            }
         }
     }
 }
@@ -37,14 +49,34 @@ pub fn extract(
     head: &RequestHead,
     req: &dyn RequestView,
 ) -> Result<Option<Vec<u8>>, KeyError> {
-    let raw: Option<Cow<'_, [u8]>> = match &rule.key.source {
-        KeySource::Header(h) => req.header(h).map(Cow::Owned),
+    if head.encoded_separator {
+        return Err(KeyError::EncodedSeparator);
+    }
+    // Envoy hands the filter only the first value of a header: identity and keys must not
+    // be first-value-only when the backend may read another.
+    if !rule.scope.headers.is_empty() && req.repeated(&rule.scope.headers) {
+        return Err(KeyError::RepeatedScope);
+    }
+    let raw: Option<Vec<u8>> = match &rule.key.source {
+        KeySource::Header(h) => {
+            if req.repeated(core::slice::from_ref(h)) {
+                return Err(KeyError::Repeated);
+            }
+            req.header(h)
+        }
+        // The value the backend's router hands its handler: the segment, decoded.
         KeySource::PathParam(p) => rule
             .matcher
             .path
             .variable(head.path_only(), Some(p))
-            .map(Cow::Borrowed),
-        KeySource::QueryParam(q) => head.query_param(q).map(Cow::Borrowed),
+            .map(|segment| decode(segment, false)),
+        KeySource::QueryParam(q) => {
+            let mut values = head.query_values(q);
+            if values.len() > 1 {
+                return Err(KeyError::Repeated);
+            }
+            values.pop()
+        }
     };
     let raw = match raw {
         Some(r) if !r.is_empty() => r,
@@ -53,7 +85,7 @@ pub fn extract(
     };
     let key = match rule.key.source {
         KeySource::Header(_) => unquote(&raw)?,
-        _ => raw.into_owned(),
+        _ => raw,
     };
     if key.is_empty() {
         return Err(KeyError::Malformed);
@@ -71,7 +103,9 @@ pub fn extract(
 fn unquote(raw: &[u8]) -> Result<Vec<u8>, KeyError> {
     let trimmed = raw.trim_ascii();
     let Some(inner) = trimmed.strip_prefix(b"\"") else {
-        if trimmed.contains(&b'"') {
+        // A bare `,` is what joining two header lines produces (RFC 9110 §5.3): which one was
+        // meant is a guess. Inside an sf-string it is an ordinary character.
+        if trimmed.contains(&b'"') || trimmed.contains(&b',') {
             return Err(KeyError::Malformed);
         }
         return Ok(trimmed.to_vec());
@@ -177,10 +211,11 @@ mod tests {
     }
 
     fn head(req: &Req) -> RequestHead {
-        RequestHead {
-            method: req.header(":method").unwrap(),
-            path: req.header(":path").unwrap(),
-        }
+        RequestHead::new(
+            req.header(":method").unwrap(),
+            &req.header(":path").unwrap(),
+            false,
+        )
     }
 
     fn key_of(rule: &Rule, value: &str) -> Result<Option<Vec<u8>>, KeyError> {

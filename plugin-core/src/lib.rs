@@ -6,6 +6,7 @@
 //! | module | owns |
 //! |---|---|
 //! | [`config`] | the JSON configuration and its validation into [`Config`] |
+//! | [`canonical`] | canonical paths and decoded key values, as backends read them |
 //! | [`rule`] | which rule a request falls under |
 //! | [`key`] | key extraction, validation and the scoped, hashed stored key |
 //! | [`fingerprint`] | request fingerprints for key-reuse detection |
@@ -21,6 +22,7 @@
 extern crate alloc;
 
 pub mod breaker;
+pub mod canonical;
 pub mod capture;
 pub mod config;
 pub mod fingerprint;

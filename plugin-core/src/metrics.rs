@@ -13,6 +13,8 @@ pub enum Counter {
     Mismatch,
     MissingKey,
     InvalidKey,
+    /// 400: the path or the caller's identity reads two ways (encoded separator, repeated scope header).
+    Ambiguous,
     Bypassed,
     TooLarge,
     FailedOpen,
@@ -43,7 +45,7 @@ pub enum Counter {
 }
 
 impl Counter {
-    pub const ALL: [Counter; 30] = [
+    pub const ALL: [Counter; 31] = [
         Counter::Pass,
         Counter::Granted,
         Counter::Replayed,
@@ -52,6 +54,7 @@ impl Counter {
         Counter::Mismatch,
         Counter::MissingKey,
         Counter::InvalidKey,
+        Counter::Ambiguous,
         Counter::Bypassed,
         Counter::TooLarge,
         Counter::FailedOpen,
@@ -86,6 +89,7 @@ impl Counter {
             Counter::Mismatch => "idemgate.requests.mismatch",
             Counter::MissingKey => "idemgate.requests.missing_key",
             Counter::InvalidKey => "idemgate.requests.invalid_key",
+            Counter::Ambiguous => "idemgate.requests.ambiguous",
             Counter::Bypassed => "idemgate.requests.bypassed",
             Counter::TooLarge => "idemgate.requests.too_large",
             Counter::FailedOpen => "idemgate.requests.failed_open",

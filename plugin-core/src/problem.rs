@@ -12,6 +12,7 @@ pub mod types {
     pub use idemgate_wire::problem_types::TOO_LARGE;
     pub const MISSING_KEY: &str = "urn:idemgate:problem:missing-key";
     pub const INVALID_KEY: &str = "urn:idemgate:problem:invalid-key";
+    pub const AMBIGUOUS: &str = "urn:idemgate:problem:ambiguous-request";
     pub const IN_PROGRESS: &str = "urn:idemgate:problem:in-progress";
     pub const MISMATCH: &str = "urn:idemgate:problem:key-reused";
     pub const QUEUE_FULL: &str = "urn:idemgate:problem:queue-full";

@@ -4,6 +4,7 @@
 use alloc::string::{String, ToString};
 use alloc::vec::Vec;
 
+use crate::canonical::{canonical_path, decode};
 use crate::config::Config;
 
 /// The request as the filter sees it at request headers. The glue implements it over
@@ -13,6 +14,9 @@ pub trait RequestView {
     fn header(&self, name: &str) -> Option<Vec<u8>>;
     /// An Envoy property (`["connection", "uri_san_peer_certificate"]`).
     fn property(&self, path: &[String]) -> Option<Vec<u8>>;
+    /// Whether any of these request headers (lower-case names) has more than one value.
+    /// [`RequestView::header`] sees only the first, as Envoy's getter returns it.
+    fn repeated(&self, names: &[String]) -> bool;
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -34,6 +38,8 @@ impl PathMatch {
         let Some(rest) = t.strip_prefix('/') else {
             return Err("must start with `/`".to_string());
         };
+        // Canonical paths have no trailing slash (crate::canonical): `/a/{id}/` means `/a/{id}`.
+        let rest = rest.strip_suffix('/').unwrap_or(rest);
         let mut segments = Vec::new();
         for seg in rest.split('/') {
             if let Some(name) = seg.strip_prefix('{').and_then(|s| s.strip_suffix('}')) {
@@ -65,7 +71,11 @@ impl PathMatch {
     fn matches(&self, path: &[u8]) -> bool {
         match self {
             PathMatch::Any => true,
-            PathMatch::Prefix(p) => path.starts_with(p.as_bytes()),
+            // `/payments/` also covers `/payments`, which is how a canonical path spells it.
+            PathMatch::Prefix(p) => {
+                path.starts_with(p.as_bytes())
+                    || p.strip_suffix('/').is_some_and(|p| p.as_bytes() == path)
+            }
             PathMatch::Template(_) => self.variable(path, None).is_some(),
         }
     }
@@ -110,22 +120,49 @@ pub struct Matcher {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct RequestHead {
     pub method: Vec<u8>,
-    /// `:path` including the query string.
+    /// The canonical path ([`canonical_path`]), then the query string as sent, if any.
     pub path: Vec<u8>,
+    /// The path carries an encoded `/` or `\`: a guarded request is refused, not guessed at.
+    pub encoded_separator: bool,
 }
 
 impl RequestHead {
-    /// The path without its query string.
+    /// The head of a request with this method and raw `:path` (see [`canonical_path`] for
+    /// `split`).
+    pub fn new(method: Vec<u8>, raw_path: &[u8], split: bool) -> RequestHead {
+        let mut parts = raw_path.splitn(2, |b| *b == b'?');
+        let canonical = canonical_path(parts.next().unwrap_or_default(), split);
+        let mut path = canonical.path;
+        if let Some(query) = parts.next() {
+            path.push(b'?');
+            path.extend_from_slice(query);
+        }
+        RequestHead {
+            method,
+            path,
+            encoded_separator: canonical.encoded_separator,
+        }
+    }
+
+    /// The canonical path without the query string.
     pub fn path_only(&self) -> &[u8] {
         self.path.split(|b| *b == b'?').next().unwrap_or_default()
     }
 
-    pub fn query_param(&self, name: &str) -> Option<&[u8]> {
-        let query = self.path.splitn(2, |b| *b == b'?').nth(1)?;
-        query.split(|b| *b == b'&').find_map(|pair| {
-            let mut kv = pair.splitn(2, |b| *b == b'=');
-            (kv.next()? == name.as_bytes()).then(|| kv.next().unwrap_or_default())
-        })
+    /// Every value of query parameter `name`, decoded as a form-encoded query string is
+    /// (`%XX`, `+` as a space; names too).
+    pub fn query_values(&self, name: &str) -> Vec<Vec<u8>> {
+        let Some(query) = self.path.splitn(2, |b| *b == b'?').nth(1) else {
+            return Vec::new();
+        };
+        query
+            .split(|b| *b == b'&')
+            .filter_map(|pair| {
+                let mut kv = pair.splitn(2, |b| *b == b'=');
+                (decode(kv.next()?, true) == name.as_bytes())
+                    .then(|| decode(kv.next().unwrap_or_default(), true))
+            })
+            .collect()
     }
 }
 
@@ -141,9 +178,27 @@ pub fn match_rule(config: &Config, req: &dyn RequestView) -> Option<(usize, Requ
     }) {
         return None;
     }
-    let path = req.header(":path").unwrap_or_default();
-    let head = RequestHead { method, path };
+    let raw_path = req.header(":path").unwrap_or_default();
+    let head = RequestHead::new(method, &raw_path, false);
     let mut authority: Option<Option<Vec<u8>>> = None;
+    if let Some(rule) = first_match(config, req, &head, &mut authority) {
+        return Some((rule, head));
+    }
+    // An encoded separator read as a separator may reach a guarded path: that request is
+    // routed too, so the flow refuses it (`encoded_separator`) instead of letting it through.
+    if head.encoded_separator {
+        let split = RequestHead::new(head.method.clone(), &raw_path, true);
+        return first_match(config, req, &split, &mut authority).map(|rule| (rule, head));
+    }
+    None
+}
+
+fn first_match(
+    config: &Config,
+    req: &dyn RequestView,
+    head: &RequestHead,
+    authority: &mut Option<Option<Vec<u8>>>,
+) -> Option<usize> {
     for (i, rule) in config.rules.iter().enumerate() {
         let m = &rule.matcher;
         if !m
@@ -161,7 +216,7 @@ pub fn match_rule(config: &Config, req: &dyn RequestView) -> Option<(usize, Requ
             }
         }
         if m.headers_present.iter().all(|h| req.header(h).is_some()) {
-            return Some((i, head));
+            return Some(i);
         }
     }
     None
@@ -263,13 +318,15 @@ mod tests {
 
     #[test]
     fn query_params() {
-        let head = RequestHead {
-            method: b"POST".to_vec(),
-            path: b"/a?x=1&lock=abc&y".to_vec(),
-        };
-        assert_eq!(head.query_param("lock"), Some(&b"abc"[..]));
-        assert_eq!(head.query_param("y"), Some(&b""[..]));
-        assert_eq!(head.query_param("z"), None);
+        let head = RequestHead::new(
+            b"POST".to_vec(),
+            b"/a/?x=1&lock=abc&y&l%6Fck=a+b%2B&d=1&d=2",
+            false,
+        );
+        assert_eq!(head.query_values("lock"), [&b"abc"[..], b"a b+"]);
+        assert_eq!(head.query_values("y"), [b""]);
+        assert!(head.query_values("z").is_empty());
+        assert_eq!(head.query_values("d").len(), 2);
         assert_eq!(head.path_only(), b"/a");
     }
 

@@ -48,6 +48,11 @@ impl RequestView for Req {
             .find(|(n, _)| n == name)
             .map(|(_, v)| v.clone())
     }
+    fn repeated(&self, names: &[String]) -> bool {
+        names
+            .iter()
+            .any(|name| self.headers.iter().filter(|(n, _)| n == name).count() > 1)
+    }
     fn property(&self, path: &[String]) -> Option<Vec<u8>> {
         self.properties
             .iter()

@@ -59,6 +59,15 @@ impl RequestView for RequestHeaders {
             .flatten()
     }
 
+    /// One read of every request header, made only for matched rules with a key header or
+    /// scope headers.
+    fn repeated(&self, names: &[String]) -> bool {
+        let pairs = hostcalls::get_map_bytes(MapType::HttpRequestHeaders).unwrap_or_default();
+        names
+            .iter()
+            .any(|name| pairs.iter().filter(|(n, _)| n == name).nth(1).is_some())
+    }
+
     fn property(&self, path: &[String]) -> Option<Vec<u8>> {
         hostcalls::get_property(path.iter().map(String::as_str).collect())
             .ok()
@@ -72,6 +81,27 @@ pub(crate) fn response_headers() -> Vec<(String, Vec<u8>)> {
 
 pub(crate) fn body(buffer: BufferType, size: usize) -> Option<Vec<u8>> {
     hostcalls::get_buffer(buffer, 0, size).ok().flatten()
+}
+
+#[link(wasm_import_module = "env")]
+unsafe extern "C" {
+    /// The ABI's remove: no value crosses into the VM, so nothing is allocated there. Called
+    /// directly because the SDK's wrapper panics on any status but Ok.
+    fn proxy_remove_header_map_value(
+        map_type: MapType,
+        key_data: *const u8,
+        key_size: usize,
+    ) -> u32;
+}
+
+/// Removes every value of request header `name` (lower case). A missing header is Ok; a
+/// failure (the map is not available) leaves nothing to remove from.
+pub(crate) fn remove_request_header(name: &str) {
+    // SAFETY: the pointer and length describe `name`, which outlives the call; the host only
+    // reads them.
+    let _ = unsafe {
+        proxy_remove_header_map_value(MapType::HttpRequestHeaders, name.as_ptr(), name.len())
+    };
 }
 
 pub(crate) fn set_request_headers(headers: &[(String, String)]) {

@@ -109,10 +109,14 @@ impl HttpContext for Stream {
     fn on_http_request_headers(&mut self, _num_headers: usize, end_of_stream: bool) -> Next {
         let mut vm = self.vm.borrow_mut();
         // Most requests match no rule: decided on a borrowed config, without touching its `Rc`.
-        let route = vm
-            .config
-            .as_deref()
-            .and_then(|config| Flow::route(config, &RequestHeaders));
+        let route = vm.config.as_deref().and_then(|config| {
+            // Only idemgate sets these on what reaches the backend: a client's copy (a forged
+            // fencing token, a fake degraded mark) goes on every request the filter sees,
+            // matched or not, before anything else can forward it.
+            host::remove_request_header(&config.fencing_header);
+            host::remove_request_header(&config.degraded_header);
+            Flow::route(config, &RequestHeaders)
+        });
         let Some(route) = route else {
             vm.passed += 1;
             return Next::Continue;

@@ -104,6 +104,14 @@ struct HttpConnectionManager {
     codec_type: Option<String>,
     route_config: RouteConfig,
     http_filters: Vec<HttpFilter>,
+    /// Envoy's path normalisation, set by the shipped `envoy/envoy.yaml`: accepted, not yet
+    /// applied here (the filter canonicalises paths on its own, which is what runs).
+    #[serde(default, rename = "normalize_path")]
+    _normalize_path: Option<bool>,
+    #[serde(default, rename = "merge_slashes")]
+    _merge_slashes: Option<bool>,
+    #[serde(default, rename = "path_with_escaped_slashes_action")]
+    _path_with_escaped_slashes_action: Option<String>,
 }
 
 #[derive(Debug, Deserialize)]
