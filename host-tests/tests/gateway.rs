@@ -33,7 +33,7 @@ fn parse_edited(edit: impl FnOnce(&mut serde_json::Value)) -> Result<EnvoyConfig
     let unused: SocketAddr = "127.0.0.1:1".parse().unwrap();
     let mut value = bootstrap(unused, unused, Some(probe_filter())).to_value();
     edit(&mut value);
-    EnvoyConfig::from_yaml(&serde_yaml::to_string(&value).unwrap(), Path::new("."))
+    EnvoyConfig::from_yaml(&serde_norway::to_string(&value).unwrap(), Path::new("."))
 }
 
 struct Running {

@@ -7,6 +7,7 @@
 
 pub mod bootstrap;
 pub mod config;
+mod path;
 mod stream;
 
 use crate::abi::LogLevel;

@@ -5,7 +5,10 @@
 use super::ListenerWorker;
 use crate::abi::Direction;
 use crate::client::{BoxError, Failure, LocalExec};
+use super::config::{HcmOptions, ListenerConfig, RouteAction, ServerHeaderTransformation};
+use super::path::PathOutcome;
 use crate::headers::HeaderMap;
+use crate::properties::RouteProperties;
 use crate::upstream::response_headers;
 use crate::vm::{StreamEvent, StreamId, StreamInfo};
 use bytes::Bytes;
@@ -184,18 +187,25 @@ impl Driver {
 
     /// A response Envoy's router generates itself (no route, connect failure, timeout).
     fn router_reply(&mut self, status: u16, body: &str) {
-        let headers = HeaderMap::from([
+        self.local_reply(status, body.as_bytes(), &[]);
+    }
+
+    /// Envoy's `sendLocalReply`: content-length, `content-type: text/plain` with a body, and
+    /// `extra` headers.
+    fn local_reply(&mut self, status: u16, body: &[u8], extra: &[(&str, &str)]) {
+        let mut headers = HeaderMap::from([
             (":status", status.to_string()),
             ("content-length", body.len().to_string()),
-            ("content-type", "text/plain".to_owned()),
         ]);
+        if !body.is_empty() {
+            headers.add(b"content-type", b"text/plain");
+        }
+        for (k, v) in extra {
+            headers.add(k.as_bytes(), v.as_bytes());
+        }
         self.headers(Direction::Response, headers, body.is_empty());
         if !body.is_empty() {
-            self.data(
-                Direction::Response,
-                Bytes::copy_from_slice(body.as_bytes()),
-                true,
-            );
+            self.data(Direction::Response, Bytes::copy_from_slice(body), true);
         }
     }
 
@@ -240,8 +250,10 @@ impl Drop for Driver {
     }
 }
 
-/// The request as Envoy's HCM hands it to filters (pseudo-headers first, `host` folded into
-/// `:authority`, `x-request-id` and `x-forwarded-proto` added).
+/// The request as Envoy's HCM hands it to filters: pseudo-headers first in the order the
+/// HTTP/1 codec sets them (`host` folded into `:authority`), the client's headers in their
+/// order without hop-by-hop ones, then what `ConnectionManagerUtility::mutateRequestHeaders`
+/// adds, in its order (`x-forwarded-proto`, then a generated `x-request-id`).
 fn downstream_headers(parts: &http::request::Parts) -> HeaderMap {
     let authority = parts
         .uri
@@ -270,6 +282,7 @@ fn downstream_headers(parts: &http::request::Parts) -> HeaderMap {
             headers.add(k.as_str().as_bytes(), v.as_bytes());
         }
     }
+    headers.replace(b"x-forwarded-proto", b"http");
     if headers.get_bytes("x-request-id").is_none() {
         let mut random = [0u8; 16];
         let _ = getrandom::getrandom(&mut random);
@@ -284,8 +297,75 @@ fn downstream_headers(parts: &http::request::Parts) -> HeaderMap {
         );
         headers.add(b"x-request-id", id.as_bytes());
     }
-    headers.replace(b"x-forwarded-proto", b"http");
     headers
+}
+
+/// A request the connection manager answers itself, before any filter runs.
+struct Refusal {
+    status: u16,
+    body: &'static [u8],
+    details: &'static str,
+    headers: Vec<(&'static str, String)>,
+}
+
+/// What Envoy's HTTP/1 codec and connection manager check and rewrite before the filter
+/// chain exists: Content-Length with Transfer-Encoding (`http1/codec_impl.cc`, refused
+/// unless `allow_chunked_length`, which drops Content-Length instead), then the path
+/// (`ConnectionManagerUtility::maybeNormalizePath`).
+fn connection_manager_checks(
+    parts: &http::request::Parts,
+    headers: &mut HeaderMap,
+    config: &ListenerConfig,
+) -> Option<Refusal> {
+    if parts.version <= http::Version::HTTP_11
+        && parts.headers.contains_key(http::header::CONTENT_LENGTH)
+        && parts.headers.contains_key(http::header::TRANSFER_ENCODING)
+    {
+        if !config.hcm.allow_chunked_length {
+            return Some(Refusal {
+                status: 400,
+                body: b"Bad Request",
+                details: "http1.content_length_and_chunked_not_allowed",
+                headers: vec![("connection", "close".to_owned())],
+            });
+        }
+        headers.remove(b"content-length");
+    }
+    let path = headers.get(":path").unwrap_or_default();
+    match super::path::normalize(&path, &config.hcm) {
+        PathOutcome::Continue(normalized) => {
+            if normalized != path {
+                headers.replace(b":path", normalized.as_bytes());
+            }
+            None
+        }
+        PathOutcome::Reject => Some(Refusal {
+            status: 400,
+            body: b"",
+            details: "path_normalization_failed",
+            headers: Vec::new(),
+        }),
+        PathOutcome::Redirect(location) => Some(Refusal {
+            status: 307,
+            body: b"",
+            details: "path_normalization_failed",
+            headers: vec![("location", location)],
+        }),
+    }
+}
+
+/// The connection manager's `server` header on every response it encodes, local replies
+/// included (`ConnectionManagerImpl::ActiveStream::encodeHeaders`).
+fn server_header(headers: &mut HeaderMap, hcm: &HcmOptions) {
+    match hcm.server_header {
+        ServerHeaderTransformation::Overwrite => {
+            headers.replace(b"server", hcm.server_name.as_bytes());
+        }
+        ServerHeaderTransformation::AppendIfAbsent if headers.get_bytes("server").is_none() => {
+            headers.add(b"server", hcm.server_name.as_bytes());
+        }
+        ServerHeaderTransformation::AppendIfAbsent | ServerHeaderTransformation::PassThrough => {}
+    }
 }
 
 fn http_headers(map: &HeaderMap, into: &mut http::HeaderMap) {
@@ -391,15 +471,34 @@ async fn drive(
     let started = Instant::now();
     let listener = Rc::clone(&connection.listener);
     let (parts, body) = request.into_parts();
-    let headers = downstream_headers(&parts);
-    let chain = match &listener.vm {
-        Some(vm) => Chain::Wasm(vm.borrow_mut().new_stream(StreamInfo {
+    let mut headers = downstream_headers(&parts);
+    let refusal = connection_manager_checks(&parts, &mut headers, &listener.config);
+    let route = listener
+        .config
+        .route(
+            &headers.get(":authority").unwrap_or_default(),
+            &headers.get(":path").unwrap_or_default(),
+        )
+        .map(|(host, route)| {
+            Arc::new(RouteProperties {
+                route_name: route.name.clone(),
+                virtual_host_name: host.name.clone(),
+                cluster_name: match &route.action {
+                    RouteAction::Cluster { cluster, .. } => Some(cluster.clone()),
+                    RouteAction::Direct { .. } => None,
+                },
+                filter_metadata: route.metadata.clone(),
+            })
+        });
+    let chain = match (&listener.vm, &refusal) {
+        (Some(vm), None) => Chain::Wasm(vm.borrow_mut().new_stream(StreamInfo {
             source: connection.peer,
             destination: connection.local,
             connection_id: connection.id,
             protocol: protocol.replace("HTTP/2.0", "HTTP/2"),
+            route,
         })),
-        None => Chain::Direct {
+        _ => Chain::Direct {
             events: Vec::new(),
             finished: false,
         },
@@ -424,7 +523,22 @@ async fn drive(
     let mut upstream_deadline: Option<tokio::time::Instant> = None;
     let mut upstream_response: Option<Incoming> = None;
     let mut in_flight: Option<RequestGuard> = None;
-    driver.headers(Direction::Request, headers.clone(), end_stream);
+    let mut upstream_started: Option<Instant> = None;
+    let suppress_envoy_headers = listener.config.suppress_envoy_headers;
+    match refusal {
+        // Envoy answers these before it creates the filter chain: no filter sees them.
+        Some(refusal) => {
+            request_body = None;
+            outcome.details = Some(refusal.details.to_owned());
+            let extra: Vec<(&str, &str)> = refusal
+                .headers
+                .iter()
+                .map(|(k, v)| (*k, v.as_str()))
+                .collect();
+            driver.local_reply(refusal.status, refusal.body, &extra);
+        }
+        None => driver.headers(Direction::Request, headers.clone(), end_stream),
+    }
 
     for _ in 0..u32::MAX {
         for event in driver.take_events() {
@@ -433,18 +547,36 @@ async fn drive(
                     headers,
                     end_stream,
                 } => {
+                    let mut headers = headers;
                     let path = headers.get(":path").unwrap_or_default();
-                    let route = listener
-                        .config
-                        .routes
-                        .iter()
-                        .find(|r| path.starts_with(&r.prefix));
-                    let Some(route) = route else {
+                    let authority = headers.get(":authority").unwrap_or_default();
+                    // The router matches again: the filter may have changed the headers
+                    // (Envoy's wasm filter clears the route cache when it does).
+                    let Some((host, route)) = listener.config.route(&authority, &path) else {
                         driver.router_reply(404, "");
                         outcome.details = Some("route_not_found".into());
                         continue;
                     };
-                    let Some(cluster) = listener.clusters.get(&route.cluster).cloned() else {
+                    let (cluster_name, timeout) = match &route.action {
+                        RouteAction::Direct { status, body } => {
+                            outcome.details = Some("direct_response".into());
+                            driver.local_reply(*status, body, &[]);
+                            continue;
+                        }
+                        RouteAction::Cluster { cluster, timeout } => (cluster, *timeout),
+                    };
+                    // Most specific first, so the route configuration's own headers win
+                    // (`most_specific_header_mutations_wins: false`, Envoy's default).
+                    route.headers.apply(&mut headers);
+                    host.headers.apply(&mut headers);
+                    listener.config.route_config_headers.apply(&mut headers);
+                    if let (false, Some(timeout)) = (suppress_envoy_headers, timeout) {
+                        headers.replace(
+                            b"x-envoy-expected-rq-timeout-ms",
+                            timeout.as_millis().to_string().as_bytes(),
+                        );
+                    }
+                    let Some(cluster) = listener.clusters.get(cluster_name).cloned() else {
                         driver.router_reply(503, "no healthy upstream");
                         continue;
                     };
@@ -496,7 +628,8 @@ async fn drive(
                     http_headers(&headers, request.headers_mut());
                     let (done, pending) = oneshot::channel();
                     upstream_pending = Some(pending);
-                    upstream_deadline = route.timeout.map(|t| tokio::time::Instant::now() + t);
+                    upstream_deadline = timeout.map(|t| tokio::time::Instant::now() + t);
+                    upstream_started = Some(Instant::now());
                     upstream_task = Some(tokio::task::spawn_local(upstream_exchange(
                         Rc::clone(&listener),
                         cluster,
@@ -533,6 +666,8 @@ async fn drive(
                     headers,
                     end_stream,
                 } => {
+                    let mut headers = headers;
+                    server_header(&mut headers, &listener.config.hcm);
                     let (tx, body) = ChannelBody::channel();
                     let mut response = http::Response::new(body);
                     let status = headers
@@ -598,6 +733,12 @@ async fn drive(
                             headers.remove(hop.as_bytes());
                         }
                         upstream_response = (!end).then_some(body);
+                        if let (false, Some(started)) = (suppress_envoy_headers, upstream_started) {
+                            headers.replace(
+                                b"x-envoy-upstream-service-time",
+                                started.elapsed().as_millis().to_string().as_bytes(),
+                            );
+                        }
                         driver.headers(Direction::Response, headers, end);
                     }
                     Ok(Err(Failure::Connect)) | Err(_) => {
