@@ -124,7 +124,10 @@ fn xds(route: Option<&RouteProperties>, field: &[u8], rest: &[&[u8]]) -> Result<
     match (field, rest) {
         (b"route_name", []) => text(&route.route_name),
         (b"virtual_host_name", []) => text(&route.virtual_host_name),
-        (b"cluster_name", []) => route.cluster_name.as_deref().map_or(Err(Status::NotFound), text),
+        (b"cluster_name", []) => route
+            .cluster_name
+            .as_deref()
+            .map_or(Err(Status::NotFound), text),
         (b"route_metadata", []) => Ok(metadata::encode(route.filter_metadata.as_ref())),
         (b"route_metadata", [b"filter_metadata", path @ ..]) => {
             let empty = serde_json::Value::Object(serde_json::Map::new());
@@ -220,7 +223,11 @@ mod metadata {
     /// The whole `Metadata` message in protobuf binary, as Envoy returns a message value.
     pub(super) fn encode(filter_metadata: Option<&Value>) -> Vec<u8> {
         let mut out = Vec::new();
-        for (name, fields) in filter_metadata.and_then(Value::as_object).into_iter().flatten() {
+        for (name, fields) in filter_metadata
+            .and_then(Value::as_object)
+            .into_iter()
+            .flatten()
+        {
             let mut entry = Vec::new();
             field(0x0a, name.as_bytes(), &mut entry);
             field(0x12, &structure(fields), &mut entry);

@@ -53,7 +53,10 @@ fn unescape_slashes(path: &str) -> Option<String> {
 
 fn split_query(path: &str) -> (&str, &str) {
     match path.find('?') {
-        Some(at) => (path.get(..at).unwrap_or_default(), path.get(at..).unwrap_or_default()),
+        Some(at) => (
+            path.get(..at).unwrap_or_default(),
+            path.get(at..).unwrap_or_default(),
+        ),
         None => (path, ""),
     }
 }
@@ -69,7 +72,9 @@ fn must_escape(b: u8) -> bool {
 }
 
 fn hex(b: u8) -> Option<u8> {
-    char::from(b).to_digit(16).and_then(|d| u8::try_from(d).ok())
+    char::from(b)
+        .to_digit(16)
+        .and_then(|d| u8::try_from(d).ok())
 }
 
 /// `PathUtil::canonicalPath`: decode escaped unreserved characters, escape what may not be
@@ -83,7 +88,10 @@ pub(crate) fn canonical_path(original: &str) -> Option<String> {
     while let Some(&b) = bytes.get(i) {
         match b {
             b'\\' => text.push('/'),
-            b'%' => match (bytes.get(i + 1).and_then(|h| hex(*h)), bytes.get(i + 2).and_then(|l| hex(*l))) {
+            b'%' => match (
+                bytes.get(i + 1).and_then(|h| hex(*h)),
+                bytes.get(i + 2).and_then(|l| hex(*l)),
+            ) {
                 (Some(h), Some(l)) => {
                     let decoded = h * 16 + l;
                     if decoded == 0 {

@@ -3,10 +3,10 @@
 //! response frames back in, client aborts as stream resets, and the access-log line.
 
 use super::ListenerWorker;
-use crate::abi::Direction;
-use crate::client::{BoxError, Failure, LocalExec};
 use super::config::{HcmOptions, ListenerConfig, RouteAction, ServerHeaderTransformation};
 use super::path::PathOutcome;
+use crate::abi::Direction;
+use crate::client::{BoxError, Failure, LocalExec};
 use crate::headers::HeaderMap;
 use crate::properties::RouteProperties;
 use crate::upstream::response_headers;

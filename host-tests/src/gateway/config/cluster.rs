@@ -110,7 +110,9 @@ pub(super) fn cluster(index: usize, node: &Node<'_>) -> Option<Cluster> {
     let typed = protocol_options(&raw);
     let (http2, max_concurrent_streams) = match (typed, legacy_h2) {
         (Some(_), Some(h2)) => {
-            h2.issue("set either http2_protocol_options or typed_extension_protocol_options, not both");
+            h2.issue(
+                "set either http2_protocol_options or typed_extension_protocol_options, not both",
+            );
             (true, None)
         }
         (Some(typed), None) => typed,

@@ -232,8 +232,7 @@ fn connection_manager(
         options.server_name = name.to_owned();
     }
     if let Some(t) = hcm.get("server_header_transformation") {
-        options.server_header = match t.choice(&["OVERWRITE", "APPEND_IF_ABSENT", "PASS_THROUGH"])
-        {
+        options.server_header = match t.choice(&["OVERWRITE", "APPEND_IF_ABSENT", "PASS_THROUGH"]) {
             Some("APPEND_IF_ABSENT") => ServerHeaderTransformation::AppendIfAbsent,
             Some("PASS_THROUGH") => ServerHeaderTransformation::PassThrough,
             _ => ServerHeaderTransformation::Overwrite,
@@ -407,7 +406,9 @@ fn route(node: &Node<'_>, clusters: &BTreeMap<String, Cluster>) -> Option<Route>
             if !clusters.contains_key(&cluster) {
                 action.issue_at("cluster", format!("unknown cluster `{cluster}`"));
             }
-            let timeout = action.duration("timeout").unwrap_or(Duration::from_secs(15));
+            let timeout = action
+                .duration("timeout")
+                .unwrap_or(Duration::from_secs(15));
             RouteAction::Cluster {
                 cluster,
                 timeout: (!timeout.is_zero()).then_some(timeout),
@@ -419,16 +420,18 @@ fn route(node: &Node<'_>, clusters: &BTreeMap<String, Cluster>) -> Option<Route>
             return None;
         }
     };
-    let metadata = route.message("metadata", &["filter_metadata"], &[]).and_then(|m| {
-        let node = m.get("filter_metadata")?;
-        match serde_json::to_value(node.value) {
-            Ok(json @ serde_json::Value::Object(_)) => Some(json),
-            _ => {
-                node.issue("expected a map of filter names to structs");
-                None
+    let metadata = route
+        .message("metadata", &["filter_metadata"], &[])
+        .and_then(|m| {
+            let node = m.get("filter_metadata")?;
+            match serde_json::to_value(node.value) {
+                Ok(json @ serde_json::Value::Object(_)) => Some(json),
+                _ => {
+                    node.issue("expected a map of filter names to structs");
+                    None
+                }
             }
-        }
-    });
+        });
     Some(Route {
         name: route.string("name"),
         path,
@@ -485,7 +488,10 @@ fn header_mutation(level: &Message<'_>) -> HeaderMutation {
         }
     }
     for node in level.list("request_headers_to_add") {
-        let option = node.message(&["header", "append", "append_action", "keep_empty_value"], &[]);
+        let option = node.message(
+            &["header", "append", "append_action", "keep_empty_value"],
+            &[],
+        );
         let Some(header) = option.required("header") else {
             continue;
         };
@@ -551,7 +557,8 @@ fn domain_rank(domain: &str, host: &str) -> Option<(u8, usize)> {
         return (host.len() > suffix.len() && host.ends_with(suffix)).then_some((1, domain.len()));
     }
     if let Some(prefix) = domain.strip_suffix('*') {
-        return (host.len() > prefix.len() && host.starts_with(prefix)).then_some((2, domain.len()));
+        return (host.len() > prefix.len() && host.starts_with(prefix))
+            .then_some((2, domain.len()));
     }
     None
 }

@@ -16,8 +16,8 @@ use std::path::{Path, PathBuf};
 use walk::{Issues, Node};
 
 pub use listener::{
-    AppendAction, EscapedSlashesAction, HcmOptions, HeaderMutation, HeaderToAdd, PathMatch,
-    Route, RouteAction, ServerHeaderTransformation, VirtualHost,
+    AppendAction, EscapedSlashesAction, HcmOptions, HeaderMutation, HeaderToAdd, PathMatch, Route,
+    RouteAction, ServerHeaderTransformation, VirtualHost,
 };
 
 /// A configuration the gateway cannot run.
@@ -114,7 +114,10 @@ fn socket_address(node: &Node<'_>) -> Option<SocketAddr> {
     }
     let host = socket.required("address")?.str()?;
     let port = u16::try_from(socket.uint("port_value", u64::from(u16::MAX)).unwrap_or(0)).ok()?;
-    let resolved = (host, port).to_socket_addrs().ok().and_then(|mut a| a.next());
+    let resolved = (host, port)
+        .to_socket_addrs()
+        .ok()
+        .and_then(|mut a| a.next());
     if resolved.is_none() {
         socket.issue_at("address", format!("cannot resolve `{host}`"));
     }

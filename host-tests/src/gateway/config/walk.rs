@@ -106,8 +106,10 @@ impl<'a> Node<'a> {
         for key in mapping.iter().flat_map(|m| m.keys()) {
             let name = key.as_str().unwrap_or_default();
             if name != "@type" && !known.contains(&name) && !ignored.contains(&name) {
-                self.child(key, name)
-                    .issue(format!("unsupported field (supported here: {})", list(known)));
+                self.child(key, name).issue(format!(
+                    "unsupported field (supported here: {})",
+                    list(known)
+                ));
             }
         }
         Message {
@@ -164,7 +166,10 @@ impl<'a> Node<'a> {
         if variants.contains(&s) {
             Some(s)
         } else {
-            self.issue(format!("`{s}` is not supported (supported: {})", list(variants)));
+            self.issue(format!(
+                "`{s}` is not supported (supported: {})",
+                list(variants)
+            ));
             None
         }
     }
@@ -306,7 +311,12 @@ impl<'a> Message<'a> {
         self.get(name).map(|n| n.list()).unwrap_or_default()
     }
 
-    pub(super) fn message(&self, name: &str, known: &[&str], ignored: &[&str]) -> Option<Message<'a>> {
+    pub(super) fn message(
+        &self,
+        name: &str,
+        known: &[&str],
+        ignored: &[&str],
+    ) -> Option<Message<'a>> {
         Some(self.get(name)?.message(known, ignored))
     }
 

@@ -98,9 +98,11 @@ pub(super) fn filter(node: &Node<'_>, base: &Path) -> Option<WasmFilter> {
         code
     };
     let mut environment = Vec::new();
-    if let Some(env) =
-        vm.message("environment_variables", &["key_values", "host_env_keys"], &[])
-    {
+    if let Some(env) = vm.message(
+        "environment_variables",
+        &["key_values", "host_env_keys"],
+        &[],
+    ) {
         environment.extend(env.string_map("key_values"));
         for key in env.list("host_env_keys") {
             // Envoy passes a host variable only when it is set.
