@@ -533,3 +533,11 @@ fn the_connection_manager_and_router_behave_as_envoy() {
         gateway.stats().get("http.strict.downstream_rq_4xx") >= 3
     });
 }
+
+/// What users deploy keeps loading.
+#[test]
+fn the_shipped_envoy_yaml_loads() {
+    let path = idemgate_host::target_dir().join("../envoy/envoy.yaml");
+    let config = EnvoyConfig::load(&path).unwrap_or_else(|e| panic!("{e}"));
+    assert!(config.listeners.iter().any(|l| l.wasm.is_some()));
+}
