@@ -227,20 +227,14 @@ impl<'a> Node<'a> {
         let value = wrapper
             .get("value")
             .unwrap_or_else(|| self.child(&Value::Null, "value"));
-        // TypedStruct URLs may name any host; Envoy only reads what follows the last '/'.
+        // A TypedStruct's `type_url` may name any host; compare what follows the last '/'.
         let name = inner.rsplit('/').next().unwrap_or(inner);
-        Some((canonical_type(name), value))
+        let known = super::KNOWN_TYPES
+            .iter()
+            .find(|t| t.rsplit('/').next() == Some(name))
+            .copied();
+        Some((known.unwrap_or(inner), value))
     }
-}
-
-/// `type.googleapis.com/<name>` as a static string for the types the gateway knows, the
-/// name itself otherwise (only ever compared and printed).
-fn canonical_type(name: &str) -> &'static str {
-    super::KNOWN_TYPES
-        .iter()
-        .find(|t| t.rsplit('/').next() == Some(name))
-        .copied()
-        .unwrap_or("(a type this gateway does not know)")
 }
 
 fn text(value: &Value) -> String {
