@@ -159,7 +159,7 @@ static_resources:
           route_config:
             virtual_hosts:
               name: all
-              domains: "*"
+              domains: ["*"]
               routes:
                 match: {{prefix: "/"}}
                 route: {{cluster: backend, timeout: 5s}}

@@ -61,10 +61,12 @@ pub(crate) struct Connection {
     pub(crate) peer: SocketAddr,
     pub(crate) local: SocketAddr,
     pub(crate) id: u64,
+    /// Raw HTTP/1 request heads, for what hyper's parser does not report.
+    pub(crate) heads: Rc<std::cell::RefCell<super::heads::Heads>>,
 }
 
 impl Connection {
-    pub(crate) async fn serve(self, io: TokioIo<tokio::net::TcpStream>) {
+    pub(crate) async fn serve(self, io: TokioIo<super::heads::Recording<tokio::net::TcpStream>>) {
         let this = Rc::new(self);
         let service = hyper::service::service_fn(move |request: http::Request<Incoming>| {
             let this = Rc::clone(&this);
@@ -314,13 +316,14 @@ struct Refusal {
 /// (`ConnectionManagerUtility::maybeNormalizePath`).
 fn connection_manager_checks(
     parts: &http::request::Parts,
+    raw_head: Option<&[u8]>,
     headers: &mut HeaderMap,
     config: &ListenerConfig,
 ) -> Option<Refusal> {
-    if parts.version <= http::Version::HTTP_11
-        && parts.headers.contains_key(http::header::CONTENT_LENGTH)
-        && parts.headers.contains_key(http::header::TRANSFER_ENCODING)
-    {
+    // hyper keeps Transfer-Encoding but drops the Content-Length beside it: read the raw head.
+    let content_length_with_chunked = parts.headers.contains_key(http::header::TRANSFER_ENCODING)
+        && raw_head.is_some_and(|head| super::heads::has_header(head, "content-length"));
+    if content_length_with_chunked {
         if !config.hcm.allow_chunked_length {
             return Some(Refusal {
                 status: 400,
@@ -472,7 +475,11 @@ async fn drive(
     let listener = Rc::clone(&connection.listener);
     let (parts, body) = request.into_parts();
     let mut headers = downstream_headers(&parts);
-    let refusal = connection_manager_checks(&parts, &mut headers, &listener.config);
+    let raw_head = (parts.version <= http::Version::HTTP_11)
+        .then(|| connection.heads.borrow_mut().next())
+        .flatten();
+    let refusal =
+        connection_manager_checks(&parts, raw_head.as_deref(), &mut headers, &listener.config);
     let route = listener
         .config
         .route(
@@ -541,173 +548,180 @@ async fn drive(
     }
 
     for _ in 0..u32::MAX {
-        for event in driver.take_events() {
-            match event {
-                StreamEvent::UpstreamHeaders {
-                    headers,
-                    end_stream,
-                } => {
-                    let mut headers = headers;
-                    let path = headers.get(":path").unwrap_or_default();
-                    let authority = headers.get(":authority").unwrap_or_default();
-                    // The router matches again: the filter may have changed the headers
-                    // (Envoy's wasm filter clears the route cache when it does).
-                    let Some((host, route)) = listener.config.route(&authority, &path) else {
-                        driver.router_reply(404, "");
-                        outcome.details = Some("route_not_found".into());
-                        continue;
-                    };
-                    let (cluster_name, timeout) = match &route.action {
-                        RouteAction::Direct { status, body } => {
-                            outcome.details = Some("direct_response".into());
-                            driver.local_reply(*status, body, &[]);
+        // Handling an event can produce more (a router reply runs the filter's response
+        // callbacks): drain them all before checking whether the stream is over.
+        let mut events = driver.take_events();
+        while !events.is_empty() {
+            for event in std::mem::take(&mut events) {
+                match event {
+                    StreamEvent::UpstreamHeaders {
+                        headers,
+                        end_stream,
+                    } => {
+                        let mut headers = headers;
+                        let path = headers.get(":path").unwrap_or_default();
+                        let authority = headers.get(":authority").unwrap_or_default();
+                        // The router matches again: the filter may have changed the headers
+                        // (Envoy's wasm filter clears the route cache when it does).
+                        let Some((host, route)) = listener.config.route(&authority, &path) else {
+                            driver.router_reply(404, "");
+                            outcome.details = Some("route_not_found".into());
                             continue;
+                        };
+                        let (cluster_name, timeout) = match &route.action {
+                            RouteAction::Direct { status, body } => {
+                                outcome.details = Some("direct_response".into());
+                                driver.local_reply(*status, body, &[]);
+                                continue;
+                            }
+                            RouteAction::Cluster { cluster, timeout } => (cluster, *timeout),
+                        };
+                        // Most specific first, so the route configuration's own headers win
+                        // (`most_specific_header_mutations_wins: false`, Envoy's default).
+                        route.headers.apply(&mut headers);
+                        host.headers.apply(&mut headers);
+                        listener.config.route_config_headers.apply(&mut headers);
+                        if let (false, Some(timeout)) = (suppress_envoy_headers, timeout) {
+                            headers.replace(
+                                b"x-envoy-expected-rq-timeout-ms",
+                                timeout.as_millis().to_string().as_bytes(),
+                            );
                         }
-                        RouteAction::Cluster { cluster, timeout } => (cluster, *timeout),
-                    };
-                    // Most specific first, so the route configuration's own headers win
-                    // (`most_specific_header_mutations_wins: false`, Envoy's default).
-                    route.headers.apply(&mut headers);
-                    host.headers.apply(&mut headers);
-                    listener.config.route_config_headers.apply(&mut headers);
-                    if let (false, Some(timeout)) = (suppress_envoy_headers, timeout) {
-                        headers.replace(
-                            b"x-envoy-expected-rq-timeout-ms",
-                            timeout.as_millis().to_string().as_bytes(),
-                        );
-                    }
-                    let Some(cluster) = listener.clusters.get(cluster_name).cloned() else {
-                        driver.router_reply(503, "no healthy upstream");
-                        continue;
-                    };
-                    let Some(guard) = RequestGuard::start(Arc::clone(&listener.shared), &cluster)
-                    else {
-                        listener.stats.add(
-                            format!("cluster.{}.upstream_rq_pending_overflow", cluster.name),
-                            1,
-                        );
-                        outcome.details =
-                            Some("upstream_reset_before_response_started{overflow}".into());
-                        driver.router_reply(503, "upstream connect error or disconnect/reset before headers. reset reason: overflow");
-                        continue;
-                    };
-                    // Held until the stream ends or the upstream request is abandoned.
-                    in_flight.replace(guard);
-                    listener
-                        .stats
-                        .add(format!("cluster.{}.upstream_rq_total", cluster.name), 1);
-                    outcome.upstream = cluster.address;
-                    outcome.cluster = Some(cluster.name.clone());
-                    let (tx, body) = ChannelBody::channel();
-                    upstream_body = (!end_stream).then_some(tx);
-                    let uri = if cluster.http2 {
-                        format!(
-                            "http://{}{}",
-                            headers.get(":authority").unwrap_or_default(),
-                            path
+                        let Some(cluster) = listener.clusters.get(cluster_name).cloned() else {
+                            driver.router_reply(503, "no healthy upstream");
+                            continue;
+                        };
+                        let Some(guard) =
+                            RequestGuard::start(Arc::clone(&listener.shared), &cluster)
+                        else {
+                            listener.stats.add(
+                                format!("cluster.{}.upstream_rq_pending_overflow", cluster.name),
+                                1,
+                            );
+                            outcome.details =
+                                Some("upstream_reset_before_response_started{overflow}".into());
+                            driver.router_reply(503, "upstream connect error or disconnect/reset before headers. reset reason: overflow");
+                            continue;
+                        };
+                        // Held until the stream ends or the upstream request is abandoned.
+                        in_flight.replace(guard);
+                        listener
+                            .stats
+                            .add(format!("cluster.{}.upstream_rq_total", cluster.name), 1);
+                        outcome.upstream = cluster.address;
+                        outcome.cluster = Some(cluster.name.clone());
+                        let (tx, body) = ChannelBody::channel();
+                        upstream_body = (!end_stream).then_some(tx);
+                        let uri = if cluster.http2 {
+                            format!(
+                                "http://{}{}",
+                                headers.get(":authority").unwrap_or_default(),
+                                path
+                            )
+                        } else {
+                            path.clone()
+                        };
+                        let mut request = http::Request::new(body);
+                        *request.method_mut() = http::Method::from_bytes(
+                            headers.get(":method").unwrap_or_default().as_bytes(),
                         )
-                    } else {
-                        path.clone()
-                    };
-                    let mut request = http::Request::new(body);
-                    *request.method_mut() = http::Method::from_bytes(
-                        headers.get(":method").unwrap_or_default().as_bytes(),
-                    )
-                    .unwrap_or(http::Method::GET);
-                    if let Ok(uri) = uri.parse() {
-                        *request.uri_mut() = uri;
+                        .unwrap_or(http::Method::GET);
+                        if let Ok(uri) = uri.parse() {
+                            *request.uri_mut() = uri;
+                        }
+                        if cluster.http2 {
+                            *request.version_mut() = http::Version::HTTP_2;
+                        } else if let Some(Ok(host)) = headers
+                            .get(":authority")
+                            .map(|a| http::HeaderValue::from_str(&a))
+                        {
+                            request.headers_mut().insert(http::header::HOST, host);
+                        }
+                        http_headers(&headers, request.headers_mut());
+                        let (done, pending) = oneshot::channel();
+                        upstream_pending = Some(pending);
+                        upstream_deadline = timeout.map(|t| tokio::time::Instant::now() + t);
+                        upstream_started = Some(Instant::now());
+                        upstream_task = Some(tokio::task::spawn_local(upstream_exchange(
+                            Rc::clone(&listener),
+                            cluster,
+                            request,
+                            done,
+                        )));
                     }
-                    if cluster.http2 {
-                        *request.version_mut() = http::Version::HTTP_2;
-                    } else if let Some(Ok(host)) = headers
-                        .get(":authority")
-                        .map(|a| http::HeaderValue::from_str(&a))
-                    {
-                        request.headers_mut().insert(http::header::HOST, host);
+                    StreamEvent::UpstreamData { data, end_stream } => {
+                        if let Some(tx) = &upstream_body {
+                            let _ = tx.send(Ok(Frame::data(Bytes::from(data))));
+                        }
+                        if end_stream {
+                            upstream_body = None;
+                        }
                     }
-                    http_headers(&headers, request.headers_mut());
-                    let (done, pending) = oneshot::channel();
-                    upstream_pending = Some(pending);
-                    upstream_deadline = timeout.map(|t| tokio::time::Instant::now() + t);
-                    upstream_started = Some(Instant::now());
-                    upstream_task = Some(tokio::task::spawn_local(upstream_exchange(
-                        Rc::clone(&listener),
-                        cluster,
-                        request,
-                        done,
-                    )));
-                }
-                StreamEvent::UpstreamData { data, end_stream } => {
-                    if let Some(tx) = &upstream_body {
-                        let _ = tx.send(Ok(Frame::data(Bytes::from(data))));
+                    StreamEvent::UpstreamTrailers(trailers) => {
+                        let mut map = http::HeaderMap::new();
+                        http_headers(&trailers, &mut map);
+                        if let Some(tx) = upstream_body.take() {
+                            let _ = tx.send(Ok(Frame::trailers(map)));
+                        }
                     }
-                    if end_stream {
+                    StreamEvent::UpstreamReset => {
+                        drop(in_flight.take());
                         upstream_body = None;
+                        upstream_pending = None;
+                        upstream_response = None;
+                        upstream_deadline = None;
+                        if let Some(task) = upstream_task.take() {
+                            task.abort();
+                        }
                     }
+                    StreamEvent::DownstreamHeaders {
+                        headers,
+                        end_stream,
+                    } => {
+                        let mut headers = headers;
+                        server_header(&mut headers, &listener.config.hcm);
+                        let (tx, body) = ChannelBody::channel();
+                        let mut response = http::Response::new(body);
+                        let status = headers
+                            .get(":status")
+                            .and_then(|s| s.parse().ok())
+                            .unwrap_or(502);
+                        outcome.status = Some(status);
+                        *response.status_mut() = http::StatusCode::from_u16(status)
+                            .unwrap_or(http::StatusCode::BAD_GATEWAY);
+                        http_headers(&headers, response.headers_mut());
+                        downstream = (!end_stream).then_some(tx);
+                        if let Some(respond) = respond.take() {
+                            let _ = respond.send(response);
+                        }
+                    }
+                    StreamEvent::DownstreamData { data, end_stream } => {
+                        outcome.bytes_sent += data.len();
+                        if let Some(tx) = &downstream {
+                            let _ = tx.send(Ok(Frame::data(Bytes::from(data))));
+                        }
+                        if end_stream {
+                            downstream = None;
+                        }
+                    }
+                    StreamEvent::DownstreamTrailers(trailers) => {
+                        let mut map = http::HeaderMap::new();
+                        http_headers(&trailers, &mut map);
+                        if let Some(tx) = downstream.take() {
+                            let _ = tx.send(Ok(Frame::trailers(map)));
+                        }
+                    }
+                    StreamEvent::DownstreamReset { details } => {
+                        outcome.details = Some(details);
+                        respond = None;
+                        if let Some(tx) = downstream.take() {
+                            let _ = tx.send(Err("stream reset".into()));
+                        }
+                    }
+                    StreamEvent::LocalReply(reply) => outcome.details = Some(reply.details),
                 }
-                StreamEvent::UpstreamTrailers(trailers) => {
-                    let mut map = http::HeaderMap::new();
-                    http_headers(&trailers, &mut map);
-                    if let Some(tx) = upstream_body.take() {
-                        let _ = tx.send(Ok(Frame::trailers(map)));
-                    }
-                }
-                StreamEvent::UpstreamReset => {
-                    drop(in_flight.take());
-                    upstream_body = None;
-                    upstream_pending = None;
-                    upstream_response = None;
-                    upstream_deadline = None;
-                    if let Some(task) = upstream_task.take() {
-                        task.abort();
-                    }
-                }
-                StreamEvent::DownstreamHeaders {
-                    headers,
-                    end_stream,
-                } => {
-                    let mut headers = headers;
-                    server_header(&mut headers, &listener.config.hcm);
-                    let (tx, body) = ChannelBody::channel();
-                    let mut response = http::Response::new(body);
-                    let status = headers
-                        .get(":status")
-                        .and_then(|s| s.parse().ok())
-                        .unwrap_or(502);
-                    outcome.status = Some(status);
-                    *response.status_mut() =
-                        http::StatusCode::from_u16(status).unwrap_or(http::StatusCode::BAD_GATEWAY);
-                    http_headers(&headers, response.headers_mut());
-                    downstream = (!end_stream).then_some(tx);
-                    if let Some(respond) = respond.take() {
-                        let _ = respond.send(response);
-                    }
-                }
-                StreamEvent::DownstreamData { data, end_stream } => {
-                    outcome.bytes_sent += data.len();
-                    if let Some(tx) = &downstream {
-                        let _ = tx.send(Ok(Frame::data(Bytes::from(data))));
-                    }
-                    if end_stream {
-                        downstream = None;
-                    }
-                }
-                StreamEvent::DownstreamTrailers(trailers) => {
-                    let mut map = http::HeaderMap::new();
-                    http_headers(&trailers, &mut map);
-                    if let Some(tx) = downstream.take() {
-                        let _ = tx.send(Ok(Frame::trailers(map)));
-                    }
-                }
-                StreamEvent::DownstreamReset { details } => {
-                    outcome.details = Some(details);
-                    respond = None;
-                    if let Some(tx) = downstream.take() {
-                        let _ = tx.send(Err("stream reset".into()));
-                    }
-                }
-                StreamEvent::LocalReply(reply) => outcome.details = Some(reply.details),
             }
+            events = driver.take_events();
         }
         if driver.is_finished() {
             break;
