@@ -252,6 +252,24 @@ impl Drop for Driver {
     }
 }
 
+/// Router-control headers Envoy strips from requests that are not internal.
+const CLIENT_CONTROL_HEADERS: &[&str] = &[
+    "x-envoy-retriable-status-codes",
+    "x-envoy-retriable-header-names",
+    "x-envoy-retry-on",
+    "x-envoy-retry-grpc-on",
+    "x-envoy-max-retries",
+    "x-envoy-upstream-alt-stat-name",
+    "x-envoy-upstream-rq-timeout-ms",
+    "x-envoy-upstream-rq-per-try-timeout-ms",
+    "x-envoy-upstream-rq-timeout-alt-response",
+    "x-envoy-expected-rq-timeout-ms",
+    "x-envoy-force-trace",
+    "x-envoy-ip-tags",
+    "x-envoy-original-url",
+    "x-envoy-hedge-on-per-try-timeout",
+];
+
 /// The request as Envoy's HCM hands it to filters: pseudo-headers first in the order the
 /// HTTP/1 codec sets them (`host` folded into `:authority`), the client's headers in their
 /// order without hop-by-hop ones, then what `ConnectionManagerUtility::mutateRequestHeaders`
@@ -284,7 +302,14 @@ fn downstream_headers(parts: &http::request::Parts) -> HeaderMap {
             headers.add(k.as_str().as_bytes(), v.as_bytes());
         }
     }
-    headers.replace(b"x-forwarded-proto", b"http");
+    // A request that is not internal (no trusted XFF here) loses the router-control headers
+    // a client could forge (`ConnectionManagerUtility::cleanInternalHeaders`).
+    for name in CLIENT_CONTROL_HEADERS {
+        headers.remove(name.as_bytes());
+    }
+    if headers.get_bytes("x-forwarded-proto").is_none() {
+        headers.add(b"x-forwarded-proto", b"http");
+    }
     if headers.get_bytes("x-request-id").is_none() {
         let mut random = [0u8; 16];
         let _ = getrandom::getrandom(&mut random);
