@@ -1,5 +1,5 @@
 //! The subset of Envoy's bootstrap v3 YAML the gateway runs. The file is read as Envoy's
-//! loader reads it ([`walk`]) and every field is checked: a field the gateway does not
+//! loader reads it (the `walk` module) and every field is checked: a field the gateway does not
 //! implement, or implements differently, is reported with its path — all of them in one
 //! error — rather than silently ignored. Fields that cannot change what a filter or client
 //! sees here are accepted and listed in `host-tests/README.md`.
