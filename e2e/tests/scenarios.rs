@@ -868,7 +868,7 @@ fn the_shipped_envoy_config_configures_the_filter() {
     // config subset is not the point here).
     let root = idemgate_host::target_dir().join("..");
     let text = std::fs::read_to_string(root.join("envoy/envoy.yaml")).unwrap();
-    let envoy: serde_yaml::Value = serde_yaml::from_str(&text).unwrap();
+    let envoy: serde_norway::Value = serde_norway::from_str(&text).unwrap();
     let filter = &envoy["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
         ["http_filters"][0]["typed_config"]["config"];
     let configuration = filter["configuration"]["value"]

@@ -73,6 +73,8 @@ pub struct StreamInfo {
     pub connection_id: u64,
     /// `request.protocol`, e.g. "HTTP/1.1".
     pub protocol: String,
+    /// The route the connection manager matched (`xds.*` properties).
+    pub route: Option<std::sync::Arc<crate::properties::RouteProperties>>,
 }
 
 impl Default for StreamInfo {
@@ -82,6 +84,7 @@ impl Default for StreamInfo {
             destination: SocketAddr::from(([127, 0, 0, 1], 10000)),
             connection_id: 1,
             protocol: "HTTP/1.1".into(),
+            route: None,
         }
     }
 }

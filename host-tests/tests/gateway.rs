@@ -33,7 +33,7 @@ fn parse_edited(edit: impl FnOnce(&mut serde_json::Value)) -> Result<EnvoyConfig
     let unused: SocketAddr = "127.0.0.1:1".parse().unwrap();
     let mut value = bootstrap(unused, unused, Some(probe_filter())).to_value();
     edit(&mut value);
-    EnvoyConfig::from_yaml(&serde_yaml::to_string(&value).unwrap(), Path::new("."))
+    EnvoyConfig::from_yaml(&serde_norway::to_string(&value).unwrap(), Path::new("."))
 }
 
 struct Running {
@@ -175,12 +175,14 @@ fn without_a_wasm_filter_the_router_just_proxies() {
 #[test]
 fn unsupported_fields_are_rejected_with_their_path() {
     let err = parse_edited(|v| {
-        v["static_resources"]["clusters"][0]["circuit_breakers"] = serde_json::json!({});
+        v["static_resources"]["clusters"][0]["outlier_detection"] = serde_json::json!({});
     })
     .unwrap_err()
     .to_string();
-    assert!(err.contains("circuit_breakers"), "{err}");
-    assert!(err.contains("static_resources.clusters[0]"), "{err}");
+    assert!(
+        err.contains("static_resources.clusters[0].outlier_detection: unsupported field"),
+        "{err}"
+    );
 }
 
 #[test]
@@ -188,11 +190,16 @@ fn the_wasm_chain_must_end_with_the_router() {
     let err =
         parse_edited(|v| {
             v["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
-                ["http_filters"][1]["name"] = "envoy.filters.http.lua".into();
+                ["http_filters"][1]["typed_config"]["@type"] =
+                "type.googleapis.com/envoy.extensions.filters.http.lua.v3.Lua".into();
         })
         .unwrap_err()
         .to_string();
-    assert!(err.contains("http_filters"), "{err}");
+    assert!(err.contains("http_filters[1]: HTTP filter"), "{err}");
+    assert!(
+        err.contains("http_filters: the chain must end with the router"),
+        "{err}"
+    );
 }
 
 #[test]

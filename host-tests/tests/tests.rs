@@ -8,6 +8,7 @@
 
 mod artifact;
 mod callouts;
+mod fidelity;
 mod gateway;
 mod http;
 mod lifecycle;

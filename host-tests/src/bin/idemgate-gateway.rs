@@ -20,8 +20,10 @@ struct Args {
     /// Worker threads, each with its own event loop and VM.
     #[arg(long, default_value_t = 1)]
     concurrency: usize,
-    /// Override a listener's, cluster's or the admin's port: NAME=PORT (repeatable).
-    #[arg(long = "set-port", value_name = "NAME=PORT")]
+    /// Override a port: TARGET=PORT (repeatable). TARGET is a listener or cluster name,
+    /// `admin`, `listeners[<i>]` / `clusters[<i>]` (file order, for unnamed ones), or a
+    /// listener's address as written in the config (`0.0.0.0:10000`).
+    #[arg(long = "set-port", value_name = "TARGET=PORT")]
     set_port: Vec<String>,
     /// Use this .wasm for every wasm filter instead of vm_config.code.local.filename.
     #[arg(long)]
@@ -53,7 +55,7 @@ fn main() -> Result<()> {
     for item in &args.set_port {
         let (name, port) = item
             .split_once('=')
-            .with_context(|| format!("--set-port {item}: expected NAME=PORT"))?;
+            .with_context(|| format!("--set-port {item}: expected TARGET=PORT"))?;
         let port: u16 = port
             .parse()
             .with_context(|| format!("--set-port {item}: `{port}` is not a port"))?;

@@ -3,7 +3,7 @@
 //! wasm filter before the router, and further clusters (the lock sidecar). The one template
 //! every test crate renders its gateway from, instead of a hand-written YAML copy each.
 //!
-//! The config is built as a value tree and rendered with `serde_yaml`, so a plugin
+//! The config is built as a value tree and rendered with `serde_norway`, so a plugin
 //! configuration (JSON with quotes, newlines) needs no escaping, and the result goes through
 //! the same parser ([`EnvoyConfig::from_yaml`]) as any config file. Where the rules of the
 //! shipped `envoy/envoy.yaml` suffice, run that file instead ([`EnvoyConfig::load`],
@@ -171,7 +171,7 @@ impl Bootstrap {
     /// The bootstrap as Envoy YAML.
     pub fn to_yaml(&self) -> String {
         // A `serde_json::Value` always serializes (string keys, finite numbers).
-        serde_yaml::to_string(&self.to_value()).unwrap_or_default()
+        serde_norway::to_string(&self.to_value()).unwrap_or_default()
     }
 
     /// The parsed config (relative wasm paths resolve against the workspace root).
@@ -383,6 +383,7 @@ mod tests {
     #![allow(clippy::unwrap_used, clippy::indexing_slicing, clippy::panic)]
 
     use super::*;
+    use crate::gateway::config::RouteAction;
 
     fn addr(port: u16) -> SocketAddr {
         SocketAddr::from(([127, 0, 0, 1], port))
@@ -400,8 +401,13 @@ mod tests {
         };
         assert_eq!(listener.name, LISTENER);
         assert_eq!(listener.address.port(), 0);
-        assert_eq!(listener.routes[0].cluster, BACKEND);
-        assert_eq!(listener.routes[0].timeout, Some(Duration::from_secs(90)));
+        assert_eq!(
+            listener.virtual_hosts[0].routes[0].action,
+            RouteAction::Cluster {
+                cluster: BACKEND.to_owned(),
+                timeout: Some(Duration::from_secs(90))
+            }
+        );
         let wasm = listener.wasm.as_ref().unwrap();
         assert_eq!(wasm.settings.configuration, plugin.as_bytes());
         assert_eq!(wasm.settings.vm_id, IDEMGATE);
@@ -427,8 +433,11 @@ mod tests {
             .unwrap();
         assert!(config.listeners[0].wasm.is_none());
         assert_eq!(
-            config.listeners[0].routes[0].timeout,
-            Some(Duration::from_secs(15)),
+            config.listeners[0].virtual_hosts[0].routes[0].action,
+            RouteAction::Cluster {
+                cluster: BACKEND.to_owned(),
+                timeout: Some(Duration::from_secs(15))
+            },
             "Envoy's default"
         );
         assert_eq!(

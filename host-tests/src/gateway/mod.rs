@@ -7,6 +7,8 @@
 
 pub mod bootstrap;
 pub mod config;
+mod heads;
+mod path;
 mod stream;
 
 use crate::abi::LogLevel;
@@ -479,13 +481,16 @@ async fn accept_loop(listener: Rc<ListenerWorker>, socket: tokio::net::TcpListen
         let _ = stream.set_nodelay(true);
         connection_id += 1;
         let local = stream.local_addr().unwrap_or(peer);
+        let heads = Rc::new(RefCell::new(heads::Heads::default()));
         let connection = stream::Connection {
             listener: Rc::clone(&listener),
             peer,
             local,
             id: connection_id,
+            heads: Rc::clone(&heads),
         };
-        tokio::task::spawn_local(connection.serve(TokioIo::new(stream)));
+        let io = TokioIo::new(heads::Recording::new(stream, heads));
+        tokio::task::spawn_local(connection.serve(io));
     }
 }
 

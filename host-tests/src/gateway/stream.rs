@@ -3,9 +3,12 @@
 //! response frames back in, client aborts as stream resets, and the access-log line.
 
 use super::ListenerWorker;
+use super::config::{HcmOptions, ListenerConfig, RouteAction, ServerHeaderTransformation};
+use super::path::PathOutcome;
 use crate::abi::Direction;
 use crate::client::{BoxError, Failure, LocalExec};
 use crate::headers::HeaderMap;
+use crate::properties::RouteProperties;
 use crate::upstream::response_headers;
 use crate::vm::{StreamEvent, StreamId, StreamInfo};
 use bytes::Bytes;
@@ -58,10 +61,12 @@ pub(crate) struct Connection {
     pub(crate) peer: SocketAddr,
     pub(crate) local: SocketAddr,
     pub(crate) id: u64,
+    /// Raw HTTP/1 request heads, for what hyper's parser does not report.
+    pub(crate) heads: Rc<std::cell::RefCell<super::heads::Heads>>,
 }
 
 impl Connection {
-    pub(crate) async fn serve(self, io: TokioIo<tokio::net::TcpStream>) {
+    pub(crate) async fn serve(self, io: TokioIo<super::heads::Recording<tokio::net::TcpStream>>) {
         let this = Rc::new(self);
         let service = hyper::service::service_fn(move |request: http::Request<Incoming>| {
             let this = Rc::clone(&this);
@@ -184,18 +189,25 @@ impl Driver {
 
     /// A response Envoy's router generates itself (no route, connect failure, timeout).
     fn router_reply(&mut self, status: u16, body: &str) {
-        let headers = HeaderMap::from([
+        self.local_reply(status, body.as_bytes(), &[]);
+    }
+
+    /// Envoy's `sendLocalReply`: content-length, `content-type: text/plain` with a body, and
+    /// `extra` headers.
+    fn local_reply(&mut self, status: u16, body: &[u8], extra: &[(&str, &str)]) {
+        let mut headers = HeaderMap::from([
             (":status", status.to_string()),
             ("content-length", body.len().to_string()),
-            ("content-type", "text/plain".to_owned()),
         ]);
+        if !body.is_empty() {
+            headers.add(b"content-type", b"text/plain");
+        }
+        for (k, v) in extra {
+            headers.add(k.as_bytes(), v.as_bytes());
+        }
         self.headers(Direction::Response, headers, body.is_empty());
         if !body.is_empty() {
-            self.data(
-                Direction::Response,
-                Bytes::copy_from_slice(body.as_bytes()),
-                true,
-            );
+            self.data(Direction::Response, Bytes::copy_from_slice(body), true);
         }
     }
 
@@ -240,8 +252,28 @@ impl Drop for Driver {
     }
 }
 
-/// The request as Envoy's HCM hands it to filters (pseudo-headers first, `host` folded into
-/// `:authority`, `x-request-id` and `x-forwarded-proto` added).
+/// Router-control headers Envoy strips from requests that are not internal.
+const CLIENT_CONTROL_HEADERS: &[&str] = &[
+    "x-envoy-retriable-status-codes",
+    "x-envoy-retriable-header-names",
+    "x-envoy-retry-on",
+    "x-envoy-retry-grpc-on",
+    "x-envoy-max-retries",
+    "x-envoy-upstream-alt-stat-name",
+    "x-envoy-upstream-rq-timeout-ms",
+    "x-envoy-upstream-rq-per-try-timeout-ms",
+    "x-envoy-upstream-rq-timeout-alt-response",
+    "x-envoy-expected-rq-timeout-ms",
+    "x-envoy-force-trace",
+    "x-envoy-ip-tags",
+    "x-envoy-original-url",
+    "x-envoy-hedge-on-per-try-timeout",
+];
+
+/// The request as Envoy's HCM hands it to filters: pseudo-headers first in the order the
+/// HTTP/1 codec sets them (`host` folded into `:authority`), the client's headers in their
+/// order without hop-by-hop ones, then what `ConnectionManagerUtility::mutateRequestHeaders`
+/// adds, in its order (`x-forwarded-proto`, then a generated `x-request-id`).
 fn downstream_headers(parts: &http::request::Parts) -> HeaderMap {
     let authority = parts
         .uri
@@ -270,6 +302,14 @@ fn downstream_headers(parts: &http::request::Parts) -> HeaderMap {
             headers.add(k.as_str().as_bytes(), v.as_bytes());
         }
     }
+    // A request that is not internal (no trusted XFF here) loses the router-control headers
+    // a client could forge (`ConnectionManagerUtility::cleanInternalHeaders`).
+    for name in CLIENT_CONTROL_HEADERS {
+        headers.remove(name.as_bytes());
+    }
+    if headers.get_bytes("x-forwarded-proto").is_none() {
+        headers.add(b"x-forwarded-proto", b"http");
+    }
     if headers.get_bytes("x-request-id").is_none() {
         let mut random = [0u8; 16];
         let _ = getrandom::getrandom(&mut random);
@@ -284,8 +324,76 @@ fn downstream_headers(parts: &http::request::Parts) -> HeaderMap {
         );
         headers.add(b"x-request-id", id.as_bytes());
     }
-    headers.replace(b"x-forwarded-proto", b"http");
     headers
+}
+
+/// A request the connection manager answers itself, before any filter runs.
+struct Refusal {
+    status: u16,
+    body: &'static [u8],
+    details: &'static str,
+    headers: Vec<(&'static str, String)>,
+}
+
+/// What Envoy's HTTP/1 codec and connection manager check and rewrite before the filter
+/// chain exists: Content-Length with Transfer-Encoding (`http1/codec_impl.cc`, refused
+/// unless `allow_chunked_length`, which drops Content-Length instead), then the path
+/// (`ConnectionManagerUtility::maybeNormalizePath`).
+fn connection_manager_checks(
+    parts: &http::request::Parts,
+    raw_head: Option<&[u8]>,
+    headers: &mut HeaderMap,
+    config: &ListenerConfig,
+) -> Option<Refusal> {
+    // hyper keeps Transfer-Encoding but drops the Content-Length beside it: read the raw head.
+    let content_length_with_chunked = parts.headers.contains_key(http::header::TRANSFER_ENCODING)
+        && raw_head.is_some_and(|head| super::heads::has_header(head, "content-length"));
+    if content_length_with_chunked {
+        if !config.hcm.allow_chunked_length {
+            return Some(Refusal {
+                status: 400,
+                body: b"Bad Request",
+                details: "http1.content_length_and_chunked_not_allowed",
+                headers: vec![("connection", "close".to_owned())],
+            });
+        }
+        headers.remove(b"content-length");
+    }
+    let path = headers.get(":path").unwrap_or_default();
+    match super::path::normalize(&path, &config.hcm) {
+        PathOutcome::Continue(normalized) => {
+            if normalized != path {
+                headers.replace(b":path", normalized.as_bytes());
+            }
+            None
+        }
+        PathOutcome::Reject => Some(Refusal {
+            status: 400,
+            body: b"",
+            details: "path_normalization_failed",
+            headers: Vec::new(),
+        }),
+        PathOutcome::Redirect(location) => Some(Refusal {
+            status: 307,
+            body: b"",
+            details: "path_normalization_failed",
+            headers: vec![("location", location)],
+        }),
+    }
+}
+
+/// The connection manager's `server` header on every response it encodes, local replies
+/// included (`ConnectionManagerImpl::ActiveStream::encodeHeaders`).
+fn server_header(headers: &mut HeaderMap, hcm: &HcmOptions) {
+    match hcm.server_header {
+        ServerHeaderTransformation::Overwrite => {
+            headers.replace(b"server", hcm.server_name.as_bytes());
+        }
+        ServerHeaderTransformation::AppendIfAbsent if headers.get_bytes("server").is_none() => {
+            headers.add(b"server", hcm.server_name.as_bytes());
+        }
+        ServerHeaderTransformation::AppendIfAbsent | ServerHeaderTransformation::PassThrough => {}
+    }
 }
 
 fn http_headers(map: &HeaderMap, into: &mut http::HeaderMap) {
@@ -391,15 +499,38 @@ async fn drive(
     let started = Instant::now();
     let listener = Rc::clone(&connection.listener);
     let (parts, body) = request.into_parts();
-    let headers = downstream_headers(&parts);
-    let chain = match &listener.vm {
-        Some(vm) => Chain::Wasm(vm.borrow_mut().new_stream(StreamInfo {
+    let mut headers = downstream_headers(&parts);
+    let raw_head = (parts.version <= http::Version::HTTP_11)
+        .then(|| connection.heads.borrow_mut().next())
+        .flatten();
+    let refusal =
+        connection_manager_checks(&parts, raw_head.as_deref(), &mut headers, &listener.config);
+    let route = listener
+        .config
+        .route(
+            &headers.get(":authority").unwrap_or_default(),
+            &headers.get(":path").unwrap_or_default(),
+        )
+        .map(|(host, route)| {
+            Arc::new(RouteProperties {
+                route_name: route.name.clone(),
+                virtual_host_name: host.name.clone(),
+                cluster_name: match &route.action {
+                    RouteAction::Cluster { cluster, .. } => Some(cluster.clone()),
+                    RouteAction::Direct { .. } => None,
+                },
+                filter_metadata: route.metadata.clone(),
+            })
+        });
+    let chain = match (&listener.vm, &refusal) {
+        (Some(vm), None) => Chain::Wasm(vm.borrow_mut().new_stream(StreamInfo {
             source: connection.peer,
             destination: connection.local,
             connection_id: connection.id,
             protocol: protocol.replace("HTTP/2.0", "HTTP/2"),
+            route,
         })),
-        None => Chain::Direct {
+        _ => Chain::Direct {
             events: Vec::new(),
             finished: false,
         },
@@ -424,155 +555,198 @@ async fn drive(
     let mut upstream_deadline: Option<tokio::time::Instant> = None;
     let mut upstream_response: Option<Incoming> = None;
     let mut in_flight: Option<RequestGuard> = None;
-    driver.headers(Direction::Request, headers.clone(), end_stream);
+    let mut upstream_started: Option<Instant> = None;
+    let suppress_envoy_headers = listener.config.suppress_envoy_headers;
+    match refusal {
+        // Envoy answers these before it creates the filter chain: no filter sees them.
+        Some(refusal) => {
+            request_body = None;
+            outcome.details = Some(refusal.details.to_owned());
+            let extra: Vec<(&str, &str)> = refusal
+                .headers
+                .iter()
+                .map(|(k, v)| (*k, v.as_str()))
+                .collect();
+            driver.local_reply(refusal.status, refusal.body, &extra);
+        }
+        None => driver.headers(Direction::Request, headers.clone(), end_stream),
+    }
 
     for _ in 0..u32::MAX {
-        for event in driver.take_events() {
-            match event {
-                StreamEvent::UpstreamHeaders {
-                    headers,
-                    end_stream,
-                } => {
-                    let path = headers.get(":path").unwrap_or_default();
-                    let route = listener
-                        .config
-                        .routes
-                        .iter()
-                        .find(|r| path.starts_with(&r.prefix));
-                    let Some(route) = route else {
-                        driver.router_reply(404, "");
-                        outcome.details = Some("route_not_found".into());
-                        continue;
-                    };
-                    let Some(cluster) = listener.clusters.get(&route.cluster).cloned() else {
-                        driver.router_reply(503, "no healthy upstream");
-                        continue;
-                    };
-                    let Some(guard) = RequestGuard::start(Arc::clone(&listener.shared), &cluster)
-                    else {
-                        listener.stats.add(
-                            format!("cluster.{}.upstream_rq_pending_overflow", cluster.name),
-                            1,
-                        );
-                        outcome.details =
-                            Some("upstream_reset_before_response_started{overflow}".into());
-                        driver.router_reply(503, "upstream connect error or disconnect/reset before headers. reset reason: overflow");
-                        continue;
-                    };
-                    // Held until the stream ends or the upstream request is abandoned.
-                    in_flight.replace(guard);
-                    listener
-                        .stats
-                        .add(format!("cluster.{}.upstream_rq_total", cluster.name), 1);
-                    outcome.upstream = cluster.address;
-                    outcome.cluster = Some(cluster.name.clone());
-                    let (tx, body) = ChannelBody::channel();
-                    upstream_body = (!end_stream).then_some(tx);
-                    let uri = if cluster.http2 {
-                        format!(
-                            "http://{}{}",
-                            headers.get(":authority").unwrap_or_default(),
-                            path
+        // Handling an event can produce more (a router reply runs the filter's response
+        // callbacks): drain them all before checking whether the stream is over.
+        let mut events = driver.take_events();
+        while !events.is_empty() {
+            for event in std::mem::take(&mut events) {
+                match event {
+                    StreamEvent::UpstreamHeaders {
+                        headers,
+                        end_stream,
+                    } => {
+                        let mut headers = headers;
+                        let path = headers.get(":path").unwrap_or_default();
+                        let authority = headers.get(":authority").unwrap_or_default();
+                        // The router matches again: the filter may have changed the headers
+                        // (Envoy's wasm filter clears the route cache when it does).
+                        let Some((host, route)) = listener.config.route(&authority, &path) else {
+                            driver.router_reply(404, "");
+                            outcome.details = Some("route_not_found".into());
+                            continue;
+                        };
+                        let (cluster_name, timeout) = match &route.action {
+                            RouteAction::Direct { status, body } => {
+                                outcome.details = Some("direct_response".into());
+                                driver.local_reply(*status, body, &[]);
+                                continue;
+                            }
+                            RouteAction::Cluster { cluster, timeout } => (cluster, *timeout),
+                        };
+                        // Most specific first, so the route configuration's own headers win
+                        // (`most_specific_header_mutations_wins: false`, Envoy's default).
+                        route.headers.apply(&mut headers);
+                        host.headers.apply(&mut headers);
+                        listener.config.route_config_headers.apply(&mut headers);
+                        if let (false, Some(timeout)) = (suppress_envoy_headers, timeout) {
+                            headers.replace(
+                                b"x-envoy-expected-rq-timeout-ms",
+                                timeout.as_millis().to_string().as_bytes(),
+                            );
+                        }
+                        let Some(cluster) = listener.clusters.get(cluster_name).cloned() else {
+                            driver.router_reply(503, "no healthy upstream");
+                            continue;
+                        };
+                        let Some(guard) =
+                            RequestGuard::start(Arc::clone(&listener.shared), &cluster)
+                        else {
+                            listener.stats.add(
+                                format!("cluster.{}.upstream_rq_pending_overflow", cluster.name),
+                                1,
+                            );
+                            outcome.details =
+                                Some("upstream_reset_before_response_started{overflow}".into());
+                            driver.router_reply(503, "upstream connect error or disconnect/reset before headers. reset reason: overflow");
+                            continue;
+                        };
+                        // Held until the stream ends or the upstream request is abandoned.
+                        in_flight.replace(guard);
+                        listener
+                            .stats
+                            .add(format!("cluster.{}.upstream_rq_total", cluster.name), 1);
+                        outcome.upstream = cluster.address;
+                        outcome.cluster = Some(cluster.name.clone());
+                        let (tx, body) = ChannelBody::channel();
+                        upstream_body = (!end_stream).then_some(tx);
+                        let uri = if cluster.http2 {
+                            format!(
+                                "http://{}{}",
+                                headers.get(":authority").unwrap_or_default(),
+                                path
+                            )
+                        } else {
+                            path.clone()
+                        };
+                        let mut request = http::Request::new(body);
+                        *request.method_mut() = http::Method::from_bytes(
+                            headers.get(":method").unwrap_or_default().as_bytes(),
                         )
-                    } else {
-                        path.clone()
-                    };
-                    let mut request = http::Request::new(body);
-                    *request.method_mut() = http::Method::from_bytes(
-                        headers.get(":method").unwrap_or_default().as_bytes(),
-                    )
-                    .unwrap_or(http::Method::GET);
-                    if let Ok(uri) = uri.parse() {
-                        *request.uri_mut() = uri;
+                        .unwrap_or(http::Method::GET);
+                        if let Ok(uri) = uri.parse() {
+                            *request.uri_mut() = uri;
+                        }
+                        if cluster.http2 {
+                            *request.version_mut() = http::Version::HTTP_2;
+                        } else if let Some(Ok(host)) = headers
+                            .get(":authority")
+                            .map(|a| http::HeaderValue::from_str(&a))
+                        {
+                            request.headers_mut().insert(http::header::HOST, host);
+                        }
+                        http_headers(&headers, request.headers_mut());
+                        let (done, pending) = oneshot::channel();
+                        upstream_pending = Some(pending);
+                        upstream_deadline = timeout.map(|t| tokio::time::Instant::now() + t);
+                        upstream_started = Some(Instant::now());
+                        upstream_task = Some(tokio::task::spawn_local(upstream_exchange(
+                            Rc::clone(&listener),
+                            cluster,
+                            request,
+                            done,
+                        )));
                     }
-                    if cluster.http2 {
-                        *request.version_mut() = http::Version::HTTP_2;
-                    } else if let Some(Ok(host)) = headers
-                        .get(":authority")
-                        .map(|a| http::HeaderValue::from_str(&a))
-                    {
-                        request.headers_mut().insert(http::header::HOST, host);
+                    StreamEvent::UpstreamData { data, end_stream } => {
+                        if let Some(tx) = &upstream_body {
+                            let _ = tx.send(Ok(Frame::data(Bytes::from(data))));
+                        }
+                        if end_stream {
+                            upstream_body = None;
+                        }
                     }
-                    http_headers(&headers, request.headers_mut());
-                    let (done, pending) = oneshot::channel();
-                    upstream_pending = Some(pending);
-                    upstream_deadline = route.timeout.map(|t| tokio::time::Instant::now() + t);
-                    upstream_task = Some(tokio::task::spawn_local(upstream_exchange(
-                        Rc::clone(&listener),
-                        cluster,
-                        request,
-                        done,
-                    )));
-                }
-                StreamEvent::UpstreamData { data, end_stream } => {
-                    if let Some(tx) = &upstream_body {
-                        let _ = tx.send(Ok(Frame::data(Bytes::from(data))));
+                    StreamEvent::UpstreamTrailers(trailers) => {
+                        let mut map = http::HeaderMap::new();
+                        http_headers(&trailers, &mut map);
+                        if let Some(tx) = upstream_body.take() {
+                            let _ = tx.send(Ok(Frame::trailers(map)));
+                        }
                     }
-                    if end_stream {
+                    StreamEvent::UpstreamReset => {
+                        drop(in_flight.take());
                         upstream_body = None;
+                        upstream_pending = None;
+                        upstream_response = None;
+                        upstream_deadline = None;
+                        if let Some(task) = upstream_task.take() {
+                            task.abort();
+                        }
                     }
+                    StreamEvent::DownstreamHeaders {
+                        headers,
+                        end_stream,
+                    } => {
+                        let mut headers = headers;
+                        server_header(&mut headers, &listener.config.hcm);
+                        let (tx, body) = ChannelBody::channel();
+                        let mut response = http::Response::new(body);
+                        let status = headers
+                            .get(":status")
+                            .and_then(|s| s.parse().ok())
+                            .unwrap_or(502);
+                        outcome.status = Some(status);
+                        *response.status_mut() = http::StatusCode::from_u16(status)
+                            .unwrap_or(http::StatusCode::BAD_GATEWAY);
+                        http_headers(&headers, response.headers_mut());
+                        downstream = (!end_stream).then_some(tx);
+                        if let Some(respond) = respond.take() {
+                            let _ = respond.send(response);
+                        }
+                    }
+                    StreamEvent::DownstreamData { data, end_stream } => {
+                        outcome.bytes_sent += data.len();
+                        if let Some(tx) = &downstream {
+                            let _ = tx.send(Ok(Frame::data(Bytes::from(data))));
+                        }
+                        if end_stream {
+                            downstream = None;
+                        }
+                    }
+                    StreamEvent::DownstreamTrailers(trailers) => {
+                        let mut map = http::HeaderMap::new();
+                        http_headers(&trailers, &mut map);
+                        if let Some(tx) = downstream.take() {
+                            let _ = tx.send(Ok(Frame::trailers(map)));
+                        }
+                    }
+                    StreamEvent::DownstreamReset { details } => {
+                        outcome.details = Some(details);
+                        respond = None;
+                        if let Some(tx) = downstream.take() {
+                            let _ = tx.send(Err("stream reset".into()));
+                        }
+                    }
+                    StreamEvent::LocalReply(reply) => outcome.details = Some(reply.details),
                 }
-                StreamEvent::UpstreamTrailers(trailers) => {
-                    let mut map = http::HeaderMap::new();
-                    http_headers(&trailers, &mut map);
-                    if let Some(tx) = upstream_body.take() {
-                        let _ = tx.send(Ok(Frame::trailers(map)));
-                    }
-                }
-                StreamEvent::UpstreamReset => {
-                    drop(in_flight.take());
-                    upstream_body = None;
-                    upstream_pending = None;
-                    upstream_response = None;
-                    upstream_deadline = None;
-                    if let Some(task) = upstream_task.take() {
-                        task.abort();
-                    }
-                }
-                StreamEvent::DownstreamHeaders {
-                    headers,
-                    end_stream,
-                } => {
-                    let (tx, body) = ChannelBody::channel();
-                    let mut response = http::Response::new(body);
-                    let status = headers
-                        .get(":status")
-                        .and_then(|s| s.parse().ok())
-                        .unwrap_or(502);
-                    outcome.status = Some(status);
-                    *response.status_mut() =
-                        http::StatusCode::from_u16(status).unwrap_or(http::StatusCode::BAD_GATEWAY);
-                    http_headers(&headers, response.headers_mut());
-                    downstream = (!end_stream).then_some(tx);
-                    if let Some(respond) = respond.take() {
-                        let _ = respond.send(response);
-                    }
-                }
-                StreamEvent::DownstreamData { data, end_stream } => {
-                    outcome.bytes_sent += data.len();
-                    if let Some(tx) = &downstream {
-                        let _ = tx.send(Ok(Frame::data(Bytes::from(data))));
-                    }
-                    if end_stream {
-                        downstream = None;
-                    }
-                }
-                StreamEvent::DownstreamTrailers(trailers) => {
-                    let mut map = http::HeaderMap::new();
-                    http_headers(&trailers, &mut map);
-                    if let Some(tx) = downstream.take() {
-                        let _ = tx.send(Ok(Frame::trailers(map)));
-                    }
-                }
-                StreamEvent::DownstreamReset { details } => {
-                    outcome.details = Some(details);
-                    respond = None;
-                    if let Some(tx) = downstream.take() {
-                        let _ = tx.send(Err("stream reset".into()));
-                    }
-                }
-                StreamEvent::LocalReply(reply) => outcome.details = Some(reply.details),
             }
+            events = driver.take_events();
         }
         if driver.is_finished() {
             break;
@@ -598,6 +772,12 @@ async fn drive(
                             headers.remove(hop.as_bytes());
                         }
                         upstream_response = (!end).then_some(body);
+                        if let (false, Some(started)) = (suppress_envoy_headers, upstream_started) {
+                            headers.replace(
+                                b"x-envoy-upstream-service-time",
+                                started.elapsed().as_millis().to_string().as_bytes(),
+                            );
+                        }
                         driver.headers(Direction::Response, headers, end);
                     }
                     Ok(Err(Failure::Connect)) | Err(_) => {
