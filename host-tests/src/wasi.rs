@@ -3,8 +3,9 @@
 //! returns, and stubs with Envoy's errnos for everything file-system related.
 
 use crate::abi::LogLevel;
-use crate::hostcalls::{Ctx, read, write};
+use crate::hostcalls::Ctx;
 use crate::vm::VmState;
+use crate::vm::memory::{read, write};
 use wasmtime::Linker;
 
 const SUCCESS: i32 = 0;
