@@ -7,7 +7,9 @@ use crate::abi::{
 };
 use crate::headers::HeaderMap;
 use crate::vm::memory::{check_writable, read, read_str, return_bytes, span, write};
-use crate::vm::{CalloutOutcome, CalloutRequest, Deferred, LocalReply, Phase, Target, VmState};
+use crate::vm::{
+    CalloutOutcome, CalloutRequest, Deferred, GrpcKind, LocalReply, Phase, Target, VmState,
+};
 use std::time::Duration;
 use wasmtime::{Caller, Linker};
 
@@ -64,8 +66,19 @@ fn map_access(state: &mut VmState, ty: MapType) -> MapAccess<'_> {
         MapType::ResponseTrailers => (Direction::Response, true),
         MapType::HttpCallResponseHeaders => return callout_map(state, false),
         MapType::HttpCallResponseTrailers => return callout_map(state, true),
-        MapType::GrpcInitialMetadata | MapType::GrpcTrailingMetadata => {
-            return MapAccess::Unavailable { log_phase: false };
+        // Readable (and, as in Envoy, writable) only during the gRPC callback that
+        // delivers them, through the root.
+        MapType::GrpcInitialMetadata => {
+            return state.grpc.delivery.initial_metadata.as_mut().map_or(
+                MapAccess::Unavailable { log_phase: false },
+                MapAccess::Writable,
+            );
+        }
+        MapType::GrpcTrailingMetadata => {
+            return state.grpc.delivery.trailing_metadata.as_mut().map_or(
+                MapAccess::Unavailable { log_phase: false },
+                MapAccess::Writable,
+            );
         }
     };
     let Target::Stream(id) = state.target() else {
@@ -256,6 +269,10 @@ fn get_buffer_bytes(
         BufferType::HttpCallResponseBody => match &state.callout_response {
             Some(CalloutOutcome::Response { body, .. }) => body.clone(),
             _ => return Ok(Status::NotFound),
+        },
+        BufferType::GrpcReceiveBuffer => match &state.grpc.delivery.message {
+            Some(message) => message.clone(),
+            None => return Ok(Status::NotFound),
         },
         _ => return Ok(Status::NotFound),
     };
@@ -589,7 +606,7 @@ fn set_property(c: &mut Ctx<'_>, pp: i32, pl: i32, vp: i32, vl: i32) -> HostResu
 fn log(c: &mut Ctx<'_>, level: i32, ptr: i32, len: i32) -> HostResult {
     let level = tri!(LogLevel::from_raw(level).ok_or(Status::BadArgument));
     let message = tri!(read_str(c, ptr, len));
-    c.data().log(level, message);
+    c.data().plugin_log(level, message);
     Ok(Status::Ok)
 }
 
@@ -627,49 +644,110 @@ fn get_metric(c: &mut Ctx<'_>, id: i32, out: i32) -> HostResult {
     Ok(Status::Ok)
 }
 
-// gRPC: no gRPC clusters are modelled, so every call fails as Envoy does for an unknown
-// cluster (ParseFailure, which the Rust SDK maps to Err); stream operations see no token.
-#[allow(clippy::too_many_arguments)]
+// ---- gRPC ----
+
+/// Starts a call or stream on behalf of the root (proxy-wasm-cpp-host runs every gRPC hostcall
+/// on `root_context()`), once the upstream is named as Envoy names it.
+#[allow(
+    clippy::too_many_arguments,
+    reason = "the hostcalls' arguments, passed on"
+)]
+fn grpc_start(
+    c: &mut Ctx<'_>,
+    kind: GrpcKind,
+    upstream: &[u8],
+    path: (&str, &str),
+    metadata: &HeaderMap,
+    message: Option<Vec<u8>>,
+    timeout: Option<Duration>,
+    token_out: i32,
+) -> HostResult {
+    tri!(check_writable(c, token_out, 4));
+    let state = c.data_mut();
+    let target = tri!(crate::grpc::resolve(upstream, &state.clusters));
+    if state.root.is_none() {
+        return Ok(Status::InternalFailure);
+    }
+    let token = state.start_grpc(kind, target, path, metadata, message, timeout);
+    tri!(write(c, token_out, &token.to_le_bytes()));
+    Ok(Status::Ok)
+}
+
+#[allow(clippy::too_many_arguments, reason = "the ABI's signature")]
 fn grpc_call(
-    _c: &mut Ctx<'_>,
-    _sp: i32,
-    _sl: i32,
-    _np: i32,
-    _nl: i32,
-    _mp: i32,
-    _ml: i32,
-    _hp: i32,
-    _hl: i32,
-    _mgp: i32,
-    _mgl: i32,
-    _timeout: i32,
-    _out: i32,
+    c: &mut Ctx<'_>,
+    up: i32,
+    ul: i32,
+    sp: i32,
+    sl: i32,
+    mp: i32,
+    ml: i32,
+    hp: i32,
+    hl: i32,
+    bp: i32,
+    bl: i32,
+    timeout_ms: i32,
+    token_out: i32,
 ) -> HostResult {
-    Ok(Status::ParseFailure)
+    let upstream = tri!(read(c, up, ul));
+    let service = tri!(read_str(c, sp, sl));
+    let method = tri!(read_str(c, mp, ml));
+    let metadata = HeaderMap::from_raw(decode_pairs(&tri!(read(c, hp, hl))));
+    let message = tri!(read(c, bp, bl));
+    let timeout = Duration::from_millis(u64::from(timeout_ms as u32));
+    grpc_start(
+        c,
+        GrpcKind::Call,
+        &upstream,
+        (&service, &method),
+        &metadata,
+        Some(message),
+        Some(timeout),
+        token_out,
+    )
 }
 
-#[allow(clippy::too_many_arguments)]
+#[allow(clippy::too_many_arguments, reason = "the ABI's signature")]
 fn grpc_stream(
-    _c: &mut Ctx<'_>,
-    _sp: i32,
-    _sl: i32,
-    _np: i32,
-    _nl: i32,
-    _mp: i32,
-    _ml: i32,
-    _hp: i32,
-    _hl: i32,
-    _out: i32,
+    c: &mut Ctx<'_>,
+    up: i32,
+    ul: i32,
+    sp: i32,
+    sl: i32,
+    mp: i32,
+    ml: i32,
+    hp: i32,
+    hl: i32,
+    token_out: i32,
 ) -> HostResult {
-    Ok(Status::ParseFailure)
+    let upstream = tri!(read(c, up, ul));
+    let service = tri!(read_str(c, sp, sl));
+    let method = tri!(read_str(c, mp, ml));
+    let metadata = HeaderMap::from_raw(decode_pairs(&tri!(read(c, hp, hl))));
+    grpc_start(
+        c,
+        GrpcKind::Stream,
+        &upstream,
+        (&service, &method),
+        &metadata,
+        None,
+        None,
+        token_out,
+    )
 }
 
-fn grpc_send(_c: &mut Ctx<'_>, _token: i32, _p: i32, _n: i32, _end: i32) -> HostResult {
-    Ok(Status::NotFound)
+fn grpc_send(c: &mut Ctx<'_>, token: i32, ptr: i32, len: i32, end_stream: i32) -> HostResult {
+    let message = tri!(read(c, ptr, len));
+    Ok(c.data_mut()
+        .grpc_send(token as u32, message, end_stream != 0))
 }
 
-fn grpc_cancel_or_close(_c: &mut Ctx<'_>, _token: i32) -> HostResult {
-    Ok(Status::NotFound)
+fn grpc_cancel(c: &mut Ctx<'_>, token: i32) -> HostResult {
+    Ok(c.data_mut().grpc_end(token as u32, true))
+}
+
+fn grpc_close(c: &mut Ctx<'_>, token: i32) -> HostResult {
+    Ok(c.data_mut().grpc_end(token as u32, false))
 }
 
 /// No foreign functions are registered.
@@ -783,8 +861,8 @@ pub(crate) fn add_to_linker(l: &mut Linker<VmState>) -> wasmtime::Result<()> {
     link(l, "proxy_grpc_call", grpc_call)?;
     link(l, "proxy_grpc_stream", grpc_stream)?;
     link(l, "proxy_grpc_send", grpc_send)?;
-    link(l, "proxy_grpc_cancel", grpc_cancel_or_close)?;
-    link(l, "proxy_grpc_close", grpc_cancel_or_close)?;
+    link(l, "proxy_grpc_cancel", grpc_cancel)?;
+    link(l, "proxy_grpc_close", grpc_close)?;
     link(l, "proxy_get_status", get_status)?;
     link(l, "proxy_set_effective_context", set_effective_context)?;
     link(l, "proxy_call_foreign_function", call_foreign_function)?;

@@ -14,8 +14,11 @@
 mod abi;
 mod client;
 pub mod gateway;
+pub mod grpc;
+mod grpc_upstream;
 mod headers;
 mod hostcalls;
+mod local_reply;
 mod plugin;
 mod properties;
 mod shared;
@@ -27,10 +30,10 @@ mod wasi;
 pub use abi::{Direction, LogLevel, MetricKind, Status};
 pub use headers::HeaderMap;
 pub use plugin::{Cluster, Clusters, FailurePolicy, LoadError, PluginSettings, WasmModule};
-pub use shared::{CANARY_WORKER, Clock, LogRecord, Metric, SharedState};
+pub use shared::{CANARY_WORKER, Clock, LogRecord, MAIN_THREAD, Metric, SharedState};
 pub use vm::{
-    CallbackRecord, CalloutOutcome, CalloutRequest, LocalReply, StreamEvent, StreamId, StreamInfo,
-    Vm,
+    CallbackRecord, CalloutOutcome, CalloutRequest, GrpcAction, GrpcEvent, GrpcKind, GrpcRequest,
+    LocalReply, StreamEvent, StreamId, StreamInfo, Vm,
 };
 
 use std::path::PathBuf;

@@ -50,7 +50,7 @@ fn fd_write(c: &mut Ctx<'_>, fd: i32, iovs: i32, count: i32, written_out: i32) -
         text.pop();
     }
     c.data()
-        .log(level, String::from_utf8_lossy(&text).into_owned());
+        .plugin_log(level, String::from_utf8_lossy(&text).into_owned());
     errno(write(c, written_out, &written.to_le_bytes()))
 }
 

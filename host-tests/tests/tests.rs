@@ -9,7 +9,9 @@
 mod artifact;
 mod callouts;
 mod gateway;
+mod grpc;
 mod http;
 mod lifecycle;
+mod service;
 mod shared_state;
 mod util;

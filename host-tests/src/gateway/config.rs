@@ -24,7 +24,7 @@ pub enum ConfigError {
     Invalid { path: String, message: String },
 }
 
-fn invalid(path: impl Into<String>, message: impl Into<String>) -> ConfigError {
+pub(super) fn invalid(path: impl Into<String>, message: impl Into<String>) -> ConfigError {
     ConfigError::Invalid {
         path: path.into(),
         message: message.into(),
@@ -37,6 +37,9 @@ struct Bootstrap {
     #[serde(default)]
     admin: Option<Admin>,
     static_resources: StaticResources,
+    /// Singleton Wasm services ([`super::service`]).
+    #[serde(default)]
+    bootstrap_extensions: Vec<super::service::RawExtension>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -165,7 +168,7 @@ struct HttpFilterConfig {
 
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
-struct PluginConfig {
+pub(super) struct PluginConfig {
     #[serde(default)]
     name: String,
     #[serde(default)]
@@ -365,6 +368,8 @@ pub struct EnvoyConfig {
     pub listeners: Vec<ListenerConfig>,
     pub clusters: BTreeMap<String, Cluster>,
     pub admin: Option<SocketAddr>,
+    /// Singleton Wasm services (`bootstrap_extensions`), run on the main thread.
+    pub services: Vec<super::service::WasmService>,
 }
 
 /// Protobuf JSON durations: `"1s"`, `"0.25s"` (Envoy configs also use them for timeouts).
@@ -411,7 +416,11 @@ fn string_value(path: &str, value: Option<StringValue>) -> Result<Vec<u8>, Confi
     }
 }
 
-fn wasm_filter(path: &str, config: PluginConfig, base: &Path) -> Result<WasmFilter, ConfigError> {
+pub(super) fn wasm_filter(
+    path: &str,
+    config: PluginConfig,
+    base: &Path,
+) -> Result<WasmFilter, ConfigError> {
     let failure_policy = match (config.fail_open, config.failure_policy.as_deref()) {
         (Some(_), Some(_)) => {
             return Err(invalid(
@@ -731,6 +740,7 @@ impl EnvoyConfig {
             listeners,
             clusters,
             admin,
+            services: super::service::parse(raw.bootstrap_extensions, base)?,
         })
     }
 

@@ -90,6 +90,8 @@ enum Chain {
 struct Driver {
     listener: Rc<ListenerWorker>,
     chain: Chain,
+    /// A gRPC request: the router's replies are trailers-only gRPC responses.
+    grpc: bool,
 }
 
 impl Driver {
@@ -184,18 +186,16 @@ impl Driver {
 
     /// A response Envoy's router generates itself (no route, connect failure, timeout).
     fn router_reply(&mut self, status: u16, body: &str) {
-        let headers = HeaderMap::from([
-            (":status", status.to_string()),
-            ("content-length", body.len().to_string()),
-            ("content-type", "text/plain".to_owned()),
-        ]);
+        let (headers, body) = crate::local_reply::render(
+            self.grpc,
+            u32::from(status),
+            body.as_bytes(),
+            &HeaderMap::new(),
+            None,
+        );
         self.headers(Direction::Response, headers, body.is_empty());
         if !body.is_empty() {
-            self.data(
-                Direction::Response,
-                Bytes::copy_from_slice(body.as_bytes()),
-                true,
-            );
+            self.data(Direction::Response, Bytes::from(body), true);
         }
     }
 
@@ -411,6 +411,7 @@ async fn drive(
     let mut driver = Driver {
         listener: Rc::clone(&listener),
         chain,
+        grpc: crate::local_reply::is_grpc_request(&headers),
     };
     let mut outcome = Outcome::default();
     let end_stream = body.is_end_stream();

@@ -184,10 +184,12 @@ impl Vm {
         let state = self.store.data();
         let tick = state.root.as_ref().and_then(|r| r.next_tick_ns);
         let callout = state.callouts.values().filter_map(|c| c.deadline_ns).min();
-        [tick, callout].into_iter().flatten().min()
+        let grpc = state.grpc.next_deadline_ns();
+        [tick, callout, grpc].into_iter().flatten().min()
     }
 
-    /// Fires every due callout timeout (504) and tick, in deadline order.
+    /// Fires every due callout timeout (504), gRPC call timeout (close 14) and tick, in
+    /// deadline order.
     pub fn fire_due(&mut self) {
         for _ in 0..10_000 {
             let now = self.store.data().now_ns();
@@ -203,12 +205,20 @@ impl Vm {
                 .as_ref()
                 .and_then(|r| r.next_tick_ns)
                 .filter(|d| *d <= now);
-            match (timed_out, tick) {
-                (Some((deadline, token)), t) if t.is_none_or(|t| deadline <= t) => {
+            let grpc = self.grpc_due(now);
+            // On equal deadlines: HTTP callouts, then gRPC calls, then the tick.
+            let due = [
+                timed_out.map(|(d, token)| (d, 0, token)),
+                grpc.map(|(d, token)| (d, 1, token)),
+                tick.map(|d| (d, 2, 0)),
+            ];
+            match due.into_iter().flatten().min() {
+                Some((_, 0, token)) => {
                     self.deliver_callout(token, CalloutOutcome::timeout());
                 }
-                (_, Some(_)) => self.tick(),
-                _ => return,
+                Some((_, 1, token)) => self.expire_grpc(token),
+                Some(_) => self.tick(),
+                None => return,
             }
         }
     }

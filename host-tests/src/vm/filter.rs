@@ -143,6 +143,7 @@ impl Vm {
                 local_reply_in_call: false,
                 local_reply_sent: false,
                 fail_reply_sent: false,
+                grpc: false,
                 filter_state: BTreeMap::new(),
                 callbacks: Vec::new(),
                 response_code: None,
@@ -413,6 +414,8 @@ impl Vm {
         }
         if dir == Direction::Response {
             stream.response_code = headers.get(":status").and_then(|s| s.parse().ok());
+        } else {
+            stream.grpc = crate::local_reply::is_grpc_request(&headers);
         }
         let n = headers.len() as i32;
         let half = stream.half_mut(dir);
@@ -699,26 +702,25 @@ impl Vm {
             self.reset(id, Some("wasm_local_reply_after_response_headers".into()));
             return;
         }
-        let mut headers = HeaderMap::from([(":status", reply.status.to_string())]);
-        for (k, v) in reply.headers.entries() {
-            headers.add(k, v);
-        }
-        headers.replace(b"content-length", reply.body.len().to_string().as_bytes());
-        if !reply.body.is_empty() && headers.get_bytes("content-type").is_none() {
-            headers.add(b"content-type", b"text/plain");
-        }
+        let (headers, body) = crate::local_reply::render(
+            stream.grpc,
+            reply.status,
+            &reply.body,
+            &reply.headers,
+            crate::local_reply::plugin_grpc_status(reply.grpc_status),
+        );
         let upstream_started = stream.request.headers_forwarded;
         stream.events.push(StreamEvent::LocalReply(reply.clone()));
         if upstream_started {
             stream.events.push(StreamEvent::UpstreamReset);
         }
         stream.request.complete = true;
-        stream.response_code = Some(reply.status);
+        stream.response_code = headers.get(":status").and_then(|s| s.parse().ok());
         if stream.response.headers_held {
             // From on_response_headers: Envoy sends the reply straight to the encoder, dropping
             // the upstream response, without running filter callbacks on it.
             stream.local_reply_sent = true;
-            let end_stream = reply.body.is_empty();
+            let end_stream = body.is_empty();
             stream.response.headers = Some(headers.clone());
             stream.response.headers_held = false;
             stream.response.headers_forwarded = true;
@@ -729,7 +731,7 @@ impl Vm {
             });
             if !end_stream {
                 stream.events.push(StreamEvent::DownstreamData {
-                    data: reply.body,
+                    data: body,
                     end_stream: true,
                 });
             }
@@ -738,10 +740,10 @@ impl Vm {
         }
         stream.local_reply_sent = true;
         stream.response = Half::new();
-        let end_stream = reply.body.is_empty();
+        let end_stream = body.is_empty();
         self.on_headers(id, Direction::Response, headers, end_stream, true);
         if !end_stream {
-            self.on_data(id, Direction::Response, &reply.body, true, true);
+            self.on_data(id, Direction::Response, &body, true, true);
         }
     }
 

@@ -31,6 +31,10 @@ pub(crate) struct Exports {
     pub(super) response_body: Option<TypedFunc<(i32, i32, i32), i32>>,
     pub(super) response_trailers: Option<TypedFunc<(i32, i32), i32>>,
     pub(super) http_call_response: Option<TypedFunc<CalloutResponseArgs, ()>>,
+    pub(super) grpc_receive_initial_metadata: Option<TypedFunc<(i32, i32, i32), ()>>,
+    pub(super) grpc_receive: Option<TypedFunc<(i32, i32, i32), ()>>,
+    pub(super) grpc_receive_trailing_metadata: Option<TypedFunc<(i32, i32, i32), ()>>,
+    pub(super) grpc_close: Option<TypedFunc<(i32, i32, i32), ()>>,
     pub(super) log: Option<TypedFunc<i32, ()>>,
     pub(super) done: Option<TypedFunc<i32, i32>>,
     pub(super) delete: Option<TypedFunc<i32, ()>>,
@@ -98,6 +102,7 @@ impl Vm {
             callouts: BTreeMap::new(),
             callout_response: None,
             metric_names: HashMap::new(),
+            grpc: super::GrpcState::default(),
             next_metric_serial: [0; 3],
         };
         let mut vm = Self {
@@ -143,6 +148,18 @@ impl Vm {
             response_body: typed(&instance, store, "proxy_on_response_body")?,
             response_trailers: typed(&instance, store, "proxy_on_response_trailers")?,
             http_call_response: typed(&instance, store, "proxy_on_http_call_response")?,
+            grpc_receive_initial_metadata: typed(
+                &instance,
+                store,
+                "proxy_on_grpc_receive_initial_metadata",
+            )?,
+            grpc_receive: typed(&instance, store, "proxy_on_grpc_receive")?,
+            grpc_receive_trailing_metadata: typed(
+                &instance,
+                store,
+                "proxy_on_grpc_receive_trailing_metadata",
+            )?,
+            grpc_close: typed(&instance, store, "proxy_on_grpc_close")?,
             log: typed(&instance, store, "proxy_on_log")?,
             done: typed(&instance, store, "proxy_on_done")?,
             delete: typed(&instance, store, "proxy_on_delete")?,
@@ -164,6 +181,7 @@ impl Vm {
             state.shared.end_request(&callout.request.cluster);
         }
         state.context_streams.clear();
+        state.grpc.restart();
 
         state.restricted = true;
         let init = self.call_start_functions();

@@ -9,16 +9,20 @@
 //! Layout: [`state`] is the store data hostcalls see (contexts, streams, deferred actions);
 //! [`memory`] reads and writes guest memory; [`lifecycle`] instantiates the module and runs
 //! its start and shutdown; [`filter`] is the HTTP filter chain around each stream; [`callouts`]
-//! holds HTTP callouts, timers and posted queue notifications.
+//! holds HTTP callouts, timers and posted queue notifications; [`grpc`] the gRPC calls and
+//! streams.
 
 mod callouts;
 mod filter;
+mod grpc;
 mod lifecycle;
 pub(crate) mod memory;
 mod state;
 
 pub use callouts::{CalloutOutcome, CalloutRequest};
 pub use filter::{CallbackRecord, LocalReply, StreamEvent, StreamInfo};
+pub(crate) use grpc::GrpcState;
+pub use grpc::{GrpcAction, GrpcEvent, GrpcKind, GrpcRequest};
 pub(crate) use state::{Deferred, Phase, Stream, Target, VmState};
 
 use crate::plugin::PluginSettings;

@@ -102,6 +102,9 @@ pub(crate) struct Stream {
     /// The response path now carries a local reply; the upstream response is dropped.
     pub(super) local_reply_sent: bool,
     pub(super) fail_reply_sent: bool,
+    /// The request is gRPC (judged once, on its headers as they arrived): local replies are
+    /// trailers-only gRPC responses.
+    pub(super) grpc: bool,
     /// `set_property` values (Envoy filter state `wasm.<name>`).
     pub(crate) filter_state: BTreeMap<Vec<u8>, Vec<u8>>,
     pub(super) callbacks: Vec<CallbackRecord>,
@@ -173,6 +176,8 @@ pub(crate) struct VmState {
     /// The outcome being delivered (readable only during `on_http_call_response`).
     pub(crate) callout_response: Option<CalloutOutcome>,
     pub(crate) metric_names: HashMap<u32, String>,
+    /// gRPC calls and streams of the root, and what their running callback may read.
+    pub(crate) grpc: super::GrpcState,
     /// Per metric kind, so counters get 4, 8, ..., gauges 5, 9, ..., histograms 6, 10, ...
     pub(super) next_metric_serial: [u32; 3],
 }
@@ -196,11 +201,36 @@ impl VmState {
         self.root.as_ref().is_some_and(|r| r.id == id) || self.context_streams.contains_key(&id)
     }
 
+    /// A message of the host about this VM (a trap, a reload).
     pub(crate) fn log(&self, level: LogLevel, message: String) {
         self.shared.log(LogRecord {
             level,
             worker: self.worker,
             message,
+            prefix: None,
+        });
+    }
+
+    /// A line the plugin logged (`proxy_log`, WASI stdout/stderr), with the log prefix of the
+    /// context it acts on: proxy-wasm-cpp-host `PluginBase::makeLogPrefix` (name, root_id,
+    /// vm_id) for a stream, `ContextBase::makeRootLogPrefix` (root_id, vm_id) for the root,
+    /// none outside any context (`_initialize`).
+    pub(crate) fn plugin_log(&self, level: LogLevel, message: String) {
+        let p = &self.plugin;
+        let parts: &[&str] = match self.target() {
+            Target::Stream(_) => &[&p.name, &p.root_id, &p.vm_id],
+            Target::Root => &[&p.root_id, &p.vm_id],
+            Target::None => &[],
+        };
+        let prefix = parts
+            .iter()
+            .filter(|part| !part.is_empty())
+            .fold(String::new(), |prefix, part| prefix + " " + part);
+        self.shared.log(LogRecord {
+            level,
+            worker: self.worker,
+            message,
+            prefix: Some(prefix),
         });
     }
 
