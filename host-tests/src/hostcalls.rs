@@ -6,12 +6,15 @@ use crate::abi::{
     BufferType, Direction, LogLevel, MapType, MetricKind, Status, decode_pairs, encode_pairs,
 };
 use crate::headers::HeaderMap;
-use crate::vm::{CalloutOutcome, CalloutRequest, Deferred, LocalReply, Phase, Target, VmState};
+use crate::vm::memory::{check_writable, read, read_str, return_bytes, span, write};
+use crate::vm::{
+    CalloutOutcome, CalloutRequest, Deferred, GrpcKind, LocalReply, Phase, Target, VmState,
+};
 use std::time::Duration;
 use wasmtime::{Caller, Linker};
 
 pub(crate) type Ctx<'a> = Caller<'a, VmState>;
-type HostResult = wasmtime::Result<Status>;
+pub(crate) type HostResult = wasmtime::Result<Status>;
 
 /// Unwraps a `Result<T, Status>`, returning the status to the module on error.
 macro_rules! tri {
@@ -21,86 +24,6 @@ macro_rules! tri {
             Err(status) => return Ok(status),
         }
     };
-}
-
-// ---- guest memory ----
-
-fn span(ptr: i32, len: i32) -> (usize, usize) {
-    (ptr as u32 as usize, len as u32 as usize)
-}
-
-pub(crate) fn read(c: &Ctx<'_>, ptr: i32, len: i32) -> Result<Vec<u8>, Status> {
-    let memory = c
-        .data()
-        .wasm
-        .as_ref()
-        .ok_or(Status::InvalidMemoryAccess)?
-        .memory;
-    let (p, l) = span(ptr, len);
-    memory
-        .data(c)
-        .get(p..p.checked_add(l).ok_or(Status::InvalidMemoryAccess)?)
-        .map(<[u8]>::to_vec)
-        .ok_or(Status::InvalidMemoryAccess)
-}
-
-pub(crate) fn write(c: &mut Ctx<'_>, ptr: i32, bytes: &[u8]) -> Result<(), Status> {
-    let memory = c
-        .data()
-        .wasm
-        .as_ref()
-        .ok_or(Status::InvalidMemoryAccess)?
-        .memory;
-    let p = ptr as u32 as usize;
-    memory
-        .data_mut(c)
-        .get_mut(
-            p..p.checked_add(bytes.len())
-                .ok_or(Status::InvalidMemoryAccess)?,
-        )
-        .ok_or(Status::InvalidMemoryAccess)?
-        .copy_from_slice(bytes);
-    Ok(())
-}
-
-fn check_writable(c: &Ctx<'_>, ptr: i32, len: usize) -> Result<(), Status> {
-    let memory = c
-        .data()
-        .wasm
-        .as_ref()
-        .ok_or(Status::InvalidMemoryAccess)?
-        .memory;
-    let end = (ptr as u32 as usize)
-        .checked_add(len)
-        .ok_or(Status::InvalidMemoryAccess)?;
-    if end > memory.data_size(c) {
-        return Err(Status::InvalidMemoryAccess);
-    }
-    Ok(())
-}
-
-/// HOST `copyToPointerSize`: empty → ptr 0/len 0 without allocating; otherwise the module's
-/// allocator is called with exactly the length (a trap there propagates as a trap).
-pub(crate) fn return_bytes(c: &mut Ctx<'_>, data: &[u8], ptr_out: i32, len_out: i32) -> HostResult {
-    tri!(check_writable(c, ptr_out, 4));
-    tri!(check_writable(c, len_out, 4));
-    let ptr = if data.is_empty() {
-        0
-    } else {
-        let Some(alloc) = c.data().wasm.as_ref().map(|w| w.alloc.clone()) else {
-            return Ok(Status::InvalidMemoryAccess);
-        };
-        let ptr = alloc.call(&mut *c, data.len() as i32)?;
-        tri!(write(c, ptr, data));
-        ptr
-    };
-    tri!(write(c, ptr_out, &ptr.to_le_bytes()));
-    tri!(write(c, len_out, &(data.len() as u32).to_le_bytes()));
-    Ok(Status::Ok)
-}
-
-fn read_str(c: &Ctx<'_>, ptr: i32, len: i32) -> Result<String, Status> {
-    Ok(String::from_utf8_lossy(&read(c, ptr, len)?).into_owned())
 }
 
 /// During `_initialize`/`main` only logging and WASI are allowed (HOST's restricted
@@ -143,8 +66,19 @@ fn map_access(state: &mut VmState, ty: MapType) -> MapAccess<'_> {
         MapType::ResponseTrailers => (Direction::Response, true),
         MapType::HttpCallResponseHeaders => return callout_map(state, false),
         MapType::HttpCallResponseTrailers => return callout_map(state, true),
-        MapType::GrpcInitialMetadata | MapType::GrpcTrailingMetadata => {
-            return MapAccess::Unavailable { log_phase: false };
+        // Readable (and, as in Envoy, writable) only during the gRPC callback that
+        // delivers them, through the root.
+        MapType::GrpcInitialMetadata => {
+            return state.grpc.delivery.initial_metadata.as_mut().map_or(
+                MapAccess::Unavailable { log_phase: false },
+                MapAccess::Writable,
+            );
+        }
+        MapType::GrpcTrailingMetadata => {
+            return state.grpc.delivery.trailing_metadata.as_mut().map_or(
+                MapAccess::Unavailable { log_phase: false },
+                MapAccess::Writable,
+            );
         }
     };
     let Target::Stream(id) = state.target() else {
@@ -264,6 +198,25 @@ fn mutate_header(
     }
 }
 
+fn replace_header_map_value(
+    c: &mut Ctx<'_>,
+    t: i32,
+    kp: i32,
+    kl: i32,
+    vp: i32,
+    vl: i32,
+) -> HostResult {
+    mutate_header(c, t, kp, kl, Some((vp, vl)), HeaderMap::replace)
+}
+
+fn add_header_map_value(c: &mut Ctx<'_>, t: i32, kp: i32, kl: i32, vp: i32, vl: i32) -> HostResult {
+    mutate_header(c, t, kp, kl, Some((vp, vl)), HeaderMap::add)
+}
+
+fn remove_header_map_value(c: &mut Ctx<'_>, t: i32, kp: i32, kl: i32) -> HostResult {
+    mutate_header(c, t, kp, kl, None, |m, k, _| m.remove(k))
+}
+
 fn get_header_map_size(c: &mut Ctx<'_>, ty: i32, out: i32) -> HostResult {
     let ty = tri!(map_type(ty));
     let size = match map_access(c.data_mut(), ty) {
@@ -316,6 +269,10 @@ fn get_buffer_bytes(
         BufferType::HttpCallResponseBody => match &state.callout_response {
             Some(CalloutOutcome::Response { body, .. }) => body.clone(),
             _ => return Ok(Status::NotFound),
+        },
+        BufferType::GrpcReceiveBuffer => match &state.grpc.delivery.message {
+            Some(message) => message.clone(),
+            None => return Ok(Status::NotFound),
         },
         _ => return Ok(Status::NotFound),
     };
@@ -649,256 +606,270 @@ fn set_property(c: &mut Ctx<'_>, pp: i32, pl: i32, vp: i32, vl: i32) -> HostResu
 fn log(c: &mut Ctx<'_>, level: i32, ptr: i32, len: i32) -> HostResult {
     let level = tri!(LogLevel::from_raw(level).ok_or(Status::BadArgument));
     let message = tri!(read_str(c, ptr, len));
-    c.data().log(level, message);
+    c.data().plugin_log(level, message);
     Ok(Status::Ok)
 }
 
-fn write_status(r: Result<(), Status>) -> i32 {
-    r.err().unwrap_or(Status::Ok) as i32
+fn get_log_level(c: &mut Ctx<'_>, out: i32) -> HostResult {
+    let level = c.data().plugin.log_level as u32;
+    tri!(write(c, out, &level.to_le_bytes()));
+    Ok(Status::Ok)
 }
 
-fn status(r: HostResult) -> wasmtime::Result<i32> {
-    r.map(|s| s as i32)
+fn get_current_time_nanoseconds(c: &mut Ctx<'_>, out: i32) -> HostResult {
+    let now = c.data().shared.clock.realtime_ns();
+    tri!(write(c, out, &now.to_le_bytes()));
+    Ok(Status::Ok)
 }
 
-/// Links one `env` hostcall: `link!(linker, "name", |c, a: i32, ..| body)`, where `c` is
-/// `&mut Ctx` and `body` yields `wasmtime::Result<i32>`; calls during VM start trap first.
-macro_rules! link {
-    ($l:expr, $name:literal, |$c:ident $(, $arg:tt : $ty:ty)*| $body:expr) => {
-        $l.func_wrap("env", $name, |mut caller: Ctx<'_> $(, $arg: $ty)*| -> wasmtime::Result<i32> {
-            unrestricted(&caller, $name)?;
-            let $c: &mut Ctx<'_> = &mut caller;
-            let _ = &$c;
-            $body
-        })?
+fn set_tick_period_milliseconds(c: &mut Ctx<'_>, ms: i32) -> HostResult {
+    c.data_mut()
+        .set_tick_period(Duration::from_millis(u64::from(ms as u32)));
+    Ok(Status::Ok)
+}
+
+fn increment_metric(c: &mut Ctx<'_>, id: i32, delta: i64) -> HostResult {
+    let name = tri!(metric_name(c, id));
+    Ok(c.data().shared.increment_metric(&name, delta))
+}
+
+fn record_metric(c: &mut Ctx<'_>, id: i32, value: i64) -> HostResult {
+    let name = tri!(metric_name(c, id));
+    Ok(c.data().shared.record_metric(&name, value as u64))
+}
+
+fn get_metric(c: &mut Ctx<'_>, id: i32, out: i32) -> HostResult {
+    let value = tri!(metric_name(c, id).and_then(|name| c.data().shared.metric_value(&name)));
+    tri!(write(c, out, &(value as u64).to_le_bytes()));
+    Ok(Status::Ok)
+}
+
+// ---- gRPC ----
+
+/// Starts a call or stream on behalf of the root (proxy-wasm-cpp-host runs every gRPC hostcall
+/// on `root_context()`), once the upstream is named as Envoy names it.
+#[allow(
+    clippy::too_many_arguments,
+    reason = "the hostcalls' arguments, passed on"
+)]
+fn grpc_start(
+    c: &mut Ctx<'_>,
+    kind: GrpcKind,
+    upstream: &[u8],
+    path: (&str, &str),
+    metadata: &HeaderMap,
+    message: Option<Vec<u8>>,
+    timeout: Option<Duration>,
+    token_out: i32,
+) -> HostResult {
+    tri!(check_writable(c, token_out, 4));
+    let state = c.data_mut();
+    let target = tri!(crate::grpc::resolve(upstream, &state.clusters));
+    if state.root.is_none() {
+        return Ok(Status::InternalFailure);
+    }
+    let token = state.start_grpc(kind, target, path, metadata, message, timeout);
+    tri!(write(c, token_out, &token.to_le_bytes()));
+    Ok(Status::Ok)
+}
+
+#[allow(clippy::too_many_arguments, reason = "the ABI's signature")]
+fn grpc_call(
+    c: &mut Ctx<'_>,
+    up: i32,
+    ul: i32,
+    sp: i32,
+    sl: i32,
+    mp: i32,
+    ml: i32,
+    hp: i32,
+    hl: i32,
+    bp: i32,
+    bl: i32,
+    timeout_ms: i32,
+    token_out: i32,
+) -> HostResult {
+    let upstream = tri!(read(c, up, ul));
+    let service = tri!(read_str(c, sp, sl));
+    let method = tri!(read_str(c, mp, ml));
+    let metadata = HeaderMap::from_raw(decode_pairs(&tri!(read(c, hp, hl))));
+    let message = tri!(read(c, bp, bl));
+    let timeout = Duration::from_millis(u64::from(timeout_ms as u32));
+    grpc_start(
+        c,
+        GrpcKind::Call,
+        &upstream,
+        (&service, &method),
+        &metadata,
+        Some(message),
+        Some(timeout),
+        token_out,
+    )
+}
+
+#[allow(clippy::too_many_arguments, reason = "the ABI's signature")]
+fn grpc_stream(
+    c: &mut Ctx<'_>,
+    up: i32,
+    ul: i32,
+    sp: i32,
+    sl: i32,
+    mp: i32,
+    ml: i32,
+    hp: i32,
+    hl: i32,
+    token_out: i32,
+) -> HostResult {
+    let upstream = tri!(read(c, up, ul));
+    let service = tri!(read_str(c, sp, sl));
+    let method = tri!(read_str(c, mp, ml));
+    let metadata = HeaderMap::from_raw(decode_pairs(&tri!(read(c, hp, hl))));
+    grpc_start(
+        c,
+        GrpcKind::Stream,
+        &upstream,
+        (&service, &method),
+        &metadata,
+        None,
+        None,
+        token_out,
+    )
+}
+
+fn grpc_send(c: &mut Ctx<'_>, token: i32, ptr: i32, len: i32, end_stream: i32) -> HostResult {
+    let message = tri!(read(c, ptr, len));
+    Ok(c.data_mut()
+        .grpc_send(token as u32, message, end_stream != 0))
+}
+
+fn grpc_cancel(c: &mut Ctx<'_>, token: i32) -> HostResult {
+    Ok(c.data_mut().grpc_end(token as u32, true))
+}
+
+fn grpc_close(c: &mut Ctx<'_>, token: i32) -> HostResult {
+    Ok(c.data_mut().grpc_end(token as u32, false))
+}
+
+/// No foreign functions are registered.
+fn call_foreign_function(
+    _c: &mut Ctx<'_>,
+    _np: i32,
+    _nl: i32,
+    _ap: i32,
+    _al: i32,
+    _rp: i32,
+    _rl: i32,
+) -> HostResult {
+    Ok(Status::NotFound)
+}
+
+/// Hostcalls the module may make while `_initialize`/`main` runs (HOST's restricted callbacks
+/// allow `proxy_log`; `proxy_get_log_level` is logging's companion).
+const ALLOWED_DURING_START: [&str; 2] = ["proxy_log", "proxy_get_log_level"];
+
+/// A hostcall implementation, `fn(&mut Ctx, args..) -> HostResult`, that can be linked as an
+/// `env` import returning the status as `i32`.
+trait Hostcall<Params> {
+    fn link(self, linker: &mut Linker<VmState>, name: &'static str) -> wasmtime::Result<()>;
+}
+
+macro_rules! impl_hostcall {
+    ($($arg:ident : $ty:ident),*) => {
+        impl<F, $($ty: wasmtime::WasmTy),*> Hostcall<($($ty,)*)> for F
+        where
+            F: Fn(&mut Ctx<'_>, $($ty),*) -> HostResult + Send + Sync + 'static,
+        {
+            fn link(self, linker: &mut Linker<VmState>, name: &'static str) -> wasmtime::Result<()> {
+                let restricted = !ALLOWED_DURING_START.contains(&name);
+                linker.func_wrap(
+                    "env",
+                    name,
+                    move |mut caller: Ctx<'_>, $($arg: $ty),*| -> wasmtime::Result<i32> {
+                        if restricted {
+                            unrestricted(&caller, name)?;
+                        }
+                        self(&mut caller, $($arg),*).map(|status| status as i32)
+                    },
+                )?;
+                Ok(())
+            }
+        }
     };
+}
+
+impl_hostcall!();
+impl_hostcall!(a: A);
+impl_hostcall!(a: A, b: B);
+impl_hostcall!(a: A, b: B, d: D);
+impl_hostcall!(a: A, b: B, d: D, e: E);
+impl_hostcall!(a: A, b: B, d: D, e: E, f: G);
+impl_hostcall!(a: A, b: B, d: D, e: E, f: G, g: H);
+impl_hostcall!(a: A, b: B, d: D, e: E, f: G, g: H, h: I);
+impl_hostcall!(a: A, b: B, d: D, e: E, f: G, g: H, h: I, i: J);
+impl_hostcall!(a: A, b: B, d: D, e: E, f: G, g: H, h: I, i: J, j: K);
+impl_hostcall!(a: A, b: B, d: D, e: E, f: G, g: H, h: I, i: J, j: K, k: M);
+impl_hostcall!(a: A, b: B, d: D, e: E, f: G, g: H, h: I, i: J, j: K, k: M, m: N);
+impl_hostcall!(a: A, b: B, d: D, e: E, f: G, g: H, h: I, i: J, j: K, k: M, m: N, n: O);
+
+fn link<P>(
+    linker: &mut Linker<VmState>,
+    name: &'static str,
+    hostcall: impl Hostcall<P>,
+) -> wasmtime::Result<()> {
+    hostcall.link(linker, name)
 }
 
 /// Links every `env.proxy_*` function the Rust SDK 0.2.x imports (and `proxy_get_header_map_size`).
 pub(crate) fn add_to_linker(l: &mut Linker<VmState>) -> wasmtime::Result<()> {
-    // proxy_log is allowed during VM start (the only one, with WASI).
-    l.func_wrap(
-        "env",
-        "proxy_log",
-        |mut c: Ctx<'_>, level: i32, p: i32, n: i32| status(log(&mut c, level, p, n)),
+    link(l, "proxy_log", log)?;
+    link(l, "proxy_get_log_level", get_log_level)?;
+    link(
+        l,
+        "proxy_get_current_time_nanoseconds",
+        get_current_time_nanoseconds,
     )?;
-    l.func_wrap("env", "proxy_get_log_level", |mut c: Ctx<'_>, out: i32| {
-        let level = c.data().plugin.log_level as u32;
-        Ok(write_status(write(&mut c, out, &level.to_le_bytes())))
-    })?;
-    link!(l, "proxy_get_current_time_nanoseconds", |c, out: i32| {
-        let now = c.data().shared.clock.realtime_ns();
-        Ok(write_status(write(c, out, &now.to_le_bytes())))
-    });
-    link!(l, "proxy_set_tick_period_milliseconds", |c, ms: i32| {
-        c.data_mut()
-            .set_tick_period(Duration::from_millis(u64::from(ms as u32)));
-        Ok(Status::Ok as i32)
-    });
-    link!(
+    link(
         l,
-        "proxy_get_buffer_bytes",
-        |c, t: i32, s: i32, m: i32, po: i32, lo: i32| {
-            status(get_buffer_bytes(c, t, s, m, po, lo))
-        }
-    );
-    link!(
-        l,
-        "proxy_set_buffer_bytes",
-        |c, t: i32, s: i32, n: i32, p: i32, len: i32| {
-            status(set_buffer_bytes(c, t, s, n, p, len))
-        }
-    );
-    link!(
-        l,
-        "proxy_get_header_map_pairs",
-        |c, t: i32, po: i32, lo: i32| status(get_header_map_pairs(c, t, po, lo))
-    );
-    link!(
-        l,
-        "proxy_set_header_map_pairs",
-        |c, t: i32, p: i32, n: i32| status(set_header_map_pairs(c, t, p, n))
-    );
-    link!(
-        l,
-        "proxy_get_header_map_value",
-        |c, t: i32, kp: i32, kl: i32, po: i32, lo: i32| {
-            status(get_header_map_value(c, t, kp, kl, po, lo))
-        }
-    );
-    link!(
+        "proxy_set_tick_period_milliseconds",
+        set_tick_period_milliseconds,
+    )?;
+    link(l, "proxy_get_buffer_bytes", get_buffer_bytes)?;
+    link(l, "proxy_set_buffer_bytes", set_buffer_bytes)?;
+    link(l, "proxy_get_header_map_pairs", get_header_map_pairs)?;
+    link(l, "proxy_set_header_map_pairs", set_header_map_pairs)?;
+    link(l, "proxy_get_header_map_value", get_header_map_value)?;
+    link(
         l,
         "proxy_replace_header_map_value",
-        |c, t: i32, kp: i32, kl: i32, vp: i32, vl: i32| {
-            status(mutate_header(c, t, kp, kl, Some((vp, vl)), |m, k, v| {
-                m.replace(k, v)
-            }))
-        }
-    );
-    link!(
-        l,
-        "proxy_add_header_map_value",
-        |c, t: i32, kp: i32, kl: i32, vp: i32, vl: i32| {
-            status(mutate_header(c, t, kp, kl, Some((vp, vl)), |m, k, v| {
-                m.add(k, v)
-            }))
-        }
-    );
-    link!(
-        l,
-        "proxy_remove_header_map_value",
-        |c, t: i32, kp: i32, kl: i32| {
-            status(mutate_header(c, t, kp, kl, None, |m, k, _| m.remove(k)))
-        }
-    );
-    link!(l, "proxy_get_header_map_size", |c, t: i32, out: i32| {
-        status(get_header_map_size(c, t, out))
-    });
-    link!(
-        l,
-        "proxy_get_property",
-        |c, p: i32, n: i32, po: i32, lo: i32| status(get_property(c, p, n, po, lo))
-    );
-    link!(
-        l,
-        "proxy_set_property",
-        |c, p: i32, n: i32, vp: i32, vl: i32| status(set_property(c, p, n, vp, vl))
-    );
-    link!(
-        l,
-        "proxy_get_shared_data",
-        |c, kp: i32, kl: i32, po: i32, lo: i32, co: i32| {
-            status(get_shared_data(c, kp, kl, po, lo, co))
-        }
-    );
-    link!(
-        l,
-        "proxy_set_shared_data",
-        |c, kp: i32, kl: i32, vp: i32, vl: i32, cas: i32| {
-            status(set_shared_data(c, kp, kl, vp, vl, cas))
-        }
-    );
-    link!(
-        l,
-        "proxy_register_shared_queue",
-        |c, p: i32, n: i32, out: i32| status(register_shared_queue(c, p, n, out))
-    );
-    link!(
-        l,
-        "proxy_resolve_shared_queue",
-        |c, vp: i32, vl: i32, np: i32, nl: i32, out: i32| {
-            status(resolve_shared_queue(c, vp, vl, np, nl, out))
-        }
-    );
-    link!(
-        l,
-        "proxy_dequeue_shared_queue",
-        |c, t: i32, po: i32, lo: i32| status(dequeue_shared_queue(c, t, po, lo))
-    );
-    link!(
-        l,
-        "proxy_enqueue_shared_queue",
-        |c, t: i32, p: i32, n: i32| status(enqueue_shared_queue(c, t, p, n))
-    );
-    link!(l, "proxy_continue_stream", |c, t: i32| status(
-        continue_stream(c, t)
-    ));
-    link!(l, "proxy_close_stream", |c, t: i32| status(close_stream(
-        c, t
-    )));
-    link!(
-        l,
-        "proxy_send_local_response",
-        |c, code: i32, dp: i32, dl: i32, bp: i32, bl: i32, hp: i32, hl: i32, grpc: i32| {
-            status(send_local_response(c, code, dp, dl, bp, bl, hp, hl, grpc))
-        }
-    );
-    link!(
-        l,
-        "proxy_http_call",
-        |c,
-         up: i32,
-         ul: i32,
-         hp: i32,
-         hl: i32,
-         bp: i32,
-         bl: i32,
-         tp: i32,
-         tl: i32,
-         timeout: i32,
-         out: i32| status(http_call(c, up, ul, hp, hl, bp, bl, tp, tl, timeout, out))
-    );
-    // gRPC: no gRPC clusters are modelled, so every call fails as Envoy does for an unknown
-    // cluster (ParseFailure, which the Rust SDK maps to Err); stream operations see no token.
-    link!(
-        l,
-        "proxy_grpc_call",
-        |c,
-         _a: i32,
-         _b: i32,
-         _d: i32,
-         _e: i32,
-         _f: i32,
-         _g: i32,
-         _h: i32,
-         _i: i32,
-         _j: i32,
-         _k: i32,
-         _m: i32,
-         _n: i32| Ok(Status::ParseFailure as i32)
-    );
-    link!(
-        l,
-        "proxy_grpc_stream",
-        |c, _a: i32, _b: i32, _d: i32, _e: i32, _f: i32, _g: i32, _h: i32, _i: i32, _j: i32| {
-            Ok(Status::ParseFailure as i32)
-        }
-    );
-    link!(
-        l,
-        "proxy_grpc_send",
-        |c, _t: i32, _p: i32, _n: i32, _e: i32| Ok(Status::NotFound as i32)
-    );
-    link!(l, "proxy_grpc_cancel", |c, _t: i32| Ok(
-        Status::NotFound as i32
-    ));
-    link!(l, "proxy_grpc_close", |c, _t: i32| Ok(
-        Status::NotFound as i32
-    ));
-    link!(l, "proxy_get_status", |c, co: i32, po: i32, lo: i32| {
-        status(get_status(c, co, po, lo))
-    });
-    link!(l, "proxy_set_effective_context", |c, id: i32| {
-        status(set_effective_context(c, id))
-    });
-    link!(
-        l,
-        "proxy_call_foreign_function",
-        |c, _a: i32, _b: i32, _d: i32, _e: i32, _f: i32, _g: i32| Ok(Status::NotFound as i32)
-    );
-    link!(l, "proxy_done", |c| status(done(c)));
-    link!(
-        l,
-        "proxy_define_metric",
-        |c, t: i32, p: i32, n: i32, out: i32| status(define_metric(c, t, p, n, out))
-    );
-    link!(l, "proxy_increment_metric", |c, id: i32, delta: i64| {
-        Ok(match metric_name(c, id) {
-            Ok(name) => c.data().shared.increment_metric(&name, delta),
-            Err(s) => s,
-        } as i32)
-    });
-    link!(l, "proxy_record_metric", |c, id: i32, value: i64| {
-        Ok(match metric_name(c, id) {
-            Ok(name) => c.data().shared.record_metric(&name, value as u64),
-            Err(s) => s,
-        } as i32)
-    });
-    link!(l, "proxy_get_metric", |c, id: i32, out: i32| {
-        match metric_name(c, id).and_then(|name| c.data().shared.metric_value(&name)) {
-            Ok(value) => Ok(write_status(write(c, out, &(value as u64).to_le_bytes()))),
-            Err(s) => Ok(s as i32),
-        }
-    });
+        replace_header_map_value,
+    )?;
+    link(l, "proxy_add_header_map_value", add_header_map_value)?;
+    link(l, "proxy_remove_header_map_value", remove_header_map_value)?;
+    link(l, "proxy_get_header_map_size", get_header_map_size)?;
+    link(l, "proxy_get_property", get_property)?;
+    link(l, "proxy_set_property", set_property)?;
+    link(l, "proxy_get_shared_data", get_shared_data)?;
+    link(l, "proxy_set_shared_data", set_shared_data)?;
+    link(l, "proxy_register_shared_queue", register_shared_queue)?;
+    link(l, "proxy_resolve_shared_queue", resolve_shared_queue)?;
+    link(l, "proxy_dequeue_shared_queue", dequeue_shared_queue)?;
+    link(l, "proxy_enqueue_shared_queue", enqueue_shared_queue)?;
+    link(l, "proxy_continue_stream", continue_stream)?;
+    link(l, "proxy_close_stream", close_stream)?;
+    link(l, "proxy_send_local_response", send_local_response)?;
+    link(l, "proxy_http_call", http_call)?;
+    link(l, "proxy_grpc_call", grpc_call)?;
+    link(l, "proxy_grpc_stream", grpc_stream)?;
+    link(l, "proxy_grpc_send", grpc_send)?;
+    link(l, "proxy_grpc_cancel", grpc_cancel)?;
+    link(l, "proxy_grpc_close", grpc_close)?;
+    link(l, "proxy_get_status", get_status)?;
+    link(l, "proxy_set_effective_context", set_effective_context)?;
+    link(l, "proxy_call_foreign_function", call_foreign_function)?;
+    link(l, "proxy_done", done)?;
+    link(l, "proxy_define_metric", define_metric)?;
+    link(l, "proxy_increment_metric", increment_metric)?;
+    link(l, "proxy_record_metric", record_metric)?;
+    link(l, "proxy_get_metric", get_metric)?;
     Ok(())
 }

@@ -55,13 +55,69 @@ impl Clock {
 /// The worker index of a configuration canary VM (booted and discarded at startup).
 pub const CANARY_WORKER: usize = usize::MAX;
 
-/// One captured `proxy_log` / WASI stdout-stderr line.
+/// The worker index of a VM on the main thread (a singleton `envoy.bootstrap.wasm` service).
+pub const MAIN_THREAD: usize = usize::MAX - 1;
+
+/// One captured `proxy_log` / WASI stdout-stderr line, or a message of the host about a VM.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct LogRecord {
     pub level: LogLevel,
     /// Worker index of the VM that logged.
     pub worker: usize,
+    /// What the plugin (or the host) said.
     pub message: String,
+    /// For plugin lines, Envoy's context log prefix: `" <name> <root_id> <vm_id>"` from a
+    /// stream context, `" <root_id> <vm_id>"` from the root (empty parts left out); `None`
+    /// for the host's own messages (traps, reloads).
+    pub prefix: Option<String>,
+}
+
+impl LogRecord {
+    /// The line as Envoy's `wasm` logger prints it: `wasm log<prefix>: <message>` for plugin
+    /// lines (envoy `source/extensions/common/wasm/context.cc`, `Context::log`), the bare
+    /// message for the host's own.
+    pub fn envoy_line(&self) -> String {
+        match &self.prefix {
+            Some(prefix) => format!("wasm log{prefix}: {}", self.message),
+            None => self.message.clone(),
+        }
+    }
+}
+
+/// spdlog's level names, as Envoy prints them.
+fn level_name(level: LogLevel) -> &'static str {
+    match level {
+        LogLevel::Trace => "trace",
+        LogLevel::Debug => "debug",
+        LogLevel::Info => "info",
+        LogLevel::Warn => "warning",
+        LogLevel::Error => "error",
+        LogLevel::Critical => "critical",
+    }
+}
+
+/// `YYYY-MM-DD HH:MM:SS.mmm` (UTC) for a Unix time in milliseconds, as Envoy's default log
+/// format `[%Y-%m-%d %T.%e]` prints it.
+fn format_timestamp(unix_ms: u64) -> String {
+    let (days, ms_of_day) = (unix_ms / 86_400_000, unix_ms % 86_400_000);
+    // Howard Hinnant's days-to-civil algorithm.
+    let z = days as i64 + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z.rem_euclid(146_097);
+    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let day = doy - (153 * mp + 2) / 5 + 1;
+    let month = if mp < 10 { mp + 3 } else { mp - 9 };
+    let year = yoe + era * 400 + i64::from(month <= 2);
+    let secs = ms_of_day / 1000;
+    format!(
+        "{year:04}-{month:02}-{day:02} {:02}:{:02}:{:02}.{:03}",
+        secs / 3600,
+        secs / 60 % 60,
+        secs % 60,
+        ms_of_day % 1000
+    )
 }
 
 /// A metric as Envoy aggregates it across workers.
@@ -348,11 +404,22 @@ impl SharedState {
 
     pub(crate) fn log(&self, record: LogRecord) {
         if self.print_level.is_some_and(|min| record.level >= min) {
+            // Envoy's default format `[%Y-%m-%d %T.%e][%t][%l][%n] %v`, with the worker in the
+            // thread slot.
             let worker = match record.worker {
                 CANARY_WORKER => "canary".to_owned(),
+                MAIN_THREAD => "main".to_owned(),
                 n => format!("worker {n}"),
             };
-            eprintln!("[wasm {:?} {worker}] {}", record.level, record.message);
+            let now_ms = std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(0, |d| d.as_millis() as u64);
+            eprintln!(
+                "[{}][{worker}][{}][wasm] {}",
+                format_timestamp(now_ms),
+                level_name(record.level),
+                record.envoy_line()
+            );
         }
         if self.log_capacity == 0 {
             return;
@@ -373,6 +440,16 @@ impl SharedState {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn timestamps_print_as_envoys_default_log_format() {
+        assert_eq!(format_timestamp(0), "1970-01-01 00:00:00.000");
+        assert_eq!(format_timestamp(951_782_400_123), "2000-02-29 00:00:00.123");
+        assert_eq!(
+            format_timestamp(1_764_575_264_007),
+            "2025-12-01 07:47:44.007"
+        );
+    }
 
     fn state() -> SharedState {
         SharedState::new(Clock::virtual_clock(), None, 16)

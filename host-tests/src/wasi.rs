@@ -3,8 +3,9 @@
 //! returns, and stubs with Envoy's errnos for everything file-system related.
 
 use crate::abi::LogLevel;
-use crate::hostcalls::{Ctx, read, write};
+use crate::hostcalls::Ctx;
 use crate::vm::VmState;
+use crate::vm::memory::{read, write};
 use wasmtime::Linker;
 
 const SUCCESS: i32 = 0;
@@ -49,7 +50,7 @@ fn fd_write(c: &mut Ctx<'_>, fd: i32, iovs: i32, count: i32, written_out: i32) -
         text.pop();
     }
     c.data()
-        .log(level, String::from_utf8_lossy(&text).into_owned());
+        .plugin_log(level, String::from_utf8_lossy(&text).into_owned());
     errno(write(c, written_out, &written.to_le_bytes()))
 }
 

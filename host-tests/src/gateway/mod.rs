@@ -9,6 +9,7 @@ pub mod bootstrap;
 pub mod config;
 mod heads;
 mod path;
+pub mod service;
 mod stream;
 
 use crate::abi::LogLevel;
@@ -218,6 +219,12 @@ impl Gateway {
                 .map_err(GatewayError::Runtime)?;
             threads.push(thread);
         }
+        threads.extend(service::start(
+            &config.services,
+            &shared,
+            &clusters,
+            &shutdown,
+        )?);
         let admin = match (config.admin, options.admin.take()) {
             (None, None) => None,
             (address, given) => {
@@ -318,6 +325,8 @@ pub(crate) struct ListenerWorker {
     timers: Notify,
     /// Keep-alive connections to clusters (upstream requests and callouts).
     pub(crate) pool: crate::client::Pool,
+    /// The VM's gRPC calls and streams in flight.
+    grpc: crate::grpc_upstream::GrpcUpstream,
     /// The deadline the timer task is sleeping towards.
     planned_deadline: std::cell::Cell<Option<u64>>,
 }
@@ -360,6 +369,17 @@ impl ListenerWorker {
                 }
                 this.after_vm_call();
             });
+        }
+        let grpc = vm.borrow_mut().take_grpc_actions();
+        if !grpc.is_empty() {
+            let this = Rc::clone(self);
+            let deliver: crate::grpc_upstream::Deliver = Rc::new(move |token, event| {
+                if let Some(vm) = &this.vm {
+                    vm.borrow_mut().deliver_grpc(token, event);
+                }
+                this.after_vm_call();
+            });
+            self.grpc.carry_out(grpc, &self.clusters, &deliver);
         }
         let vm = vm.borrow();
         if vm.next_deadline_ns() != self.planned_deadline.get() {
@@ -450,6 +470,7 @@ fn run_worker(
                 timers: Notify::new(),
                 planned_deadline: std::cell::Cell::new(None),
                 pool: crate::client::Pool::default(),
+                grpc: Default::default(),
             });
             let socket = match tokio::net::TcpListener::from_std(socket) {
                 Ok(s) => s,

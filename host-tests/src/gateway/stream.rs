@@ -95,6 +95,8 @@ enum Chain {
 struct Driver {
     listener: Rc<ListenerWorker>,
     chain: Chain,
+    /// A gRPC request: the router's replies are trailers-only gRPC responses.
+    grpc: bool,
 }
 
 impl Driver {
@@ -192,22 +194,18 @@ impl Driver {
         self.local_reply(status, body.as_bytes(), &[]);
     }
 
-    /// Envoy's `sendLocalReply`: content-length, `content-type: text/plain` with a body, and
-    /// `extra` headers.
+    /// Envoy's `sendLocalReply`: content-length, `content-type: text/plain` with a body (or a
+    /// trailers-only gRPC status to a gRPC request), and `extra` headers.
     fn local_reply(&mut self, status: u16, body: &[u8], extra: &[(&str, &str)]) {
-        let mut headers = HeaderMap::from([
-            (":status", status.to_string()),
-            ("content-length", body.len().to_string()),
-        ]);
-        if !body.is_empty() {
-            headers.add(b"content-type", b"text/plain");
-        }
+        let mut extra_headers = HeaderMap::new();
         for (k, v) in extra {
-            headers.add(k.as_bytes(), v.as_bytes());
+            extra_headers.add(k.as_bytes(), v.as_bytes());
         }
+        let (headers, body) =
+            crate::local_reply::render(self.grpc, u32::from(status), body, &extra_headers, None);
         self.headers(Direction::Response, headers, body.is_empty());
         if !body.is_empty() {
-            self.data(Direction::Response, Bytes::copy_from_slice(body), true);
+            self.data(Direction::Response, Bytes::from(body), true);
         }
     }
 
@@ -542,6 +540,7 @@ async fn drive(
     let mut driver = Driver {
         listener: Rc::clone(&listener),
         chain,
+        grpc: crate::local_reply::is_grpc_request(&headers),
     };
     let mut outcome = Outcome::default();
     let end_stream = body.is_end_stream();

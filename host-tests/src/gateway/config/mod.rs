@@ -66,6 +66,7 @@ const KNOWN_TYPES: &[&str] = &[
     wasm::STRING_VALUE_TYPE,
     wasm::STRUCT_TYPE,
     cluster::HTTP_OPTIONS_TYPE,
+    wasm::WASM_SERVICE_TYPE,
 ];
 
 /// The wasm filter of a listener's chain.
@@ -99,6 +100,8 @@ pub struct EnvoyConfig {
     /// By name; a cluster without `name` is called `clusters[<index>]`.
     pub clusters: BTreeMap<String, Cluster>,
     pub admin: Option<SocketAddr>,
+    /// Singleton Wasm services (`bootstrap_extensions`), run on the main thread.
+    pub services: Vec<super::service::WasmService>,
     /// Cluster names in file order (for `--set-port clusters[<index>]=PORT`).
     cluster_order: Vec<String>,
 }
@@ -147,7 +150,10 @@ impl EnvoyConfig {
     }
 
     fn walk(root: &Node<'_>, base: &Path) -> Self {
-        let top = root.message(&["static_resources", "admin"], &["node"]);
+        let top = root.message(
+            &["static_resources", "admin", "bootstrap_extensions"],
+            &["node"],
+        );
         let resources = top
             .required("static_resources")
             .map(|n| n.message(&["listeners", "clusters"], &[]));
@@ -180,10 +186,17 @@ impl EnvoyConfig {
             let admin = admin.message(&["address"], &["access_log_path", "access_log"]);
             socket_address(&admin.required("address")?)
         });
+        let services = top
+            .list("bootstrap_extensions")
+            .iter()
+            .filter_map(|node| wasm::service(node, base))
+            .map(|plugin| super::service::WasmService { plugin })
+            .collect();
         Self {
             listeners,
             clusters,
             admin,
+            services,
             cluster_order,
         }
     }

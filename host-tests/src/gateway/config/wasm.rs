@@ -7,6 +7,9 @@ use std::path::{Path, PathBuf};
 
 pub(super) const WASM_TYPE: &str = "type.googleapis.com/envoy.extensions.filters.http.wasm.v3.Wasm";
 pub(super) const STRING_VALUE_TYPE: &str = "type.googleapis.com/google.protobuf.StringValue";
+pub(super) const WASM_SERVICE_TYPE: &str =
+    "type.googleapis.com/envoy.extensions.wasm.v3.WasmService";
+const WASM_SERVICE_NAME: &str = "envoy.bootstrap.wasm";
 pub(super) const STRUCT_TYPE: &str = "type.googleapis.com/google.protobuf.Struct";
 
 /// A `configuration` `Any` as the bytes a plugin reads (`MessageUtil::anyToBytes`):
@@ -58,7 +61,12 @@ const IGNORED_VM_FIELDS: &[&str] = &["allow_precompiled", "nack_on_code_cache_mi
 
 pub(super) fn filter(node: &Node<'_>, base: &Path) -> Option<WasmFilter> {
     let wasm = node.message(&["config"], &[]);
-    let config = wasm.required("config")?.message(
+    plugin(&wasm.required("config")?, base)
+}
+
+/// An `envoy.extensions.wasm.v3.PluginConfig` (a filter's or a singleton service's).
+pub(super) fn plugin(node: &Node<'_>, base: &Path) -> Option<WasmFilter> {
+    let config = node.message(
         &[
             "name",
             "root_id",
@@ -129,4 +137,29 @@ pub(super) fn filter(node: &Node<'_>, base: &Path) -> Option<WasmFilter> {
         },
         code,
     })
+}
+
+/// One `bootstrap_extensions` entry (a singleton service's plugin, run by
+/// [`crate::gateway::service`]); anything but a singleton `envoy.bootstrap.wasm` is refused,
+/// naming the entry, with the file's other problems.
+pub(super) fn service(node: &Node<'_>, base: &Path) -> Option<WasmFilter> {
+    let entry = node.message(&["name", "typed_config"], &[]);
+    let name = entry.string("name");
+    let (type_url, typed) = entry.required("typed_config")?.any()?;
+    if name != WASM_SERVICE_NAME || type_url != WASM_SERVICE_TYPE {
+        entry.issue(format!(
+            "{name} ({type_url}) is not supported; the only bootstrap extension is \
+             {WASM_SERVICE_NAME} ({WASM_SERVICE_TYPE}) with singleton: true"
+        ));
+        return None;
+    }
+    let service = typed.message(&["singleton", "config"], &[]);
+    if service.bool("singleton") != Some(true) {
+        service.issue_at(
+            "singleton",
+            "only singleton: true services are supported (one VM on the main thread)",
+        );
+        return None;
+    }
+    plugin(&service.required("config")?, base)
 }
