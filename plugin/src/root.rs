@@ -93,7 +93,7 @@ impl RootContext for Root {
         let config = idemgate_core::config::parse(&bytes).and_then(|mut config| {
             config
                 .sidecar
-                .resolve_token(|name| std::env::var(name).ok())
+                .resolve_token(crate::environment::var)
                 .map(|()| config)
         });
         let config = match config {
