@@ -20,6 +20,8 @@ commands:
   wasm    build the filter to target/idemgate.wasm (and the host-test fixtures)
   test    the whole test suite: fmt, clippy (native and wasm32), Envoy config schema checks,
           unit tests, wasm build, then every test that loads the built wasm
+  bundle  render the Kubernetes overlays and validate them (schemas, token wiring, idemgate
+          check); part of `test`
   fuzz    [--time 60]  every cargo-fuzz target in fuzz/ for that many seconds each (nightly;
           installs cargo-fuzz when missing)
   soak    [--duration 10m]  mixed duplicate load through two gateways with Redis restarts,
@@ -39,6 +41,7 @@ fn run() -> Result<()> {
     match args.first().map(String::as_str) {
         Some("wasm") => wasm::build_all(&root).map(|_| ()),
         Some("test") => test(&root),
+        Some("bundle") => envoy::check_bundle(&root),
         Some("demo") => demo(&root, &args[1..]),
         Some("bench") => bench(&root, &args[1..]),
         Some("soak") => soak(&root, &args[1..]),
@@ -64,6 +67,7 @@ fn test(root: &Path) -> Result<()> {
     toolchain::ensure_apt(&[
         ("redis-server", "redis-server"),
         ("redis-cli", "redis-tools"),
+        ("kubectl", "kubectl"),
     ])?;
     cmd::step(
         "format",
@@ -85,6 +89,7 @@ fn test(root: &Path) -> Result<()> {
             .current_dir(root),
     )?;
     envoy::check(root)?;
+    envoy::check_bundle(root)?;
     let route = toolchain::wasm_route()?;
     cmd::step("clippy (wasm32-wasip1)", &mut wasm::clippy(root, route))?;
     cmd::step(
