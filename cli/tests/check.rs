@@ -7,7 +7,8 @@
 use std::process::Command;
 
 fn check(name: &str, text: &str) -> (bool, String) {
-    let dir = std::env::temp_dir().join(format!("idemgate-check-{}", std::process::id()));
+    // One directory per file: the tests run in parallel.
+    let dir = std::env::temp_dir().join(format!("idemgate-check-{}-{name}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let file = dir.join(name);
     std::fs::write(&file, text).unwrap();
