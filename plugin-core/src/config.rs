@@ -177,6 +177,97 @@ pub struct SidecarConfig {
     pub authority: String,
     pub timeout_ms: u64,
     pub token: Option<String>,
+    /// `sidecar.token_env`: the VM environment variable holding the token, so that a
+    /// Kubernetes Secret reaches the filter without being written into a custom resource.
+    /// Read once by the glue at configure time ([`SidecarConfig::resolve_token`]).
+    pub token_env: Option<String>,
+}
+
+impl SidecarConfig {
+    /// Fills `token` from `token_env` through `lookup` (the VM's environment). A named
+    /// variable that is missing or unusable fails the configuration: a filter that sends no
+    /// token to a sidecar that wants one would answer every protected request 401 -> 503.
+    pub fn resolve_token(
+        &mut self,
+        lookup: impl FnOnce(&str) -> Option<String>,
+    ) -> Result<(), ConfigError> {
+        let Some(name) = &self.token_env else {
+            return Ok(());
+        };
+        match lookup(name) {
+            Some(token) if valid_token(&token) => {
+                self.token = Some(token);
+                Ok(())
+            }
+            // Static messages: the variable's name is in the configuration, and each
+            // formatted message costs the filter's size budget.
+            Some(_) => Err(err(
+                "sidecar.token_env",
+                "the VM environment variable is not non-empty visible ASCII",
+            )),
+            None => Err(err(
+                "sidecar.token_env",
+                "the VM environment has no such variable (vm_config.environment_variables)",
+            )),
+        }
+    }
+}
+
+fn valid_token(token: &str) -> bool {
+    !token.is_empty() && token.bytes().all(|b| b.is_ascii_graphic())
+}
+
+#[cfg(test)]
+mod token_env_tests {
+    #![allow(clippy::unwrap_used)]
+    use super::*;
+
+    fn sidecar(fields: &str) -> Result<Config, ConfigError> {
+        parse(format!(r#"{{"sidecar":{{"cluster":"c"{fields}}},"rules":[{{}}]}}"#).as_bytes())
+    }
+
+    #[test]
+    fn the_token_comes_from_the_named_variable() {
+        let mut config = sidecar(r#","token_env":"IDEMGATE_SIDECAR_TOKEN""#).unwrap();
+        assert_eq!(config.sidecar.token, None);
+        config
+            .sidecar
+            .resolve_token(|name| (name == "IDEMGATE_SIDECAR_TOKEN").then(|| "s3cret".into()))
+            .unwrap();
+        assert_eq!(config.sidecar.token.as_deref(), Some("s3cret"));
+    }
+
+    #[test]
+    fn a_missing_or_unusable_variable_fails_the_configuration() {
+        let mut config = sidecar(r#","token_env":"T""#).unwrap();
+        let e = config.sidecar.clone().resolve_token(|_| None).unwrap_err();
+        assert_eq!(
+            e.to_string(),
+            "sidecar.token_env: the VM environment has no such variable (vm_config.environment_variables)"
+        );
+        let e = config
+            .sidecar
+            .resolve_token(|_| Some("a b".into()))
+            .unwrap_err();
+        assert_eq!(e.path, "sidecar.token_env");
+    }
+
+    #[test]
+    fn token_and_token_env_exclude_each_other_and_names_are_checked() {
+        let e = sidecar(r#","token":"x","token_env":"T""#).unwrap_err();
+        assert_eq!(e.path, "sidecar.token_env");
+        assert_eq!(
+            sidecar(r#","token_env":"A=B""#).unwrap_err().path,
+            "sidecar.token_env"
+        );
+        assert_eq!(
+            sidecar(r#","token_env":"""#).unwrap_err().path,
+            "sidecar.token_env"
+        );
+        let mut plain = sidecar(r#","token":"x""#).unwrap();
+        plain.sidecar.resolve_token(|_| unreachable!()).unwrap();
+        assert_eq!(plain.sidecar.token.as_deref(), Some("x"));
+    }
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -260,7 +351,10 @@ pub fn parse(bytes: &[u8]) -> Result<Config, ConfigError> {
             "rules",
         ],
     )?;
-    let sidecar = match top.section("sidecar", &["cluster", "authority", "timeout", "token"])? {
+    let sidecar = match top.section(
+        "sidecar",
+        &["cluster", "authority", "timeout", "token", "token_env"],
+    )? {
         Some(s) => compile_sidecar(&s)?,
         None => return Err(err("sidecar", "missing field")),
     };
@@ -621,15 +715,31 @@ fn compile_sidecar(s: &Section<'_>) -> Result<SidecarConfig, ConfigError> {
     }
     let token = s.string("token")?;
     if let Some(token) = &token
-        && (token.is_empty() || !token.bytes().all(|b| b.is_ascii_graphic()))
+        && !valid_token(token)
     {
         return Err(err(&s.at("token"), "must be non-empty visible ASCII"));
+    }
+    let token_env = s.string("token_env")?;
+    if let Some(name) = &token_env {
+        if name.is_empty() || !name.bytes().all(|b| b.is_ascii_graphic() && b != b'=') {
+            return Err(err(
+                &s.at("token_env"),
+                "must be an environment variable name (visible ASCII, no `=`)",
+            ));
+        }
+        if token.is_some() {
+            return Err(err(
+                &s.at("token_env"),
+                "set either `token` or `token_env`, not both",
+            ));
+        }
     }
     Ok(SidecarConfig {
         authority: s.string("authority")?.unwrap_or_else(|| cluster.clone()),
         cluster,
         timeout_ms: s.duration("timeout", DEFAULT_TIMEOUT_MS)?,
         token,
+        token_env,
     })
 }
 

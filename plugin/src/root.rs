@@ -101,7 +101,15 @@ impl RootContext for Root {
         .ok()
         .flatten()
         .unwrap_or_default();
-        let config = match idemgate_core::config::parse(&bytes) {
+        // `sidecar.token_env`: WASI's environment is Envoy's
+        // `vm_config.environment_variables` (Istio `vmConfig.env`, Envoy Gateway `env`).
+        let config = idemgate_core::config::parse(&bytes).and_then(|mut config| {
+            config
+                .sidecar
+                .resolve_token(crate::environment::var)
+                .map(|()| config)
+        });
+        let config = match config {
             Ok(config) => config,
             Err(e) => {
                 log::error!("idemgate: invalid configuration: {e}");

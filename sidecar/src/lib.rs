@@ -2,6 +2,7 @@
 //! mutating call run?". It is stateless itself and keeps all state in a store.
 //!
 //! Components:
+//! - [`check`]: `--check`, the flags and the store proven for init containers.
 //! - [`config`]: flags ([`Cli`]) → validated [`Config`].
 //! - `http`: the versioned HTTP API (`/v1/claim|complete|abort|renew`), admin, health,
 //!   metrics; RFC 9457 problems for everything that is not a protocol answer.
@@ -22,6 +23,7 @@
 //! # }
 //! ```
 
+pub mod check;
 pub mod config;
 mod http;
 mod locks;

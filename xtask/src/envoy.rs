@@ -8,7 +8,15 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 
 /// Pinned so a schema change upstream cannot turn CI red overnight.
-const PACKAGES: &[&str] = &["xds-protos==1.85.0", "protobuf==7.36.2", "PyYAML==6.0.4"];
+const PACKAGES: &[&str] = &[
+    "xds-protos==1.85.0",
+    "protobuf==7.36.2",
+    "PyYAML==6.0.4",
+    "kubernetes-validate==1.37.0",
+];
+
+/// The Kustomize overlays under `envoy/kubernetes/overlays/`, each rendered and validated.
+const OVERLAYS: &[&str] = &["istio", "envoy-gateway"];
 
 /// Validates every bootstrap under `envoy/` (top-level `*.yaml`) and proves the validator
 /// rejects broken variants of each.
@@ -25,6 +33,44 @@ pub fn check(root: &Path) -> Result<()> {
             .arg(root.join("envoy/check_config.py"))
             .arg("--self-test")
             .args(&configs),
+    )
+}
+
+/// Renders every Kubernetes overlay with `kubectl kustomize`, validates the output against
+/// the Kubernetes schemas, the vendored CRD schemas and the token wiring
+/// (`envoy/kubernetes/validate.py`, which also proves it rejects broken variants), and checks
+/// every embedded filter configuration with the filter's own parser (`idemgate check`).
+pub fn check_bundle(root: &Path) -> Result<()> {
+    crate::toolchain::ensure_apt(&[("kubectl", "kubectl")])?;
+    let python = venv(root)?;
+    let out = root.join("target/rendered");
+    std::fs::create_dir_all(&out).context("creating target/rendered")?;
+    let mut rendered = Vec::new();
+    for overlay in OVERLAYS {
+        let file = out.join(format!("{overlay}.yaml"));
+        let text = cmd::output(
+            Command::new("kubectl")
+                .arg("kustomize")
+                .arg(root.join("envoy/kubernetes/overlays").join(overlay)),
+        )
+        .with_context(|| format!("kubectl kustomize overlays/{overlay} failed"))?;
+        std::fs::write(&file, text).context("writing the rendered overlay")?;
+        rendered.push(file);
+    }
+    cmd::step(
+        "Kubernetes bundle against Kubernetes and CRD schemas, token wiring",
+        Command::new(&python)
+            .arg(root.join("envoy/kubernetes/validate.py"))
+            .arg("--self-test")
+            .args(&rendered),
+    )?;
+    cmd::step(
+        "embedded filter configurations (idemgate check)",
+        crate::cmd::cargo()
+            .args(["run", "--quiet", "-p", "idemgate-cli", "--", "check"])
+            .args(&rendered)
+            .arg(root.join("envoy/envoy.yaml"))
+            .current_dir(root),
     )
 }
 

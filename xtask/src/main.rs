@@ -23,6 +23,8 @@ commands:
           unit tests, wasm build, then every test that loads the built wasm
   integration  only the last step of `test`: every integration test binary, two at a time
           (needs `cargo xtask wasm` first)
+  bundle  render the Kubernetes overlays and validate them (schemas, token wiring, idemgate
+          check); part of `test`
   fuzz    [--time 60]  every cargo-fuzz target in fuzz/ for that many seconds each (nightly;
           installs cargo-fuzz when missing)
   soak    [--duration 10m]  mixed duplicate load through two gateways with Redis restarts,
@@ -43,6 +45,7 @@ fn run() -> Result<()> {
         Some("wasm") => wasm::build_all(&root).map(|_| ()),
         Some("test") => test(&root),
         Some("integration") => testrun::integration_tests(&root),
+        Some("bundle") => envoy::check_bundle(&root),
         Some("demo") => demo(&root, &args[1..]),
         Some("bench") => bench(&root, &args[1..]),
         Some("soak") => soak(&root, &args[1..]),
@@ -68,6 +71,7 @@ fn test(root: &Path) -> Result<()> {
     toolchain::ensure_apt(&[
         ("redis-server", "redis-server"),
         ("redis-cli", "redis-tools"),
+        ("kubectl", "kubectl"),
     ])?;
     cmd::step(
         "format",
@@ -89,6 +93,7 @@ fn test(root: &Path) -> Result<()> {
             .current_dir(root),
     )?;
     envoy::check(root)?;
+    envoy::check_bundle(root)?;
     let route = toolchain::wasm_route()?;
     cmd::step("clippy (wasm32-wasip1)", &mut wasm::clippy(root, route))?;
     cmd::step(

@@ -35,6 +35,7 @@ fn start(config: &Config, req: &Req) -> (Action, Option<String>, Recorder) {
         breaker: &mut breaker,
         telemetry: &mut rec,
         owner: 1,
+        waiter_secret: None,
     };
     let Some(route) = Flow::route(config, req) else {
         return (Action::pass(), None, rec);

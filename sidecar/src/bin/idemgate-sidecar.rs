@@ -15,6 +15,12 @@ async fn main() -> anyhow::Result<()> {
             EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info")),
         )
         .init();
+    // `--check`: validate flags and store, exit 0/1 (sidecar/src/check.rs).
+    if let Some(args) = idemgate_sidecar::check::requested(std::env::args_os()) {
+        std::process::exit(i32::from(
+            !idemgate_sidecar::check::run(Cli::parse_from(args)).await,
+        ));
+    }
     let mut config = Config::from_cli(Cli::parse())?;
     fit_connections_to_open_files(&mut config);
     tracing::info!(
