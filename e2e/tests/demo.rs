@@ -200,7 +200,7 @@ fn stop_mid_run(signal: libc::c_int, log_dir: &str) -> (ExitStatus, String) {
     (status, stderr)
 }
 
-/// Issue #6: with `REDIS_URL` set the demo's sidecar keeps its state in Redis, and the demo
+/// With `REDIS_URL` set the demo's sidecar keeps its state in Redis, and the demo
 /// runs to the end with no damage through idemgate (it fails otherwise).
 #[test]
 fn the_demo_with_redis_url_uses_redis_and_prevents_the_damage() {
@@ -219,7 +219,7 @@ fn the_demo_with_redis_url_uses_redis_and_prevents_the_damage() {
     );
 }
 
-/// Issue #6: Ctrl-C (SIGINT to the demo alone) mid-run stops every process it started.
+/// Ctrl-C (SIGINT to the demo alone) mid-run stops every process it started.
 #[test]
 fn sigint_mid_run_stops_every_process_the_demo_started() {
     let (status, stderr) = stop_mid_run(libc::SIGINT, "demo-sigint");

@@ -1,7 +1,7 @@
 //! End-to-end scenarios: the built filter in the host harness, a real sidecar, real Redis;
-//! `live` plays issue #6's scenarios through live gateways to the demo backend; `demo` runs
-//! the demo driver's binary; `hostile` plays hostile spellings and forged headers through live
-//! gateways.
+//! `live` plays the README's duplicate-call scenarios through live gateways to the demo
+//! backend; `demo` runs the demo driver's binary; `hostile` plays hostile spellings and forged
+//! headers through live gateways.
 
 #![allow(
     clippy::unwrap_used,

@@ -1,5 +1,5 @@
-//! Issue #6's scenarios end to end: clients over real sockets → a live gateway running the
-//! built filter → the demo backend, with a real sidecar on a real Redis. Scenarios 1–4 and 6
+//! The README's duplicate-call scenarios end to end: clients over real sockets → a live
+//! gateway running the built filter → the demo backend, with a real sidecar on a real Redis. Scenarios 1–4 and 6
 //! run the shipped `envoy/envoy.yaml` as is (ports overridden); where a scenario needs rules
 //! the shipped file lacks (failure modes, a short lease, body fingerprints, idempotency on
 //! "start bot"), the variant is the shipped plugin configuration with that one change,

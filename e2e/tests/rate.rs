@@ -1,4 +1,4 @@
-//! Rate limits (issue #9) through the harness: the built filter on worker VMs driven from
+//! Rate limits through the harness: the built filter on worker VMs driven from
 //! threads (as Envoy's workers run), one or two gateways, a real sidecar and Redis for the
 //! global tier.
 //!

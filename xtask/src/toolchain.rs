@@ -1,6 +1,6 @@
 //! Finding (or installing) a toolchain that can build `wasm32-wasip1`.
 //!
-//! Two routes, chosen per machine (see `shared/TOOLCHAIN.md`):
+//! Two routes, chosen per machine:
 //! - **rustup**: the active toolchain has the wasm targets — an ordinary online machine;
 //! - **debian**: Debian's `rustc-web` with its matching std source builds std for wasm32
 //!   itself (`-Zbuild-std`), linked by `lld` against `wasi-libc` — offline machines whose

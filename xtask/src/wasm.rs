@@ -14,10 +14,10 @@ const FILTER_CRATES: &[&str] = &["idemgate-plugin", "idemgate-core", "idemgate-w
 const PROFILE: &str = "wasm";
 /// Profile of the filter: size-optimized, see `[profile.wasm-filter]` in Cargo.toml.
 const FILTER_PROFILE: &str = "wasm-filter";
-/// The filter's size ceiling (issue #5's goal), enforced where `-Cpanic=immediate-abort` is
-/// available (the Debian route builds std itself; the rustup route's prebuilt std keeps the
-/// panic machinery and lands ~45 KiB above): see plugin/README.md, "Size and speed of the
-/// build".
+/// The filter's size ceiling (256 KiB, a product goal), enforced where
+/// `-Cpanic=immediate-abort` is available (the Debian route builds std itself; the rustup
+/// route's prebuilt std keeps the panic machinery and lands ~45 KiB above): see
+/// plugin/README.md, "Size and speed of the build".
 const FILTER_MAX_BYTES: u64 = 256 * 1024;
 /// A panic in the filter is a VM failure whatever it prints, so the Debian route drops the
 /// panic machinery (formatting, messages, unwinding tables) altogether: ~45 KiB.

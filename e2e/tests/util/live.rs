@@ -1,5 +1,5 @@
-//! The live stack of issue #6's scenarios: the demo backend (its `/stats` is the ground
-//! truth) in process, gateways serving real HTTP — the shipped `envoy/envoy.yaml` with its
+//! The live stack of the README's duplicate-call scenarios: the demo backend (its `/stats`
+//! is the ground truth) in process, gateways serving real HTTP — the shipped `envoy/envoy.yaml` with its
 //! ports overridden, or a variant rendered by the bootstrap builder where a scenario needs
 //! rules the shipped file lacks — and a relay that can cut one gateway off the sidecar.
 
