@@ -256,7 +256,10 @@ static_resources:
     load_assignment:
       endpoints: [{lb_endpoints: [{endpoint: {address: {socket_address: {address: 127.0.0.1, port_value: 1}}}}]}]
     health_checks: [{timeout: 1s}]
-bootstrap_extensions: []
+bootstrap_extensions:
+- name: envoy.bootstrap.internal_listener
+  typed_config:
+    "@type": type.googleapis.com/envoy.extensions.bootstrap.internal_listener.v3.InternalListener
 "#;
     let err = EnvoyConfig::from_yaml(yaml, Path::new(".")).unwrap_err();
     let ConfigError::Unsupported(issues) = &err else {
@@ -272,7 +275,7 @@ bootstrap_extensions: []
         "http_filters[1]: HTTP filter `envoy.filters.http.ext_authz`",
         "static_resources.listeners[1].filter_chains[0].filters[0]: network filter `envoy.filters.network.tcp_proxy`",
         "static_resources.clusters[0].health_checks: unsupported field",
-        "bootstrap_extensions: unsupported field",
+        "bootstrap_extensions[0]: envoy.bootstrap.internal_listener",
     ] {
         assert!(text.contains(expected), "missing `{expected}` in:\n{text}");
     }

@@ -93,15 +93,18 @@ fn malformed_keys_get_problems_and_equivalent_forms_are_one_key() {
     );
     assert_eq!(split, 201);
 
-    // Two Idempotency-Key headers: decided on one of them, consistently (a repeat replays).
+    // Two Idempotency-Key headers: ambiguous, refused with 400 invalid-key (never decided on
+    // one of them), and nothing runs.
     let twice = |rig: &Rig| {
         raw_status(
             rig.addr,
             b"POST /payments HTTP/1.1\r\nhost: a\r\nidempotency-key: dup-a\r\nidempotency-key: dup-b\r\nx-user-id: u1\r\ncontent-type: application/json\r\ncontent-length: 12\r\nconnection: close\r\n\r\n{\"amount\":7}",
         )
     };
-    assert_eq!(twice(&rig), 201);
-    assert_eq!(twice(&rig), 201);
+    let before = rig.stats();
+    assert_eq!(twice(&rig), 400);
+    assert_eq!(twice(&rig), 400);
+    assert_eq!(rig.stats(), before, "a request with two keys never runs");
 
     // A chunked body (no Content-Length) is guarded like any other.
     let chunked = b"POST /payments HTTP/1.1\r\nhost: a\r\nidempotency-key: chunked-1\r\nx-user-id: u1\r\ncontent-type: application/json\r\ntransfer-encoding: chunked\r\nconnection: close\r\n\r\n5\r\n{\"amo\r\n7\r\nunt\":7}\r\n0\r\n\r\n";
@@ -125,8 +128,8 @@ fn malformed_keys_get_problems_and_equivalent_forms_are_one_key() {
     assert_eq!(rig.counter("idemgate.requests.granted"), granted);
 
     let stats = rig.stats();
-    // 255-long, form-1, split-1, dup, chunked-1: one charge each.
-    assert_eq!((stats.charges, stats.double_charges), (5, 0), "{stats:?}");
+    // 255-long, form-1, split-1, chunked-1: one charge each (the two-key request never ran).
+    assert_eq!((stats.charges, stats.double_charges), (4, 0), "{stats:?}");
     assert!(rig.counter("idemgate.requests.invalid_key") >= 5);
     assert!(rig.counter("idemgate.requests.missing_key") >= 1);
     // No VM trapped: every worker still answers.
