@@ -25,15 +25,23 @@ use tokio::sync::{mpsc, oneshot};
 
 type FrameResult = Result<Frame<Bytes>, BoxError>;
 
-/// A body fed frame by frame from a channel (streams both directions without buffering).
+/// A body fed frame by frame from a channel (streams both directions without buffering), or
+/// none at all: headers sent with `end_stream` must end the stream on the headers themselves
+/// (HTTP/2: END_STREAM on the HEADERS frame, which is what makes a gRPC local reply
+/// trailers-only; HTTP/1.1: `content-length: 0`), as Envoy's codecs encode them.
 pub(crate) struct ChannelBody {
-    rx: mpsc::UnboundedReceiver<FrameResult>,
+    rx: Option<mpsc::UnboundedReceiver<FrameResult>>,
 }
 
 impl ChannelBody {
     fn channel() -> (mpsc::UnboundedSender<FrameResult>, Self) {
         let (tx, rx) = mpsc::unbounded_channel();
-        (tx, Self { rx })
+        (tx, Self { rx: Some(rx) })
+    }
+
+    /// A body that has ended before it began.
+    fn ended() -> Self {
+        Self { rx: None }
     }
 }
 
@@ -42,7 +50,21 @@ impl Body for ChannelBody {
     type Error = BoxError;
 
     fn poll_frame(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<FrameResult>> {
-        self.get_mut().rx.poll_recv(cx)
+        match &mut self.get_mut().rx {
+            Some(rx) => rx.poll_recv(cx),
+            None => Poll::Ready(None),
+        }
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.rx.is_none()
+    }
+
+    fn size_hint(&self) -> hyper::body::SizeHint {
+        match self.rx {
+            Some(_) => hyper::body::SizeHint::default(),
+            None => hyper::body::SizeHint::with_exact(0),
+        }
     }
 }
 
@@ -704,7 +726,12 @@ async fn drive(
                     } => {
                         let mut headers = headers;
                         server_header(&mut headers, &listener.config.hcm);
-                        let (tx, body) = ChannelBody::channel();
+                        let (tx, body) = if end_stream {
+                            let (tx, _) = ChannelBody::channel();
+                            (tx, ChannelBody::ended())
+                        } else {
+                            ChannelBody::channel()
+                        };
                         let mut response = http::Response::new(body);
                         let status = headers
                             .get(":status")
