@@ -7,19 +7,6 @@ use std::time::Duration;
 
 const QUEUED_TOOLS: &str = r#"[{"name":"tools","mode":"lock","match":{"path_template":"/agents/{agent}/tools"},"key":{"path_param":"agent"},"lease":"5s","on_conflict":"queue","queue":{"max_wait":"10s","max_queue":16}}]"#;
 
-fn attach(addr: std::net::SocketAddr, tool: &str, work_ms: &'static str) -> Call {
-    send(
-        addr,
-        "POST",
-        "/agents/v1/tools",
-        &[
-            ("content-type", "application/json"),
-            ("x-demo-work-ms", work_ms),
-        ],
-        &format!(r#"{{"tool":"{tool}"}}"#),
-    )
-}
-
 #[test]
 fn redis_emptied_queued_waiters_never_run_beside_this_gateways_holder() {
     let rig = Rig::start(Options {
@@ -27,10 +14,10 @@ fn redis_emptied_queued_waiters_never_run_beside_this_gateways_holder() {
         ..Options::default()
     });
     let addr = rig.addr;
-    let holder = std::thread::spawn(move || attach(addr, "holder", "1500"));
+    let holder = std::thread::spawn(move || attach_tool(addr, "v1", "holder", "1500"));
     std::thread::sleep(Duration::from_millis(200));
     let waiters: Vec<_> = (0..5)
-        .map(|i| std::thread::spawn(move || attach(addr, &format!("w{i}"), "50")))
+        .map(|i| std::thread::spawn(move || attach_tool(addr, "v1", &format!("w{i}"), "50")))
         .collect();
     std::thread::sleep(Duration::from_millis(300));
     // Redis empties (a restart without persistence) while the holder runs.

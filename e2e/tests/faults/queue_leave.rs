@@ -16,19 +16,6 @@ fn attach_request(tool: &str) -> String {
     )
 }
 
-fn attach(addr: std::net::SocketAddr, tool: &str, work_ms: &str) -> Call {
-    send(
-        addr,
-        "POST",
-        "/agents/q7/tools",
-        &[
-            ("content-type", "application/json"),
-            ("x-demo-work-ms", work_ms),
-        ],
-        &format!(r#"{{"tool":"{tool}"}}"#),
-    )
-}
-
 /// A sidecar gauge or counter from its `/metrics` (0 when absent).
 fn sidecar_metric(rig: &Rig, line_prefix: &str) -> f64 {
     let metrics = http(rig.sidecar_addr(), "GET", "/metrics", &[], "");
@@ -47,7 +34,7 @@ fn clients_that_give_up_while_queued_leave_their_places() {
         ..Options::default()
     });
     let addr = rig.addr;
-    let holder = std::thread::spawn(move || attach(addr, "holder", "1500"));
+    let holder = std::thread::spawn(move || attach_tool(addr, "q7", "holder", "1500"));
     std::thread::sleep(Duration::from_millis(200));
 
     // 30 clients with a 300 ms timeout queue behind the holder and give up.
@@ -83,7 +70,7 @@ fn clients_that_give_up_while_queued_leave_their_places() {
 
     // A legitimate request now is queued (not refused queue-full) and runs as soon as the
     // holder finishes.
-    let legit = attach(addr, "legit", "50");
+    let legit = attach_tool(addr, "q7", "legit", "50");
     let holder = holder.join().unwrap();
     assert_eq!(holder.status(), 200, "{holder:?}");
     assert_eq!(legit.status(), 200, "{legit:?}");

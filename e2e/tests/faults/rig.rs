@@ -427,3 +427,17 @@ pub fn assert_all_answered<'a>(calls: impl IntoIterator<Item = &'a Call>, allowe
 pub fn keys(prefix: &str, n: usize) -> Vec<String> {
     (0..n).map(|i| format!("{prefix}-{i}")).collect()
 }
+
+/// `POST /agents/<agent>/tools` attaching `tool`, the demo backend working `work_ms` on it.
+pub fn attach_tool(addr: SocketAddr, agent: &str, tool: &str, work_ms: &str) -> Call {
+    send(
+        addr,
+        "POST",
+        &format!("/agents/{agent}/tools"),
+        &[
+            ("content-type", "application/json"),
+            ("x-demo-work-ms", work_ms),
+        ],
+        &format!(r#"{{"tool":"{tool}"}}"#),
+    )
+}
