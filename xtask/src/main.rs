@@ -3,6 +3,7 @@
 
 mod cmd;
 mod envoy;
+mod image;
 mod testrun;
 mod toolchain;
 mod wasm;
@@ -25,6 +26,9 @@ commands:
           (needs `cargo xtask wasm` first)
   bundle  render the Kubernetes overlays and validate them (schemas, token wiring, idemgate
           check); part of `test`
+  image   [--dev]  build the sidecar (release, or the dev profile) and filter images offline,
+          test them (unpacked, no container runtime) and print their digests; part of `test`
+          (with the dev binary the test run builds)
   fuzz    [--time 60]  every cargo-fuzz target in fuzz/ for that many seconds each (nightly;
           installs cargo-fuzz when missing)
   soak    [--duration 10m]  mixed duplicate load through two gateways with Redis restarts,
@@ -46,6 +50,7 @@ fn run() -> Result<()> {
         Some("test") => test(&root),
         Some("integration") => testrun::integration_tests(&root),
         Some("bundle") => envoy::check_bundle(&root),
+        Some("image") => image::command(&root, &args[1..]),
         Some("demo") => demo(&root, &args[1..]),
         Some("bench") => bench(&root, &args[1..]),
         Some("soak") => soak(&root, &args[1..]),
@@ -102,9 +107,11 @@ fn test(root: &Path) -> Result<()> {
             .args(["test", "--workspace", "--lib", "--bins"])
             .current_dir(root),
     )?;
-    wasm::build_with(root, route)?;
+    let wasm = wasm::build_with(root, route)?;
     // The integration tests load target/idemgate.wasm and the fixtures built above.
     testrun::integration_tests(root)?;
+    // The images, from the module above and the sidecar the integration tests built.
+    image::build_and_check(root, &image::build_sidecar(root, false)?, &wasm)?;
     println!("xtask test: all steps passed");
     Ok(())
 }
