@@ -429,10 +429,12 @@ fn check_sidecar(image: &Layout, bundle: &Path) -> Result<()> {
         rootfs.join("etc/resolv.conf"),
         format!("nameserver {DNS_ADDR}\nsearch {POD_SEARCH}\noptions ndots:5\n"),
     )?;
-    let dns = start_dns(bundle)?;
+    let logs = bundle.join("logs");
+    let dns = start_dns(&logs)?;
     let redis_port = free_port()?;
     let redis = Process::spawn(
         "redis-server",
+        &logs,
         Command::new("redis-server")
             .args(["--bind", "127.0.0.1", "--port", &redis_port.to_string()])
             .args(["--save", "", "--appendonly", "no"]),
@@ -457,33 +459,37 @@ fn check_sidecar(image: &Layout, bundle: &Path) -> Result<()> {
 
     // The init container's `--check`: resolves the base's short Redis name through DNS and
     // passes; a name DNS does not know must fail it, or the first proves nothing.
-    let verdict = |redis_host: &str| -> Result<bool> {
-        let mut check = Process::spawn(
-            "sidecar --check",
-            &mut run(&["--check"], redis_host, loopback),
-        )?;
-        Ok(check.wait(WAIT)?.success())
+    let check = |redis_host: &str| -> Result<(bool, Process)> {
+        let name = format!("sidecar --check {redis_host}");
+        let mut check = Process::spawn(&name, &logs, &mut run(&["--check"], redis_host, loopback))?;
+        Ok((check.wait(WAIT)?.success(), check))
     };
+    let (passed, process) = check(REDIS_HOST)?;
     ensure!(
-        verdict(REDIS_HOST)?,
-        "--check from the image failed with REDIS_URL=redis://{REDIS_HOST}:{redis_port}"
+        passed,
+        "--check from the image failed: {}",
+        process.output()
     );
+    let (passed, process) = check("no-such-redis")?;
     ensure!(
-        !verdict("no-such-redis")?,
-        "--check passed with a Redis hostname DNS does not know"
+        !passed,
+        "--check passed with a Redis hostname DNS does not know: {}",
+        process.output()
     );
     println!(
         "==> sidecar image: --check passes with redis://{REDIS_HOST} (DNS), fails with an unknown name"
     );
 
     // Serving: /healthz, /readyz (Redis reached by name), and the process's real ids.
-    let mut server = Process::spawn("sidecar", &mut run(&[], REDIS_HOST, loopback))?;
+    let mut server = Process::spawn("sidecar", &logs, &mut run(&[], REDIS_HOST, loopback))?;
     wait_for("the sidecar's /healthz", || {
         http_status(loopback, "/healthz") == Some(200)
-    })?;
+    })
+    .with_context(|| server.output())?;
     wait_for("the sidecar's /readyz (Redis by name)", || {
         http_status(loopback, "/readyz") == Some(200)
-    })?;
+    })
+    .with_context(|| server.output())?;
     let status = std::fs::read_to_string(format!("/proc/{}/status", server.child.id()))
         .context("reading the sidecar's /proc status")?;
     let ids = |field: &str| -> Vec<String> {
@@ -523,7 +529,7 @@ fn numeric_user(user: &str) -> Result<(u32, u32)> {
 }
 
 /// dnsmasq on [`DNS_ADDR`]:53 answering the base's Redis Service name with loopback.
-fn start_dns(work: &Path) -> Result<Process> {
+fn start_dns(logs: &Path) -> Result<Process> {
     let address = format!("{DNS_ADDR}:53");
     // Bound means something else answers there, and the test would ask it instead.
     ensure!(
@@ -532,6 +538,7 @@ fn start_dns(work: &Path) -> Result<Process> {
     );
     let dns = Process::spawn(
         "dnsmasq",
+        logs,
         Command::new("dnsmasq")
             .args([
                 "--keep-in-foreground",
@@ -540,7 +547,7 @@ fn start_dns(work: &Path) -> Result<Process> {
                 "--bind-interfaces",
             ])
             .arg("--port=53")
-            .arg(format!("--pid-file={}", work.join("dnsmasq.pid").display()))
+            .arg(format!("--pid-file={}", logs.join("dnsmasq.pid").display()))
             .arg(format!("--listen-address={DNS_ADDR}"))
             .arg(format!(
                 "--address=/{REDIS_HOST}.{}/127.0.0.1",
@@ -554,19 +561,42 @@ fn start_dns(work: &Path) -> Result<Process> {
 /// A child process that is killed and reaped when dropped.
 struct Process {
     name: String,
+    log_path: PathBuf,
     child: Child,
 }
 
 impl Process {
-    fn spawn(name: &str, command: &mut Command) -> Result<Self> {
+    /// Starts `command` with its output in `logs/<name>.log`.
+    fn spawn(name: &str, logs: &Path, command: &mut Command) -> Result<Self> {
+        std::fs::create_dir_all(logs)?;
+        let log_path = logs.join(format!("{}.log", name.replace([' ', '-'], "_")));
+        let log = std::fs::File::create(&log_path)?;
         let child = command
             .stdin(Stdio::null())
+            .stdout(log.try_clone()?)
+            .stderr(log)
             .spawn()
             .with_context(|| format!("starting {name}"))?;
         Ok(Self {
             name: name.to_owned(),
+            log_path,
             child,
         })
+    }
+
+    /// The process's output so far, for error messages.
+    fn output(&self) -> String {
+        let text = std::fs::read_to_string(&self.log_path).unwrap_or_default();
+        let lines: Vec<&str> = text.lines().collect();
+        let tail = lines
+            .get(lines.len().saturating_sub(20)..)
+            .unwrap_or_default();
+        format!(
+            "{} (last lines of {}):\n{}",
+            self.name,
+            self.log_path.display(),
+            tail.join("\n")
+        )
     }
 
     /// Waits at most `limit` for the process to exit by itself.
@@ -578,7 +608,7 @@ impl Process {
             }
             std::thread::sleep(Duration::from_millis(50));
         }
-        bail!("{} did not exit within {limit:?}", self.name)
+        bail!("did not exit within {limit:?}: {}", self.output())
     }
 
     /// SIGTERM, as a runtime stops a container, then a bounded wait for the exit.
