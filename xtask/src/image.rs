@@ -669,3 +669,139 @@ fn http_status(addr: SocketAddr, path: &str) -> Option<u16> {
 fn is_root() -> bool {
     cmd::output(Command::new("id").arg("-u")).is_some_and(|uid| uid.trim() == "0")
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const MODULE: &[u8] = b"\0asm\x01\0\0\0 the module";
+
+    /// A gzipped tar of `files` and the sha256 of the tar (its diff_id).
+    fn tar_gz(files: &[(&str, &[u8])]) -> (Vec<u8>, String) {
+        let mut builder = tar::Builder::new(Vec::new());
+        for (name, content) in files {
+            let mut header = tar::Header::new_gnu();
+            header.set_size(content.len() as u64);
+            header.set_mode(0o644);
+            header.set_cksum();
+            builder.append_data(&mut header, name, *content).unwrap();
+        }
+        let tar = builder.into_inner().unwrap();
+        let diff_id = format!("sha256:{}", hex::encode(Sha256::digest(&tar)));
+        let mut gz = flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::default());
+        gz.write_all(&tar).unwrap();
+        (gz.finish().unwrap(), diff_id)
+    }
+
+    fn put(dir: &Path, bytes: &[u8], media_type: &str) -> Value {
+        let hex = hex::encode(Sha256::digest(bytes));
+        std::fs::write(dir.join("blobs/sha256").join(&hex), bytes).unwrap();
+        serde_json::json!({"mediaType": media_type, "digest": format!("sha256:{hex}"), "size": bytes.len()})
+    }
+
+    /// A one-image OCI layout, tagged [`TAG`], with these layers.
+    fn layout(layers: &[(&str, Vec<u8>, String)]) -> tempfile::TempDir {
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::create_dir_all(dir.path().join("blobs/sha256")).unwrap();
+        let diff_ids: Vec<&String> = layers.iter().map(|(_, _, d)| d).collect();
+        let config = serde_json::json!({"rootfs": {"type": "layers", "diff_ids": diff_ids}});
+        let config = put(
+            dir.path(),
+            config.to_string().as_bytes(),
+            "application/vnd.oci.image.config.v1+json",
+        );
+        let layers: Vec<Value> = layers
+            .iter()
+            .map(|(media_type, blob, _)| put(dir.path(), blob, media_type))
+            .collect();
+        let manifest = serde_json::json!({
+            "schemaVersion": 2, "mediaType": OCI_MANIFEST, "config": config, "layers": layers,
+        });
+        let mut descriptor = put(dir.path(), manifest.to_string().as_bytes(), OCI_MANIFEST);
+        descriptor["annotations"] = serde_json::json!({"org.opencontainers.image.ref.name": TAG});
+        let index = serde_json::json!({"schemaVersion": 2, "manifests": [descriptor]});
+        std::fs::write(dir.path().join("index.json"), index.to_string()).unwrap();
+        dir
+    }
+
+    fn check(dir: &tempfile::TempDir) -> Result<String> {
+        check_filter(&Layout::open(dir.path(), TAG)?, MODULE)
+    }
+
+    #[test]
+    fn the_compat_layout_holding_the_module_passes() {
+        let (blob, diff_id) = tar_gz(&[(COMPAT_FILE, MODULE)]);
+        let layer = format!("sha256:{}", hex::encode(Sha256::digest(&blob)));
+        let dir = layout(&[(COMPAT_LAYER, blob, diff_id)]);
+        assert_eq!(check(&dir).unwrap(), layer);
+    }
+
+    #[test]
+    fn a_layer_whose_bytes_are_not_its_digest_is_refused() {
+        let (blob, diff_id) = tar_gz(&[(COMPAT_FILE, MODULE)]);
+        let hex = hex::encode(Sha256::digest(&blob));
+        let dir = layout(&[(COMPAT_LAYER, blob, diff_id)]);
+        let (other, _) = tar_gz(&[(COMPAT_FILE, b"\0asm\x01\0\0\0 other")]);
+        std::fs::write(dir.path().join("blobs/sha256").join(hex), other).unwrap();
+        let err = check(&dir).unwrap_err().to_string();
+        assert!(err.contains("not the digest it is stored under"), "{err}");
+    }
+
+    #[test]
+    fn layouts_the_fetchers_would_not_load_are_refused() {
+        let (blob, diff_id) = tar_gz(&[(COMPAT_FILE, MODULE)]);
+        let cases = [
+            (
+                "another module",
+                layout(&[{
+                    let (b, d) = tar_gz(&[(COMPAT_FILE, b"\0asm\x01\0\0\0 other")]);
+                    (COMPAT_LAYER, b, d)
+                }]),
+                "is not target/idemgate.wasm",
+            ),
+            (
+                "the module under another name",
+                layout(&[{
+                    let (b, d) = tar_gz(&[("idemgate.wasm", MODULE)]);
+                    (COMPAT_LAYER, b, d)
+                }]),
+                "the layer holds idemgate.wasm",
+            ),
+            (
+                "a raw-module layer",
+                layout(&[(
+                    "application/vnd.module.wasm.content.layer.v1+wasm",
+                    MODULE.to_vec(),
+                    String::new(),
+                )]),
+                "layer media type",
+            ),
+            (
+                "two layers",
+                layout(&[
+                    (COMPAT_LAYER, blob.clone(), diff_id.clone()),
+                    (COMPAT_LAYER, blob.clone(), diff_id.clone()),
+                ]),
+                "2 layers, not one",
+            ),
+            (
+                "a wrong diff_id",
+                layout(&[(COMPAT_LAYER, blob, format!("sha256:{}", "0".repeat(64)))]),
+                "diff_ids",
+            ),
+        ];
+        for (what, dir, expected) in cases {
+            let err = check(&dir).expect_err(what).to_string();
+            assert!(err.contains(expected), "{what}: {err}");
+        }
+    }
+
+    #[test]
+    fn the_image_user_must_be_numeric_and_not_root() {
+        assert_eq!(numeric_user("65532:65532").unwrap(), (65532, 65532));
+        assert_eq!(numeric_user("1000").unwrap(), (1000, 1000));
+        assert!(numeric_user("nonroot").is_err());
+        assert!(numeric_user("0:0").is_err());
+        assert!(numeric_user("65532:0").is_err());
+    }
+}
