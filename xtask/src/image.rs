@@ -55,6 +55,16 @@ const POD_SEARCH: &str = "idemgate.svc.cluster.local svc.cluster.local cluster.l
 /// Every wait of the sidecar test is bounded by this.
 const WAIT: Duration = Duration::from_secs(20);
 
+/// What the build and its test run (`(need, Debian package)`, as `toolchain::ensure_apt`
+/// takes them). `podman build` is buildah inside; the `buildah` command itself is not used.
+pub const APT_NEEDS: &[(&str, &str)] = &[
+    ("podman", "podman"),
+    ("skopeo", "skopeo"),
+    ("umoci", "umoci"),
+    ("dnsmasq", "dnsmasq-base"),
+    ("redis-server", "redis-server"),
+];
+
 /// `cargo xtask image [--dev]`: the release (or dev-profile) sidecar and the filter, built,
 /// assembled and checked.
 pub fn command(root: &Path, args: &[String]) -> Result<()> {
@@ -101,13 +111,7 @@ pub fn build_and_check(root: &Path, sidecar: &Path, wasm: &Path) -> Result<()> {
         is_root(),
         "`cargo xtask image` runs as root: vfs storage and the chroot of the sidecar test need it"
     );
-    crate::toolchain::ensure_apt(&[
-        ("podman", "podman"),
-        ("skopeo", "skopeo"),
-        ("umoci", "umoci"),
-        ("dnsmasq", "dnsmasq-base"),
-        ("redis-server", "redis-server"),
-    ])?;
+    crate::toolchain::ensure_apt(APT_NEEDS)?;
     let started = Instant::now();
     let work = root.join("target/image");
     if work.exists() {

@@ -73,11 +73,13 @@ fn workspace_root() -> PathBuf {
 /// The README's test command. Order matters: cheap static checks first, then unit tests,
 /// then the wasm build that the integration tests load.
 fn test(root: &Path) -> Result<()> {
-    toolchain::ensure_apt(&[
+    // One apt run for everything, the image step's tools included.
+    let needs = [
         ("redis-server", "redis-server"),
         ("redis-cli", "redis-tools"),
         ("kubectl", "kubectl"),
-    ])?;
+    ];
+    toolchain::ensure_apt(&[&needs, image::APT_NEEDS].concat())?;
     cmd::step(
         "format",
         cmd::cargo()
