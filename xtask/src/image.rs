@@ -65,21 +65,22 @@ pub const APT_NEEDS: &[(&str, &str)] = &[
     ("redis-server", "redis-server"),
 ];
 
-/// `cargo xtask image [--dev]`: the release (or dev-profile) sidecar and the filter, built,
+/// `cargo xtask image [--dev | --tests-binary]`: the release sidecar (or the dev profile, or
+/// the binary the integration tests built, as `cargo xtask test` uses) and the filter, built,
 /// assembled and checked.
 pub fn command(root: &Path, args: &[String]) -> Result<()> {
-    let release = match args {
-        [] => true,
-        [flag] if flag == "--dev" => false,
-        _ => bail!("usage: cargo xtask image [--dev]"),
-    };
     let wasm = crate::wasm::build_all(root)?;
-    let sidecar = build_sidecar(root, release)?;
+    let sidecar = match args {
+        [] => build_sidecar(root, true)?,
+        [flag] if flag == "--dev" => build_sidecar(root, false)?,
+        [flag] if flag == "--tests-binary" => built_by_the_tests(root)?,
+        _ => bail!("usage: cargo xtask image [--dev | --tests-binary]"),
+    };
     build_and_check(root, &sidecar, &wasm)
 }
 
-/// Builds the sidecar binary (`release`, or the dev profile the test run has already built,
-/// which makes this a no-op there) and returns its path, as cargo reports it.
+/// Builds the sidecar binary (release or dev profile) and returns its path, as cargo
+/// reports it.
 pub fn build_sidecar(root: &Path, release: bool) -> Result<PathBuf> {
     let mut cargo = cmd::cargo();
     cargo
@@ -103,6 +104,39 @@ pub fn build_sidecar(root: &Path, release: bool) -> Result<PathBuf> {
         .context("cargo reported no sidecar executable")?;
     println!("==> sidecar binary: ok in {:.1?}", started.elapsed());
     Ok(executable)
+}
+
+/// The sidecar binary `cargo test --workspace --test '*'` has just built (cargo builds a
+/// package's binaries for its integration tests), with the workspace's test-time features:
+/// the binary every other test exercised. `cargo build -p idemgate-sidecar` would rebuild it
+/// and its dependencies with other features (tokio's `test-util` is a dev-dependency).
+/// Refused when a source of it is newer, i.e. when that build has not run since an edit.
+pub fn built_by_the_tests(root: &Path) -> Result<PathBuf> {
+    let binary = root.join("target/debug").join(SIDECAR);
+    let built = std::fs::metadata(&binary)
+        .and_then(|m| m.modified())
+        .with_context(|| format!("{}: not built by the integration tests", binary.display()))?;
+    let mut dirs = vec![root.join("sidecar/src"), root.join("wire/src")];
+    let mut checked = 0;
+    while let Some(dir) = dirs.pop() {
+        for entry in
+            std::fs::read_dir(&dir).with_context(|| format!("reading {}", dir.display()))?
+        {
+            let path = entry?.path();
+            if path.is_dir() {
+                dirs.push(path);
+            } else if std::fs::metadata(&path)?.modified()? > built {
+                bail!(
+                    "{} is older than {}: build it first",
+                    binary.display(),
+                    path.display()
+                );
+            }
+            checked += 1;
+            ensure!(checked < 10_000, "too many files under sidecar/ and wire/");
+        }
+    }
+    Ok(binary)
 }
 
 /// Builds both images from `sidecar` and `wasm`, checks them, prints their digests.

@@ -26,9 +26,9 @@ commands:
           (needs `cargo xtask wasm` first)
   bundle  render the Kubernetes overlays and validate them (schemas, token wiring, idemgate
           check); part of `test`
-  image   [--dev]  build the sidecar (release, or the dev profile) and filter images offline,
-          test them (unpacked, no container runtime) and print their digests; part of `test`
-          (with the dev binary the test run builds)
+  image   [--dev | --tests-binary]  build the sidecar (release; the dev profile; or the binary
+          the integration tests built) and filter images offline, test them (unpacked, no
+          container runtime) and print their digests; part of `test` (--tests-binary)
   fuzz    [--time 60]  every cargo-fuzz target in fuzz/ for that many seconds each (nightly;
           installs cargo-fuzz when missing)
   soak    [--duration 10m]  mixed duplicate load through two gateways with Redis restarts,
@@ -113,7 +113,7 @@ fn test(root: &Path) -> Result<()> {
     // The integration tests load target/idemgate.wasm and the fixtures built above.
     testrun::integration_tests(root)?;
     // The images, from the module above and the sidecar the integration tests built.
-    image::build_and_check(root, &image::build_sidecar(root, false)?, &wasm)?;
+    image::build_and_check(root, &image::built_by_the_tests(root)?, &wasm)?;
     println!("xtask test: all steps passed");
     Ok(())
 }
