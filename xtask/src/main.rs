@@ -21,7 +21,7 @@ commands:
           (groups: plugin, host, sidecar, queue, storm, e2e; all when none is named)
   wasm    build the filter to target/idemgate.wasm (and the host-test fixtures)
   test    the whole test suite: fmt, clippy (native and wasm32), Envoy config schema checks,
-          unit tests, wasm build, then every test that loads the built wasm
+          unit tests, wasm build, then every test that loads the built wasm, then the images
   integration  only the last step of `test`: every integration test binary, two at a time
           (needs `cargo xtask wasm` first)
   bundle  render the Kubernetes overlays and validate them (schemas, token wiring, idemgate
