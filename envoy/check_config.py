@@ -7,7 +7,8 @@ data-plane API (PyPI's `xds-protos`, generated from envoyproxy/data-plane-api), 
 fields nested inside `typed_config` Any messages, by parsing the YAML into
 `envoy.config.bootstrap.v3.Bootstrap` with protobuf's strict JSON parser. On top of the
 schema it checks references Envoy resolves at load time: every route's cluster and the
-idemgate filter's sidecar cluster must be defined.
+idemgate filter's sidecar cluster must be defined; and where jwt_authn writes headers from
+claims, that the client's copies are removed first and jwt_authn runs before idemgate.
 
 Usage:
   check_config.py FILE...        validate configs; exit 1 naming the first problem of each
@@ -31,6 +32,13 @@ HCM_TYPE = (
     "http_connection_manager.v3.HttpConnectionManager"
 )
 WASM_TYPE = "type.googleapis.com/envoy.extensions.filters.http.wasm.v3.Wasm"
+JWT_TYPE = (
+    "type.googleapis.com/envoy.extensions.filters.http.jwt_authn.v3.JwtAuthentication"
+)
+EARLY_MUTATION_TYPE = (
+    "type.googleapis.com/envoy.extensions.http.early_header_mutation."
+    "header_mutation.v3.HeaderMutation"
+)
 
 
 def type_urls(node):
@@ -99,8 +107,48 @@ def reference_problems(config):
                 yield f"wasm filter {plugin.get('name')!r} calls unknown sidecar cluster {sidecar!r}"
 
 
+def filter_index(hcm, type_url):
+    """Position of the first HTTP filter of that type in the chain, or None."""
+    for index, http_filter in enumerate(hcm.get("http_filters", []) or []):
+        if (http_filter.get("typed_config") or {}).get("@type") == type_url:
+            return index
+    return None
+
+
+def trust_problems(config):
+    """Where a connection manager authenticates callers with jwt_authn, the headers it writes
+    from claims (scope headers such as x-user-id) must be trustworthy when idemgate reads
+    them: the client's own copies removed before any filter runs (early header mutation:
+    jwt_authn only writes a header for a verified token, so without the removal a call
+    without one keeps what the client sent), and jwt_authn ahead of the idemgate filter."""
+    for hcm in listeners_hcms(config):
+        jwt = filter_index(hcm, JWT_TYPE)
+        if jwt is None:
+            continue
+        jwt_config = hcm["http_filters"][jwt]["typed_config"]
+        written = {
+            claim.get("header_name", "").lower()
+            for provider in (jwt_config.get("providers") or {}).values()
+            for claim in provider.get("claim_to_headers", []) or []
+        }
+        removed = {
+            (mutation.get("remove") or "").lower()
+            for extension in hcm.get("early_header_mutation_extensions", []) or []
+            if (extension.get("typed_config") or {}).get("@type") == EARLY_MUTATION_TYPE
+            for mutation in extension["typed_config"].get("mutations", []) or []
+        }
+        for header in sorted(written - removed):
+            yield (
+                f"jwt_authn writes {header!r} from a claim, but the client's own {header!r} "
+                "is not removed first (early_header_mutation_extensions)"
+            )
+        wasm = filter_index(hcm, WASM_TYPE)
+        if wasm is not None and wasm < jwt:
+            yield "the wasm filter runs before jwt_authn: it would read unverified headers"
+
+
 def problems(config):
-    """The first schema problem, then every reference problem."""
+    """The first schema problem, then every reference and trust problem."""
     if not isinstance(config, dict):
         return ["the document is not a mapping"]
     for url in set(type_urls(config)):
@@ -109,7 +157,7 @@ def problems(config):
         json_format.ParseDict(config, bootstrap_pb2.Bootstrap())
     except json_format.ParseError as err:
         return [f"schema: {err}"]
-    return list(reference_problems(config))
+    return list(reference_problems(config)) + list(trust_problems(config))
 
 
 def broken_variants(config):
@@ -146,6 +194,15 @@ def broken_variants(config):
         "typo inside the wasm filter config",
         lambda c: wasm(c)["config"]["vm_config"].update(vm_idd="x"),
     )
+    if filter_index(hcm(config), JWT_TYPE) is not None:
+        yield variant(
+            "the client's x-user-id kept (no early header removal)",
+            lambda c: hcm(c).pop("early_header_mutation_extensions"),
+        )
+        yield variant(
+            "the idemgate filter ahead of jwt_authn",
+            lambda c: hcm(c)["http_filters"].reverse(),
+        )
     yield variant(
         "route to a missing cluster",
         lambda c: hcm(c)["route_config"]["virtual_hosts"][0]["routes"][0]["route"].update(

@@ -63,6 +63,7 @@ fn schema_accepts_every_shipped_configuration() {
     let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
     let shipped = [
         "envoy/envoy.yaml",
+        "envoy/compose/envoy.yaml",
         "envoy/kubernetes/overlays/istio/wasmplugin.yaml",
         "envoy/kubernetes/overlays/envoy-gateway/extension-policy.yaml",
     ];

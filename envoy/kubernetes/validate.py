@@ -12,6 +12,8 @@ without a cluster.
   `valueFrom: HOST`, Envoy Gateway `env.hostKeys`); and the token's value appears in no
   resource but the Secret. This is what keeps a bundle that answers 503 to every protected
   request (a sidecar wanting a token no filter sends) from being shipped again.
+- Image pinning: every idemgate image (the sidecar's containers, the filter's `url`) is
+  referenced by `@sha256:` digest, and a separate `sha256` field is that same digest.
 
 The idemgate configurations embedded in the bundle are checked by `idemgate check`.
 
@@ -23,6 +25,7 @@ import base64
 import copy
 import json
 import os
+import re
 import sys
 
 import jsonschema
@@ -158,9 +161,42 @@ def wiring_problems(docs):
     return problems
 
 
+DIGEST = re.compile(r"@sha256:([0-9a-f]{64})$")
+
+
+def image_refs(doc):
+    """(where, reference, separate sha256 field or None) of every idemgate image in `doc`."""
+    kind, spec = doc.get("kind"), doc.get("spec", {})
+    name = doc.get("metadata", {}).get("name")
+    for container in containers(doc):
+        if "idemgate" in container.get("image", ""):
+            yield f"{kind}/{name} container {container.get('name')}", container["image"], None
+    if kind in ("WasmPlugin", "TrafficExtension"):
+        wasm = spec if kind == "WasmPlugin" else spec.get("wasm", {})
+        yield f"{kind}/{name}", wasm.get("url", ""), wasm.get("sha256")
+    elif kind == "EnvoyExtensionPolicy":
+        for i, wasm in enumerate(spec.get("wasm", []) or []):
+            image = (wasm.get("code") or {}).get("image") or {}
+            yield f"{kind}/{name}.wasm[{i}]", image.get("url", ""), image.get("sha256")
+
+
+def pinning_problems(docs):
+    """Every idemgate image is referenced by digest (a tag can be moved under a running
+    cluster), and a separate `sha256` field, where given, is that same digest."""
+    problems = []
+    for doc in docs:
+        for where, reference, checksum in image_refs(doc):
+            match = DIGEST.search(reference)
+            if not match:
+                problems.append(f"{where}: image {reference!r} is not pinned by @sha256: digest")
+            elif checksum is not None and checksum != match.group(1):
+                problems.append(f"{where}: sha256 {checksum!r} is not the digest of {reference!r}")
+    return problems
+
+
 def problems(docs):
     found = [p for d in docs for p in schema_problems(d)]
-    return found + wiring_problems(docs)
+    return found + wiring_problems(docs) + pinning_problems(docs)
 
 
 def broken_variants(docs):
@@ -209,6 +245,32 @@ def broken_variants(docs):
     yield variant("a token variable the gateway does not pass into the VM", unpass)
 
 
+def pinning_variants(docs):
+    """Variants that change only image references: checked by `pinning_problems` alone,
+    which keeps the self-test from validating every schema twice more."""
+
+    def variant(description, mutate):
+        broken = copy.deepcopy(docs)
+        mutate(broken)
+        return description, broken
+
+    def by_tag(ds):
+        for d in ds:
+            if d.get("kind") == "WasmPlugin":
+                d["spec"]["url"] = "oci://ghcr.io/your-org/idemgate-filter:0.1.0"
+            if d.get("kind") == "EnvoyExtensionPolicy":
+                d["spec"]["wasm"][0]["code"]["image"]["url"] = "ghcr.io/your-org/idemgate-filter:0.1.0"
+
+    def sidecar_by_tag(ds):
+        deployment = next(d for d in ds if d.get("kind") == "Deployment")
+        deployment["spec"]["template"]["spec"]["containers"][0]["image"] = (
+            "ghcr.io/your-org/idemgate-sidecar:0.1.0"
+        )
+
+    yield variant("the filter image by tag instead of digest", by_tag)
+    yield variant("the sidecar image by tag instead of digest", sidecar_by_tag)
+
+
 def main(argv):
     self_test = "--self-test" in argv
     files = [a for a in argv if a != "--self-test"]
@@ -227,8 +289,10 @@ def main(argv):
             continue
         print(f"{path}: {len(docs)} resources valid, token wired")
         if self_test:
-            for description, broken in broken_variants(docs):
-                if problems(broken):
+            checked = [(v, problems) for v in broken_variants(docs)]
+            checked += [(v, pinning_problems) for v in pinning_variants(docs)]
+            for (description, broken), check in checked:
+                if check(broken):
                     print(f"{path}: rejects {description}")
                 else:
                     failed = True

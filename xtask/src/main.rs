@@ -3,6 +3,7 @@
 
 mod cmd;
 mod envoy;
+mod image;
 mod testrun;
 mod toolchain;
 mod wasm;
@@ -20,11 +21,14 @@ commands:
           (groups: plugin, host, sidecar, queue, storm, e2e; all when none is named)
   wasm    build the filter to target/idemgate.wasm (and the host-test fixtures)
   test    the whole test suite: fmt, clippy (native and wasm32), Envoy config schema checks,
-          unit tests, wasm build, then every test that loads the built wasm
+          unit tests, wasm build, then every test that loads the built wasm, then the images
   integration  only the last step of `test`: every integration test binary, two at a time
           (needs `cargo xtask wasm` first)
   bundle  render the Kubernetes overlays and validate them (schemas, token wiring, idemgate
           check); part of `test`
+  image   [--dev | --tests-binary]  build the sidecar (release; the dev profile; or the binary
+          the integration tests built) and filter images offline, test them (unpacked, no
+          container runtime) and print their digests; part of `test` (--tests-binary)
   fuzz    [--time 60]  every cargo-fuzz target in fuzz/ for that many seconds each (nightly;
           installs cargo-fuzz when missing)
   soak    [--duration 10m]  mixed duplicate load through two gateways with Redis restarts,
@@ -46,6 +50,7 @@ fn run() -> Result<()> {
         Some("test") => test(&root),
         Some("integration") => testrun::integration_tests(&root),
         Some("bundle") => envoy::check_bundle(&root),
+        Some("image") => image::command(&root, &args[1..]),
         Some("demo") => demo(&root, &args[1..]),
         Some("bench") => bench(&root, &args[1..]),
         Some("soak") => soak(&root, &args[1..]),
@@ -68,11 +73,13 @@ fn workspace_root() -> PathBuf {
 /// The README's test command. Order matters: cheap static checks first, then unit tests,
 /// then the wasm build that the integration tests load.
 fn test(root: &Path) -> Result<()> {
-    toolchain::ensure_apt(&[
+    // One apt run for everything, the image step's tools included.
+    let needs = [
         ("redis-server", "redis-server"),
         ("redis-cli", "redis-tools"),
         ("kubectl", "kubectl"),
-    ])?;
+    ];
+    toolchain::ensure_apt(&[&needs, image::APT_NEEDS].concat())?;
     cmd::step(
         "format",
         cmd::cargo()
@@ -102,9 +109,11 @@ fn test(root: &Path) -> Result<()> {
             .args(["test", "--workspace", "--lib", "--bins"])
             .current_dir(root),
     )?;
-    wasm::build_with(root, route)?;
+    let wasm = wasm::build_with(root, route)?;
     // The integration tests load target/idemgate.wasm and the fixtures built above.
     testrun::integration_tests(root)?;
+    // The images, from the module above and the sidecar the integration tests built.
+    image::build_and_check(root, &image::built_by_the_tests(root)?, &wasm)?;
     println!("xtask test: all steps passed");
     Ok(())
 }
