@@ -2,7 +2,7 @@
 //! it opens for `cooldown`, so an outage does not cost every request a full timeout; then one
 //! probe request is let through (half-open) and its outcome closes or re-opens it.
 
-use crate::config::BreakerConfig;
+use crate::spec::BreakerConfig;
 
 #[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
 pub struct Breaker {

@@ -7,7 +7,7 @@ use alloc::string::String;
 use alloc::vec::Vec;
 use idemgate_wire::{Limits, StoredResponse};
 
-use crate::config::{ResponsePolicy, Unreplayable};
+use crate::spec::{ResponsePolicy, Unreplayable};
 
 /// What happens to the key once the response is complete.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -148,6 +148,7 @@ mod tests {
         .rules
         .remove(0)
         .response
+        .clone()
     }
 
     fn headers(status: &str, ct: &str) -> Vec<(String, Vec<u8>)> {

@@ -5,9 +5,10 @@
 
 use alloc::string::String;
 
-use crate::config::FingerprintSpec;
-use crate::key::PartHasher;
-use crate::rule::{RequestHead, RequestView};
+use crate::hash::PartHasher;
+use crate::ports::RequestView;
+use crate::rule::RequestHead;
+use crate::spec::FingerprintSpec;
 
 pub struct Fingerprint(PartHasher);
 

@@ -14,24 +14,14 @@ use alloc::string::String;
 use alloc::vec::Vec;
 use idemgate_wire::StoredResponse;
 
-use crate::config::LocalConfig;
-
-/// A host call on shared data failed in a way Envoy should never produce.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct HostError;
-
-/// Envoy shared data as the ABI offers it (the glue maps `proxy_*_shared_data`).
-pub trait SharedStore {
-    /// `None` when the key was never written; an empty value reads as `Some((vec![], cas))`.
-    fn get(&self, key: &str) -> Result<Option<(Vec<u8>, u32)>, HostError>;
-    /// `cas == None` writes unconditionally; `Ok(false)` is a CAS mismatch.
-    fn set(&self, key: &str, value: &[u8], cas: Option<u32>) -> Result<bool, HostError>;
-}
+use crate::hash::prefix_u32;
+use crate::ports::{HostError, SharedStore};
+use crate::spec::LocalConfig;
 
 /// A CAS value no live entry has in practice: setting a *missing* key with any non-zero CAS
 /// inserts it, while an existing key (written concurrently) has the CAS the host assigned on
 /// its write — a global counter that would have to reach `u32::MAX` to collide.
-const INSERT_CAS: u32 = u32::MAX;
+pub(crate) const INSERT_CAS: u32 = u32::MAX;
 const MAGIC: &[u8; 3] = b"IG1";
 const ROUNDS: u32 = 3;
 
@@ -99,11 +89,7 @@ pub fn slot_key(slot: u32) -> String {
 
 impl Table<'_> {
     fn home(&self, key: &str) -> u32 {
-        let prefix = key
-            .get(..8)
-            .and_then(|h| u32::from_str_radix(h, 16).ok())
-            .unwrap_or(0);
-        prefix % self.config.slots
+        prefix_u32(key) % self.config.slots
     }
 
     fn probe(&self, key: &str) -> impl Iterator<Item = u32> + '_ {
@@ -252,7 +238,8 @@ impl Table<'_> {
     }
 }
 
-#[cfg(test)]
+/// The bytes of an in-flight entry, for test doubles that play another worker.
+#[cfg(any(test, feature = "testing"))]
 pub(crate) fn in_flight_bytes(key: &str, owner: u64, expires_ms: u64) -> Vec<u8> {
     encode(&Entry {
         state: State::InFlight,
@@ -379,7 +366,7 @@ pub(crate) mod tests {
     }
 
     fn key(n: u32) -> String {
-        crate::key::hex(&n.to_be_bytes()).repeat(8)
+        crate::hash::hex(&n.to_be_bytes()).repeat(8)
     }
 
     fn done(body: &[u8]) -> LocalResponse {
