@@ -10,8 +10,8 @@
 //! ~60 KiB of wasm.
 
 use alloc::format;
-use alloc::rc::Rc;
 use alloc::string::{String, ToString};
+use alloc::sync::Arc;
 use alloc::vec::Vec;
 use idemgate_wire::{Limits, Mode, WaitPolicy};
 use serde_json::Value;
@@ -232,10 +232,10 @@ pub fn parse(bytes: &[u8]) -> Result<Config, ConfigError> {
     let mut rules = Vec::with_capacity(raw_rules.len());
     for (i, raw) in raw_rules.iter().enumerate() {
         let rule = compile_rule(raw, i, allow_stop, shadow)?;
-        if rules.iter().any(|r: &Rc<Rule>| r.name == rule.name) {
+        if rules.iter().any(|r: &Arc<Rule>| r.name == rule.name) {
             return Err(err(&format!("rules[{i}].name"), "duplicate rule name"));
         }
-        rules.push(Rc::new(rule));
+        rules.push(Arc::new(rule));
     }
     let shortest_lease = rules
         .iter()

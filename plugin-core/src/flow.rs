@@ -11,8 +11,8 @@
 //! Releases ([`Flow::take_release`]) and renewals ([`Flow::renewal_due`]) are callouts the root
 //! context dispatches, because the SDK drops answers addressed to a stream that has ended.
 
-use alloc::rc::Rc;
 use alloc::string::{String, ToString};
+use alloc::sync::Arc;
 use alloc::vec;
 use alloc::vec::Vec;
 use core::mem;
@@ -145,7 +145,7 @@ enum Local {
 #[derive(Debug)]
 pub struct Route {
     index: usize,
-    rule: Rc<Rule>,
+    rule: Arc<Rule>,
     head: RequestHead,
 }
 
@@ -153,7 +153,7 @@ pub struct Route {
 #[derive(Debug)]
 pub struct Flow {
     /// The rule the request matched, held for the flow's whole life.
-    rule: Rc<Rule>,
+    rule: Arc<Rule>,
     /// Its place in the configuration (per-rule metrics).
     rule_index: usize,
     key: String,
@@ -174,7 +174,7 @@ impl Flow {
     pub fn route(config: &Config, req: &dyn RequestView) -> Option<Route> {
         match_rule(config, req).map(|Matched { index, rule, head }| Route {
             index,
-            rule: Rc::clone(rule),
+            rule: Arc::clone(rule),
             head,
         })
     }
@@ -217,7 +217,7 @@ impl Flow {
             .map(|spec| rate::checks(&rule, spec, req, Some(&raw_key)))
             .unwrap_or_default();
         let mut flow = Flow {
-            rule,
+            rule: Arc::clone(&rule),
             rule_index: index,
             key,
             fingerprint: None,
@@ -228,7 +228,6 @@ impl Flow {
         };
         // The local tier's limits are checked before the body is buffered or hashed: a
         // limited request is answered at once and costs no fingerprint.
-        let rule = Rc::clone(&flow.rule);
         let global_checks = match &rule.rate {
             Some(spec) if !rate_checks.is_empty() => {
                 if spec.tier.local()
@@ -335,7 +334,7 @@ impl Flow {
     /// The sidecar's rate checks first (a limited request claims nothing), then the key.
     fn decide(&mut self, config: &Config, rate_checks: Vec<Check>, env: &mut Env<'_>) -> Action {
         if !rate_checks.is_empty() {
-            let rule = Rc::clone(&self.rule);
+            let rule = Arc::clone(&self.rule);
             if let Some(spec) = &rule.rate
                 && let Some(action) = self.rate_global(spec, rate_checks, config, env)
             {
@@ -568,7 +567,7 @@ impl Flow {
             Histogram::SidecarLatencyMs,
             env.now_ms.saturating_sub(sent_ms),
         );
-        let rule = Rc::clone(&self.rule);
+        let rule = Arc::clone(&self.rule);
         // Rating starts only under a rule with limits.
         let Some(spec) = &rule.rate else {
             return self.claim(config, env);

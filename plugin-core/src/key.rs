@@ -155,13 +155,13 @@ mod tests {
     use crate::testing::Req;
 
     fn rule(extra: &str) -> Rule {
-        let rule: alloc::rc::Rc<Rule> = crate::config::parse(
+        let rule: alloc::sync::Arc<Rule> = crate::config::parse(
             alloc::format!(r#"{{"sidecar":{{"cluster":"s"}},"rules":[{{{extra}}}]}}"#).as_bytes(),
         )
         .unwrap()
         .rules
         .remove(0);
-        alloc::rc::Rc::unwrap_or_clone(rule)
+        alloc::sync::Arc::unwrap_or_clone(rule)
     }
 
     fn head(req: &Req) -> RequestHead {

@@ -34,10 +34,10 @@ enum State {
 
 /// A completed response kept for local replay.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct LocalResponse {
-    pub fingerprint: Option<String>,
-    pub response: StoredResponse,
-    pub body: Vec<u8>,
+pub(crate) struct LocalResponse {
+    pub(crate) fingerprint: Option<String>,
+    pub(crate) response: StoredResponse,
+    pub(crate) body: Vec<u8>,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -51,13 +51,13 @@ struct Entry {
 
 /// Proof that this request wrote the in-flight entry of `slot`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Hold {
-    pub slot: u32,
-    pub owner: u64,
+pub(crate) struct Hold {
+    pub(crate) slot: u32,
+    pub(crate) owner: u64,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub enum LocalClaim {
+pub(crate) enum LocalClaim {
     /// This request now holds the key on this gateway.
     Claimed(Hold),
     /// Another request on this gateway holds it.
@@ -78,12 +78,12 @@ enum Scan {
     Unavailable,
 }
 
-pub struct Table<'a> {
-    pub config: &'a LocalConfig,
-    pub store: &'a dyn SharedStore,
+pub(crate) struct Table<'a> {
+    pub(crate) config: &'a LocalConfig,
+    pub(crate) store: &'a dyn SharedStore,
 }
 
-pub fn slot_key(slot: u32) -> String {
+pub(crate) fn slot_key(slot: u32) -> String {
     format!("idemgate.v1.slot.{slot}")
 }
 
@@ -141,7 +141,7 @@ impl Table<'_> {
 
     /// What this gateway knows of `key`, without claiming it: `Some` with
     /// [`LocalClaim::InFlight`] or [`LocalClaim::Completed`] when it is live here.
-    pub fn lookup(&self, key: &str, now_ms: u64) -> Option<LocalClaim> {
+    pub(crate) fn lookup(&self, key: &str, now_ms: u64) -> Option<LocalClaim> {
         match self.scan(key, now_ms) {
             Scan::Live(found) => Some(found),
             Scan::Take { .. } | Scan::Unavailable => None,
@@ -149,7 +149,7 @@ impl Table<'_> {
     }
 
     /// Looks `key` up among its slots and, when it is not live there, claims a slot for it.
-    pub fn claim(&self, key: &str, owner: u64, now_ms: u64, lease_ms: u64) -> LocalClaim {
+    pub(crate) fn claim(&self, key: &str, owner: u64, now_ms: u64, lease_ms: u64) -> LocalClaim {
         for _ in 0..ROUNDS {
             let (slot, cas) = match self.scan(key, now_ms) {
                 Scan::Live(found) => return found,
@@ -178,7 +178,12 @@ impl Table<'_> {
 
     /// Gives the slot back: free, or holding `completed` until `expires_ms`. Does nothing when
     /// the slot is no longer ours (our entry expired and was reused). Returns whether it wrote.
-    pub fn release(&self, hold: Hold, key: &str, completed: Option<(LocalResponse, u64)>) -> bool {
+    pub(crate) fn release(
+        &self,
+        hold: Hold,
+        key: &str,
+        completed: Option<(LocalResponse, u64)>,
+    ) -> bool {
         if let Some((done, _)) = &completed
             && done.body.len() > self.config.max_response_bytes
         {
@@ -206,7 +211,7 @@ impl Table<'_> {
     /// Moves the expiry of our in-flight entry to `expires_ms` (the sidecar renewed the
     /// lease), so a call longer than one lease is not taken for abandoned on this gateway.
     /// Returns whether it wrote.
-    pub fn extend(&self, hold: Hold, key: &str, expires_ms: u64) -> bool {
+    pub(crate) fn extend(&self, hold: Hold, key: &str, expires_ms: u64) -> bool {
         let entry = Entry {
             state: State::InFlight,
             key: key.into(),

@@ -24,15 +24,15 @@ use crate::spec::{Limit, LimitBy, RateSpec, Rule};
 
 /// One limit of one request: the limit, and the hashed key its state lives under.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Check {
-    pub limit: Limit,
-    pub key: String,
+pub(crate) struct Check {
+    pub(crate) limit: Limit,
+    pub(crate) key: String,
 }
 
 /// The checks of a request: one per limit it has the parts for (a limit by key is skipped
 /// when the request carries no key). Keys are hashes of rule, limit and parts, like dedupe
 /// keys: raw identities never leave the filter.
-pub fn checks(
+pub(crate) fn checks(
     rule: &Rule,
     spec: &RateSpec,
     req: &dyn RequestView,
@@ -69,14 +69,14 @@ pub fn checks(
 
 /// The combined result of a request's checks.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Verdict {
+pub(crate) struct Verdict {
     /// `(limit, result)` per check made, in order; a limited one is last.
-    pub results: Vec<(Limit, RateResult)>,
+    pub(crate) results: Vec<(Limit, RateResult)>,
 }
 
 impl Verdict {
     /// The first limited check's wait, if any check was over its limit.
-    pub fn limited(&self) -> Option<u64> {
+    pub(crate) fn limited(&self) -> Option<u64> {
         self.results
             .iter()
             .find(|(_, r)| !r.allowed)
@@ -87,7 +87,7 @@ impl Verdict {
     /// as a policy of `q = burst` units per `w` seconds (the time the burst takes to come
     /// back, so `q/w` is the sustained rate), with what remains and when (`t`: the wait
     /// when over the limit, else until the full burst is back).
-    pub fn headers(&self) -> Vec<(String, String)> {
+    pub(crate) fn headers(&self) -> Vec<(String, String)> {
         let mut policy = String::new();
         let mut current = String::new();
         for (limit, result) in &self.results {
@@ -127,24 +127,24 @@ impl Verdict {
 /// state of other keys, the one closest to expiring is taken over (that key then gets a
 /// fresh burst: the table stays bounded and errs towards allowing). Every write is CAS: two
 /// workers never both spend the same unit.
-pub struct RateTable<'a> {
-    pub slots: u32,
-    pub probes: u32,
-    pub store: &'a dyn SharedStore,
+pub(crate) struct RateTable<'a> {
+    pub(crate) slots: u32,
+    pub(crate) probes: u32,
+    pub(crate) store: &'a dyn SharedStore,
 }
 
 const MAGIC: &[u8; 3] = b"IR1";
 /// CAS rounds before giving up; contention on one hot key is exactly what a limit sees.
 const ROUNDS: u32 = 16;
 
-pub fn slot_key(slot: u32) -> String {
+pub(crate) fn slot_key(slot: u32) -> String {
     format!("idemgate.v1.rate.{slot}")
 }
 
 impl RateTable<'_> {
     /// One GCRA step for `key` at `now_us`; `None` when shared data failed or CAS kept
     /// losing (the caller decides without the local tier).
-    pub fn check(&self, key: &str, rate: Rate, now_us: u64) -> Option<GcraStep> {
+    pub(crate) fn check(&self, key: &str, rate: Rate, now_us: u64) -> Option<GcraStep> {
         let slots = self.slots.max(1);
         let home = prefix_u32(key) % slots;
         for _ in 0..ROUNDS {
@@ -217,7 +217,7 @@ fn decode(bytes: &[u8]) -> Option<(&str, u64)> {
 
 /// Runs `checks` against the local table; stops at the first limited one. `None` when the
 /// table could not decide (shared data failing).
-pub fn check_local(table: &RateTable<'_>, checks: &[Check], now_us: u64) -> Option<Verdict> {
+pub(crate) fn check_local(table: &RateTable<'_>, checks: &[Check], now_us: u64) -> Option<Verdict> {
     let mut results = Vec::with_capacity(checks.len());
     for check in checks {
         let step = table.check(&check.key, check.limit.rate, now_us)?;
@@ -231,7 +231,7 @@ pub fn check_local(table: &RateTable<'_>, checks: &[Check], now_us: u64) -> Opti
 
 /// Pairs the sidecar's results with the checks sent; `None` if the answer cannot be theirs
 /// (more results than checks, or results after a limited one).
-pub fn global_verdict(checks: &[Check], results: &[RateResult]) -> Option<Verdict> {
+pub(crate) fn global_verdict(checks: &[Check], results: &[RateResult]) -> Option<Verdict> {
     if results.is_empty() || results.len() > checks.len() {
         return None;
     }

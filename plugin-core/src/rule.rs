@@ -1,7 +1,7 @@
 //! Rule matching: which rule (first match wins) a request falls under, reading as few request
 //! headers as possible, so a request that matches nothing costs one header read.
 
-use alloc::rc::Rc;
+use alloc::sync::Arc;
 use alloc::vec::Vec;
 
 use crate::canonical::{canonical_path, decode};
@@ -63,7 +63,7 @@ impl RequestHead {
 pub struct Matched<'c> {
     /// The rule's place in the configuration (per-rule metrics).
     pub index: usize,
-    pub rule: &'c Rc<Rule>,
+    pub rule: &'c Arc<Rule>,
     pub head: RequestHead,
 }
 
@@ -103,7 +103,7 @@ fn first_match<'c>(
     req: &dyn RequestView,
     head: &RequestHead,
     authority: &mut Option<Option<Vec<u8>>>,
-) -> Option<(usize, &'c Rc<Rule>)> {
+) -> Option<(usize, &'c Arc<Rule>)> {
     for (i, rule) in config.rules.iter().enumerate() {
         let m = &rule.matcher;
         if !m

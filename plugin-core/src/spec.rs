@@ -3,8 +3,8 @@
 //! get stored, does this path match); nothing here parses, and nothing here depends on another
 //! module of the crate.
 
-use alloc::rc::Rc;
 use alloc::string::String;
+use alloc::sync::Arc;
 use alloc::vec::Vec;
 use idemgate_wire::{Mode, Rate, WaitPolicy};
 
@@ -21,8 +21,9 @@ pub struct Config {
     pub degraded_header: String,
     pub tick_ms: u64,
     pub release_attempts: u32,
-    /// Shared (`Rc`) so that a request's flow holds the rule it matched for its whole life.
-    pub rules: Vec<Rc<Rule>>,
+    /// Shared (`Arc`: a plain counter in the single-threaded wasm) so that a request's flow
+    /// holds the rule it matched for its whole life.
+    pub rules: Vec<Arc<Rule>>,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
