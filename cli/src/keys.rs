@@ -2,9 +2,9 @@
 //! own code (`idemgate_core::key`), so an operator can find a customer's call.
 
 use anyhow::{Context, Result, bail};
-use idemgate_core::RequestView;
-use idemgate_core::config::{Config, KeySource};
 use idemgate_core::rule::RequestHead;
+use idemgate_core::spec::KeySource;
+use idemgate_core::{Config, RequestView};
 use std::collections::BTreeMap;
 
 /// What the operator knows about the call.

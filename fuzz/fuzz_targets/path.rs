@@ -6,11 +6,11 @@
 
 #![no_main]
 
-use idemgate_core::RequestView;
+use idemgate_core::Config;
 use idemgate_core::canonical::canonical_path;
-use idemgate_core::config::Config;
 use idemgate_core::key::{self, KeyError};
-use idemgate_core::rule::match_rule;
+use idemgate_core::rule::{Matched, match_rule};
+use idemgate_core::testing::Req;
 use libfuzzer_sys::arbitrary::{self, Arbitrary};
 use libfuzzer_sys::fuzz_target;
 use std::sync::OnceLock;
@@ -36,24 +36,6 @@ struct Input {
     /// One choice per byte of the canonical path: how to respell it.
     respell: Vec<u8>,
     trailing_slash: bool,
-}
-
-struct Req(Vec<u8>);
-
-impl RequestView for Req {
-    fn header(&self, name: &str) -> Option<Vec<u8>> {
-        match name {
-            ":method" => Some(b"POST".to_vec()),
-            ":path" => Some(self.0.clone()),
-            _ => None,
-        }
-    }
-    fn property(&self, _: &[String]) -> Option<Vec<u8>> {
-        None
-    }
-    fn repeated(&self, _: &[String]) -> bool {
-        false
-    }
 }
 
 /// An equivalent spelling of a canonical path.
@@ -103,12 +85,13 @@ fn respell(canonical: &[u8], choices: &[u8], trailing_slash: bool) -> Vec<u8> {
 type Keyed = Option<(usize, Result<Option<String>, KeyError>)>;
 
 fn keyed(path: &[u8]) -> Keyed {
-    let req = Req(path.to_vec());
-    let (i, head) = match_rule(config(), &req)?;
-    let rule = config().rules.get(i)?;
+    let req = Req::default()
+        .with(":method", "POST")
+        .with_bytes(":path", path);
+    let Matched { index, rule, head } = match_rule(config(), &req)?;
     let key =
         key::extract(rule, &head, &req).map(|k| k.map(|k| key::scoped(rule, &head, &req, &k)));
-    Some((i, key))
+    Some((index, key))
 }
 
 fuzz_target!(|input: Input| {

@@ -6,14 +6,10 @@
 
 #![no_main]
 
-use idemgate_core::{
-    Action, Answer, Breaker, Config, Counter, Env, Flow, Histogram, HostError, RequestView,
-    SharedStore, Telemetry,
-};
+use idemgate_core::testing::{MemStore, Recorder, Req};
+use idemgate_core::{Action, Answer, Breaker, Config, Env, Flow};
 use libfuzzer_sys::arbitrary::{self, Arbitrary};
 use libfuzzer_sys::fuzz_target;
-use std::cell::RefCell;
-use std::collections::HashMap;
 use std::sync::OnceLock;
 
 /// Rules covering every key source, charset and conflict policy.
@@ -48,79 +44,36 @@ struct Input {
     response_body: Vec<u8>,
 }
 
-struct Req(HashMap<String, Vec<u8>>);
-
-impl RequestView for Req {
-    fn header(&self, name: &str) -> Option<Vec<u8>> {
-        self.0.get(name).cloned()
-    }
-    fn property(&self, _: &[String]) -> Option<Vec<u8>> {
-        None
-    }
-    fn repeated(&self, _: &[String]) -> bool {
-        false
-    }
-}
-
-/// Envoy's shared data semantics, enough for one request.
-#[derive(Default)]
-struct Shared(RefCell<HashMap<String, (Vec<u8>, u32)>>, RefCell<u32>);
-
-impl SharedStore for Shared {
-    fn get(&self, key: &str) -> Result<Option<(Vec<u8>, u32)>, HostError> {
-        Ok(self.0.borrow().get(key).cloned())
-    }
-    fn set(&self, key: &str, value: &[u8], cas: Option<u32>) -> Result<bool, HostError> {
-        let mut map = self.0.borrow_mut();
-        if let (Some(cas), Some((_, current))) = (cas, map.get(key))
-            && *current != cas
-        {
-            return Ok(false);
-        }
-        let mut next = self.1.borrow_mut();
-        *next += 1;
-        map.insert(key.to_string(), (value.to_vec(), *next));
-        Ok(true)
-    }
-}
-
-struct Discard;
-
-impl Telemetry for Discard {
-    fn count(&mut self, _: Counter) {}
-    fn record(&mut self, _: Histogram, _: u64) {}
-    fn count_rate(&mut self, _: usize, _: bool) {}
-}
-
 fuzz_target!(|input: Input| {
     let config = config();
     let methods = [
         "POST", "PUT", "PATCH", "DELETE", "GET", "HEAD", "OPTIONS", "post",
     ];
     let method = methods[usize::from(input.method) % methods.len()];
-    let mut headers = HashMap::new();
-    headers.insert(":method".to_string(), method.as_bytes().to_vec());
-    headers.insert(":path".to_string(), input.path);
-    headers.insert(":authority".to_string(), b"api.test".to_vec());
+    let mut req = Req::default()
+        .with(":method", method)
+        .with_bytes(":path", &input.path)
+        .with(":authority", "api.test");
     for (name, value) in [
         ("idempotency-key", input.key),
         ("x-user-id", input.user),
         ("x-tenant", input.tenant),
     ] {
         if let Some(v) = value {
-            headers.insert(name.to_string(), v);
+            req = req.with_bytes(name, &v);
         }
     }
-    let req = Req(headers);
-    let shared = Shared::default();
+    let shared = MemStore::default();
     let mut breaker = Breaker::default();
-    let mut telemetry = Discard;
+    let mut telemetry = Recorder::default();
+    let secret = [7; 32];
     let mut env = Env {
         now_ms: 1_000,
         shared: &shared,
         breaker: &mut breaker,
         telemetry: &mut telemetry,
         owner: 7,
+        waiter_secret: Some(&secret),
     };
     let Some(route) = Flow::route(config, &req) else {
         return;
@@ -135,12 +88,12 @@ fuzz_target!(|input: Input| {
         let mut read = |n: usize| body.get(..n).map(<[u8]>::to_vec);
         action = flow.on_request_body(config, input.body.len(), true, &mut read, &mut env);
     }
-    if let Action::Claim(_) = action {
+    if let Action::Decide(_) = action {
         let answer = Answer::Http {
             status: input.claim_status,
             body: &input.claim_answer,
         };
-        action = flow.on_claim_answer(config, answer, &mut env);
+        action = flow.on_decision(config, answer, &mut env);
         if let Action::Continue(added) = &action {
             let fenced = added.iter().any(|(n, _)| n == "x-fencing-token");
             assert_eq!(fenced, flow.fence().is_some(), "a fence only from a grant");

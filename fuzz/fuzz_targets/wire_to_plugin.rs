@@ -4,17 +4,10 @@
 
 #![no_main]
 
-use idemgate_core::{Answer, Counter, Histogram, Telemetry, on_release_answer};
+use idemgate_core::testing::Recorder;
+use idemgate_core::{Answer, on_release_answer};
 use idemgate_wire::{ClaimOutcome, Limits, OwnerOutcome, decode};
 use libfuzzer_sys::fuzz_target;
-
-struct Discard;
-
-impl Telemetry for Discard {
-    fn count(&mut self, _: Counter) {}
-    fn record(&mut self, _: Histogram, _: u64) {}
-    fn count_rate(&mut self, _: usize, _: bool) {}
-}
 
 fuzz_target!(|data: &[u8]| {
     if let Ok((ClaimOutcome::Completed { response, .. }, payload)) = decode::<ClaimOutcome>(data) {
@@ -26,6 +19,6 @@ fuzz_target!(|data: &[u8]| {
             status: 200,
             body: data,
         },
-        &mut Discard,
+        &mut Recorder::default(),
     );
 });

@@ -2,7 +2,7 @@
 //! it opens for `cooldown`, so an outage does not cost every request a full timeout; then one
 //! probe request is let through (half-open) and its outcome closes or re-opens it.
 
-use crate::config::BreakerConfig;
+use crate::spec::BreakerConfig;
 
 #[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
 pub struct Breaker {
@@ -14,7 +14,7 @@ pub struct Breaker {
 
 impl Breaker {
     /// Whether a callout may be made now.
-    pub fn allow(&mut self, now_ms: u64) -> bool {
+    pub(crate) fn allow(&mut self, now_ms: u64) -> bool {
         if self.open_until_ms == 0 {
             return true;
         }
@@ -25,11 +25,11 @@ impl Breaker {
         true
     }
 
-    pub fn success(&mut self) {
+    pub(crate) fn success(&mut self) {
         *self = Breaker::default();
     }
 
-    pub fn failure(&mut self, config: &BreakerConfig, now_ms: u64) {
+    pub(crate) fn failure(&mut self, config: &BreakerConfig, now_ms: u64) {
         self.consecutive = self.consecutive.saturating_add(1);
         if self.probing || self.consecutive >= config.failures {
             self.open_until_ms = now_ms.saturating_add(config.cooldown_ms).max(1);

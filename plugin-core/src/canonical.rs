@@ -92,7 +92,7 @@ pub fn canonical_path(raw: &[u8], split: bool) -> CanonicalPath {
 /// Every escape decoded (and, with `plus_is_space`, `+` as a space, for form-encoded query
 /// strings): the value a backend's router or query parser hands to its handler. A `%` that
 /// starts no escape stays as it is.
-pub fn decode(raw: &[u8], plus_is_space: bool) -> Vec<u8> {
+pub(crate) fn decode(raw: &[u8], plus_is_space: bool) -> Vec<u8> {
     let mut out = Vec::with_capacity(raw.len());
     let mut rest = raw;
     while let Some((&b, tail)) = rest.split_first() {

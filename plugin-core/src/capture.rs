@@ -7,11 +7,11 @@ use alloc::string::String;
 use alloc::vec::Vec;
 use idemgate_wire::{Limits, StoredResponse};
 
-use crate::config::{ResponsePolicy, Unreplayable};
+use crate::spec::{ResponsePolicy, Unreplayable};
 
 /// What happens to the key once the response is complete.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Outcome {
+pub(crate) enum Outcome {
     /// Store this response (the body may be empty for `store_status`).
     Store(StoredResponse, Vec<u8>),
     /// Release without storing, so the client's retry runs again.
@@ -19,7 +19,7 @@ pub enum Outcome {
 }
 
 #[derive(Debug)]
-pub struct Capture {
+pub(crate) struct Capture {
     status: u16,
     headers: Vec<(String, String)>,
     body: Vec<u8>,
@@ -30,7 +30,7 @@ pub struct Capture {
 
 impl Capture {
     /// Starts from the response headers (pseudo-headers included, as Envoy lists them).
-    pub fn begin(policy: &ResponsePolicy, headers: &[(String, Vec<u8>)]) -> Capture {
+    pub(crate) fn begin(policy: &ResponsePolicy, headers: &[(String, Vec<u8>)]) -> Capture {
         let value = |name: &str| {
             headers
                 .iter()
@@ -67,11 +67,11 @@ impl Capture {
     }
 
     /// Whether response body chunks should be handed to [`Capture::chunk`].
-    pub fn wants_body(&self) -> bool {
+    pub(crate) fn wants_body(&self) -> bool {
         self.stored && self.replayable
     }
 
-    pub fn chunk(&mut self, policy: &ResponsePolicy, data: &[u8]) {
+    pub(crate) fn chunk(&mut self, policy: &ResponsePolicy, data: &[u8]) {
         if !self.wants_body() {
             return;
         }
@@ -83,7 +83,7 @@ impl Capture {
         self.body.extend_from_slice(data);
     }
 
-    pub fn finish(self, policy: &ResponsePolicy) -> Outcome {
+    pub(crate) fn finish(self, policy: &ResponsePolicy) -> Outcome {
         if !self.stored {
             return Outcome::Abort;
         }
@@ -148,6 +148,7 @@ mod tests {
         .rules
         .remove(0)
         .response
+        .clone()
     }
 
     fn headers(status: &str, ct: &str) -> Vec<(String, Vec<u8>)> {

@@ -1,187 +1,31 @@
 //! The filter's JSON configuration, validated into the immutable [`Config`] that per-request
 //! code reads (explicit defaults, durations as `"30s"`, unknown fields rejected). Nothing here
-//! runs per request.
+//! runs per request; the compiled types themselves live in [`crate::spec`].
 //!
 //! The document is read into one `serde_json::Value` tree and walked by hand through
-//! [`Section`], which knows the path of every object (`rules[2].key`): type errors and
-//! unknown fields name the exact field (`rules[2].key.required: expected a boolean`), and
-//! semantic checks do too. Walking one generic tree instead of deriving a deserializer per
-//! section is what keeps the filter small: ~15 derived deserializers cost ~60 KiB of wasm.
+//! `Section` (`config/section.rs`), which knows the path of every object (`rules[2].key`):
+//! type errors and unknown fields name the exact field (`rules[2].key.required: expected a
+//! boolean`), and semantic checks do too. Walking one generic tree instead of deriving a
+//! deserializer per section is what keeps the filter small: ~15 derived deserializers cost
+//! ~60 KiB of wasm.
 
 use alloc::format;
 use alloc::string::{String, ToString};
+use alloc::sync::Arc;
 use alloc::vec::Vec;
-use core::fmt;
 use idemgate_wire::{Limits, Mode, WaitPolicy};
-use serde_json::{Map, Value};
+use serde_json::Value;
 
-use crate::rate::{Limit, LimitBy, RateSpec, Tier};
-use crate::rule::{Matcher, PathMatch};
+use crate::spec::{
+    BreakerConfig, Charset, ClientAbort, Config, Conflict, FailureMode, FingerprintSpec, KeyRules,
+    KeySource, Limit, LimitBy, LocalConfig, Matcher, PathMatch, RateSpec, ResponsePolicy, Rule,
+    Scope, Segment, SidecarConfig, Tier, Unreplayable,
+};
 
-/// An invalid configuration: `path` names the field (`rules[2].key.header`).
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct ConfigError {
-    pub path: String,
-    pub message: String,
-}
+mod section;
 
-impl fmt::Display for ConfigError {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "{}: {}", self.path, self.message)
-    }
-}
-
-impl core::error::Error for ConfigError {}
-
-fn err(path: &str, message: impl Into<String>) -> ConfigError {
-    ConfigError {
-        path: path.to_string(),
-        message: message.into(),
-    }
-}
-
-/// What to do when the sidecar is unreachable, slow, answers garbage or the breaker is open.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum FailureMode {
-    /// Answer 503 with `Retry-After`.
-    Closed,
-    /// Forward the request, marked with the degraded header.
-    Open,
-    /// Decide on this gateway's shared data alone.
-    Local,
-}
-
-/// What happens to a duplicate while the first call is in flight.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Conflict {
-    Reject,
-    Queue(WaitPolicy),
-}
-
-/// What a client abort does to a key whose request was already forwarded upstream.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub enum ClientAbort {
-    /// Keep the key until its lease runs out (renewals stop): the backend may still be
-    /// running the call, detached from the client, and a retry must not run beside it.
-    #[default]
-    Hold,
-    /// Abort the claim at once, so a retry runs immediately — for backends that stop their
-    /// work when the client goes away.
-    Release,
-}
-
-/// Characters a client key may contain (checked after sf-string unquoting).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Charset {
-    /// Printable ASCII including space (what an RFC 8941 sf-string can carry).
-    Printable,
-    /// RFC 9110 `token` characters.
-    Token,
-    /// `A-Z a-z 0-9 - _ . :` (UUIDs, ULIDs, most generated ids).
-    Alphanumeric,
-}
-
-impl Charset {
-    pub(crate) fn allows(self, b: u8) -> bool {
-        match self {
-            Charset::Printable => (0x20..=0x7e).contains(&b),
-            Charset::Token => b.is_ascii_alphanumeric() || b"!#$%&'*+-.^_`|~".contains(&b),
-            Charset::Alphanumeric => b.is_ascii_alphanumeric() || b"-_.:".contains(&b),
-        }
-    }
-}
-
-/// Where the key of a request comes from.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum KeySource {
-    Header(String),
-    PathParam(String),
-    QueryParam(String),
-}
-
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct KeyRules {
-    pub source: KeySource,
-    pub required: bool,
-    pub max_length: usize,
-    pub charset: Charset,
-}
-
-/// The caller identity a key is bound to, besides the rule (route) and, optionally, method.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Scope {
-    pub headers: Vec<String>,
-    pub properties: Vec<Vec<String>>,
-    pub method: bool,
-}
-
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct FingerprintSpec {
-    pub headers: Vec<String>,
-    /// Body bytes hashed (0 = the body is not part of the fingerprint).
-    pub max_body: usize,
-}
-
-/// What happens to a response that cannot be replayed (over the cap, streamed, or a content
-/// type outside the allow-list).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Unreplayable {
-    /// Release without storing: a retry runs again.
-    Abort,
-    /// Store status and headers with an empty body.
-    StoreStatus,
-}
-
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct ResponsePolicy {
-    /// Status classes stored (2 = 2xx ...), bit per class 1..=5.
-    pub store_classes: u8,
-    pub except: Vec<u16>,
-    pub max_body: usize,
-    pub content_types: Vec<String>,
-    pub headers: Vec<String>,
-    pub unreplayable: Unreplayable,
-}
-
-impl ResponsePolicy {
-    /// Whether a response with this status is stored (others abort, so a retry runs again).
-    pub fn stores(&self, status: u16) -> bool {
-        let class = status / 100;
-        (1..=5).contains(&class)
-            && self.store_classes & (1u8 << class) != 0
-            && !self.except.contains(&status)
-    }
-}
-
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Rule {
-    pub name: String,
-    pub matcher: Matcher,
-    pub mode: Mode,
-    pub key: KeyRules,
-    pub scope: Scope,
-    /// `None` in lock mode.
-    pub fingerprint: Option<FingerprintSpec>,
-    pub conflict: Conflict,
-    pub client_abort: ClientAbort,
-    pub lease_ms: u64,
-    pub retention_ms: u64,
-    pub response: ResponsePolicy,
-    /// Rate limits on the rule's requests (`None`: unlimited).
-    pub rate: Option<RateSpec>,
-}
-
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct SidecarConfig {
-    pub cluster: String,
-    pub authority: String,
-    pub timeout_ms: u64,
-    pub token: Option<String>,
-    /// `sidecar.token_env`: the VM environment variable holding the token, so that a
-    /// Kubernetes Secret reaches the filter without being written into a custom resource.
-    /// Read once by the glue at configure time ([`SidecarConfig::resolve_token`]).
-    pub token_env: Option<String>,
-}
+pub use section::ConfigError;
+use section::{Section, err, kind, parse_duration, strings};
 
 impl SidecarConfig {
     /// Fills `token` from `token_env` through `lookup` (the VM's environment). A named
@@ -268,38 +112,6 @@ mod token_env_tests {
         plain.sidecar.resolve_token(|_| unreachable!()).unwrap();
         assert_eq!(plain.sidecar.token.as_deref(), Some("x"));
     }
-}
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct BreakerConfig {
-    pub failures: u32,
-    pub cooldown_ms: u64,
-}
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct LocalConfig {
-    pub enabled: bool,
-    pub slots: u32,
-    pub probes: u32,
-    pub max_response_bytes: usize,
-    /// Slots of the rate-limit table (a separate table: limits never evict dedupe entries).
-    pub rate_slots: u32,
-}
-
-/// The validated, immutable configuration.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Config {
-    pub sidecar: SidecarConfig,
-    pub failure_mode: FailureMode,
-    pub shadow: bool,
-    pub breaker: BreakerConfig,
-    pub local: LocalConfig,
-    pub allow_on_headers_stop_iteration: bool,
-    pub fencing_header: String,
-    pub degraded_header: String,
-    pub tick_ms: u64,
-    pub release_attempts: u32,
-    pub rules: Vec<Rule>,
 }
 
 // === defaults ===
@@ -420,10 +232,10 @@ pub fn parse(bytes: &[u8]) -> Result<Config, ConfigError> {
     let mut rules = Vec::with_capacity(raw_rules.len());
     for (i, raw) in raw_rules.iter().enumerate() {
         let rule = compile_rule(raw, i, allow_stop, shadow)?;
-        if rules.iter().any(|r: &Rule| r.name == rule.name) {
+        if rules.iter().any(|r: &Arc<Rule>| r.name == rule.name) {
             return Err(err(&format!("rules[{i}].name"), "duplicate rule name"));
         }
-        rules.push(rule);
+        rules.push(Arc::new(rule));
     }
     let shortest_lease = rules
         .iter()
@@ -451,201 +263,6 @@ pub fn parse(bytes: &[u8]) -> Result<Config, ConfigError> {
     })
 }
 
-/// One JSON object of the configuration and its path. Built only after its field names were
-/// checked, so every getter reads a known field; a field set to `null` counts as absent.
-struct Section<'a> {
-    path: String,
-    fields: Option<&'a Map<String, Value>>,
-}
-
-impl<'a> Section<'a> {
-    /// `value` as an object whose fields are all in `known`.
-    /// The document itself has the empty path (its fields are named bare: `rules`), and is
-    /// called `configuration` in its own errors.
-    fn of(value: &'a Value, path: String, known: &[&str]) -> Result<Section<'a>, ConfigError> {
-        let name = if path.is_empty() {
-            "configuration"
-        } else {
-            &path
-        };
-        let Value::Object(fields) = value else {
-            return Err(err(
-                name,
-                format!("expected an object, got {}", kind(value)),
-            ));
-        };
-        if let Some(unknown) = fields.keys().find(|k| !known.contains(&k.as_str())) {
-            return Err(err(
-                name,
-                format!(
-                    "unknown field `{unknown}`, expected one of {}",
-                    quoted(known)
-                ),
-            ));
-        }
-        Ok(Section {
-            path,
-            fields: Some(fields),
-        })
-    }
-
-    /// A section that is not in the document: every field reads as absent (defaults apply).
-    fn absent(path: String) -> Section<'a> {
-        Section { path, fields: None }
-    }
-
-    fn at(&self, name: &str) -> String {
-        if self.path.is_empty() {
-            name.to_string()
-        } else {
-            format!("{}.{name}", self.path)
-        }
-    }
-
-    fn get(&self, name: &str) -> Option<&'a Value> {
-        self.fields
-            .and_then(|f| f.get(name))
-            .filter(|v| !v.is_null())
-    }
-
-    fn has(&self, name: &str) -> bool {
-        self.get(name).is_some()
-    }
-
-    fn wrong(&self, name: &str, expected: &str, got: &Value) -> ConfigError {
-        err(
-            &self.at(name),
-            format!("expected {expected}, got {}", kind(got)),
-        )
-    }
-
-    fn section(&self, name: &str, known: &[&str]) -> Result<Option<Section<'a>>, ConfigError> {
-        self.get(name)
-            .map(|v| Section::of(v, self.at(name), known))
-            .transpose()
-    }
-
-    fn optional_section(&self, name: &str, known: &[&str]) -> Result<Section<'a>, ConfigError> {
-        Ok(self
-            .section(name, known)?
-            .unwrap_or_else(|| Section::absent(self.at(name))))
-    }
-
-    fn str(&self, name: &str) -> Result<Option<&'a str>, ConfigError> {
-        match self.get(name) {
-            None => Ok(None),
-            Some(Value::String(s)) => Ok(Some(s)),
-            Some(other) => Err(self.wrong(name, "a string", other)),
-        }
-    }
-
-    fn string(&self, name: &str) -> Result<Option<String>, ConfigError> {
-        Ok(self.str(name)?.map(String::from))
-    }
-
-    fn bool(&self, name: &str) -> Result<Option<bool>, ConfigError> {
-        match self.get(name) {
-            None => Ok(None),
-            Some(Value::Bool(b)) => Ok(Some(*b)),
-            Some(other) => Err(self.wrong(name, "a boolean", other)),
-        }
-    }
-
-    fn integer(&self, name: &str, max: u64) -> Result<Option<u64>, ConfigError> {
-        match self.get(name) {
-            None => Ok(None),
-            Some(v) => match v.as_u64() {
-                Some(n) if n <= max => Ok(Some(n)),
-                _ => Err(self.wrong(name, &format!("an integer in 0..={max}"), v)),
-            },
-        }
-    }
-
-    fn u32(&self, name: &str) -> Result<Option<u32>, ConfigError> {
-        Ok(self
-            .integer(name, u64::from(u32::MAX))?
-            .map(|n| u32::try_from(n).unwrap_or(u32::MAX)))
-    }
-
-    fn usize(&self, name: &str) -> Result<Option<usize>, ConfigError> {
-        Ok(self
-            .integer(name, u64::from(u32::MAX))?
-            .map(|n| usize::try_from(n).unwrap_or(usize::MAX)))
-    }
-
-    fn array(&self, name: &str) -> Result<Option<&'a [Value]>, ConfigError> {
-        match self.get(name) {
-            None => Ok(None),
-            Some(Value::Array(items)) => Ok(Some(items)),
-            Some(other) => Err(self.wrong(name, "an array", other)),
-        }
-    }
-
-    /// An array of strings (`path[i]` names a wrong element).
-    fn strings(&self, name: &str) -> Result<Option<Vec<String>>, ConfigError> {
-        let Some(items) = self.array(name)? else {
-            return Ok(None);
-        };
-        strings(items, &self.at(name)).map(Some)
-    }
-
-    /// The index in `variants` of the string field `name`.
-    fn choice(&self, name: &str, variants: &[&str]) -> Result<Option<usize>, ConfigError> {
-        let Some(s) = self.str(name)? else {
-            return Ok(None);
-        };
-        match variants.iter().position(|v| *v == s) {
-            Some(i) => Ok(Some(i)),
-            None => Err(err(
-                &self.at(name),
-                format!("`{s}` is not one of {}", quoted(variants)),
-            )),
-        }
-    }
-
-    /// A duration field (`"30s"`), `default_ms` when absent; never zero.
-    fn duration(&self, name: &str, default_ms: u64) -> Result<u64, ConfigError> {
-        duration_or(self.str(name)?, &self.at(name), default_ms)
-    }
-}
-
-fn strings(items: &[Value], path: &str) -> Result<Vec<String>, ConfigError> {
-    items
-        .iter()
-        .enumerate()
-        .map(|(i, v)| match v {
-            Value::String(s) => Ok(s.clone()),
-            other => Err(err(
-                &format!("{path}[{i}]"),
-                format!("expected a string, got {}", kind(other)),
-            )),
-        })
-        .collect()
-}
-
-/// `` `a`, `b`, `c` `` for error messages.
-fn quoted(names: &[&str]) -> String {
-    let mut list = String::new();
-    for (i, n) in names.iter().enumerate() {
-        list.push_str(if i == 0 { "`" } else { ", `" });
-        list.push_str(n);
-        list.push('`');
-    }
-    list
-}
-
-/// What a JSON value is, for error messages (strings are quoted, so `"yes"` reads as text).
-fn kind(v: &Value) -> String {
-    match v {
-        Value::Null => "null".into(),
-        Value::Bool(_) => "a boolean".into(),
-        Value::Number(_) => "a number".into(),
-        Value::String(s) => format!("string \"{s}\""),
-        Value::Array(_) => "an array".into(),
-        Value::Object(_) => "an object".into(),
-    }
-}
-
 fn positive_u32(v: u32, path: &str) -> Result<u32, ConfigError> {
     bounded(v, 1, u32::MAX, path)
 }
@@ -655,35 +272,6 @@ fn bounded(v: u32, min: u32, max: u32, path: &str) -> Result<u32, ConfigError> {
         return Err(err(path, format!("must be in {min}..={max}")));
     }
     Ok(v)
-}
-
-fn duration_or(raw: Option<&str>, path: &str, default_ms: u64) -> Result<u64, ConfigError> {
-    let ms = match raw {
-        Some(s) => parse_duration(s).map_err(|m| err(path, m))?,
-        None => default_ms,
-    };
-    if ms == 0 {
-        return Err(err(path, "must be greater than zero"));
-    }
-    Ok(ms)
-}
-
-/// `"250ms"`, `"30s"`, `"5m"`, `"24h"` → milliseconds.
-pub fn parse_duration(s: &str) -> Result<u64, String> {
-    let digits = s.bytes().take_while(u8::is_ascii_digit).count();
-    let (number, unit) = s.split_at(digits);
-    let n: u64 = number.parse().map_err(|_| {
-        format!("`{s}` is not a duration like \"250ms\", \"30s\", \"5m\" or \"24h\"")
-    })?;
-    let factor = match unit {
-        "ms" => 1,
-        "s" => 1_000,
-        "m" => 60_000,
-        "h" => 3_600_000,
-        _ => return Err(format!("`{s}` has no unit (ms, s, m or h)")),
-    };
-    n.checked_mul(factor)
-        .ok_or_else(|| format!("`{s}` is too large"))
 }
 
 fn header_name(name: &str, path: &str) -> Result<String, ConfigError> {
@@ -958,7 +546,7 @@ fn compile_match(m: &Section<'_>) -> Result<Matcher, ConfigError> {
             return Err(err(&m.at("path_prefix"), "must start with `/`"));
         }
         (Some(p), None) => PathMatch::Prefix(p),
-        (None, Some(t)) => PathMatch::template(t).map_err(|e| err(&m.at("path_template"), e))?,
+        (None, Some(t)) => path_template(t).map_err(|e| err(&m.at("path_template"), e))?,
         (None, None) => PathMatch::Any,
     };
     Ok(Matcher {
@@ -970,6 +558,32 @@ fn compile_match(m: &Section<'_>) -> Result<Matcher, ConfigError> {
             &m.at("headers_present"),
         )?,
     })
+}
+
+/// Parses `/agents/{agent_id}/mcp`: literal segments and whole-segment `{name}` variables.
+fn path_template(t: &str) -> Result<PathMatch, String> {
+    let Some(rest) = t.strip_prefix('/') else {
+        return Err("must start with `/`".to_string());
+    };
+    // Canonical paths have no trailing slash (crate::canonical): `/a/{id}/` means `/a/{id}`.
+    let rest = rest.strip_suffix('/').unwrap_or(rest);
+    let mut segments = Vec::new();
+    for seg in rest.split('/') {
+        if let Some(name) = seg.strip_prefix('{').and_then(|s| s.strip_suffix('}')) {
+            if name.is_empty() || !name.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'_') {
+                return Err(format!("`{seg}` is not a variable like {{agent_id}}"));
+            }
+            if segments.contains(&Segment::Variable(name.to_string())) {
+                return Err(format!("variable `{name}` appears twice"));
+            }
+            segments.push(Segment::Variable(name.to_string()));
+        } else if seg.contains(['{', '}']) {
+            return Err(format!("`{seg}`: a variable must be a whole segment"));
+        } else {
+            segments.push(Segment::Literal(seg.to_string()));
+        }
+    }
+    Ok(PathMatch::Template(segments))
 }
 
 fn compile_key(k: &Section<'_>, mode: Mode, matcher: &Matcher) -> Result<KeyRules, ConfigError> {
@@ -1389,5 +1003,13 @@ mod tests {
         assert_eq!(c.rules[1].client_abort, ClientAbort::Hold);
         let e = error_of(r#"{"sidecar":{"cluster":"x"},"rules":[{"on_client_abort":"later"}]}"#);
         assert!(e.starts_with("rules[0].on_client_abort: "), "{e}");
+    }
+
+    #[test]
+    fn bad_templates() {
+        assert!(path_template("agents").is_err());
+        assert!(path_template("/a/{}").is_err());
+        assert!(path_template("/a/x{y}").is_err());
+        assert!(path_template("/{a}/{a}").is_err());
     }
 }

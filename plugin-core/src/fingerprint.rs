@@ -5,11 +5,12 @@
 
 use alloc::string::String;
 
-use crate::config::FingerprintSpec;
-use crate::key::PartHasher;
-use crate::rule::{RequestHead, RequestView};
+use crate::hash::PartHasher;
+use crate::ports::RequestView;
+use crate::rule::RequestHead;
+use crate::spec::FingerprintSpec;
 
-pub struct Fingerprint(PartHasher);
+pub(crate) struct Fingerprint(PartHasher);
 
 impl core::fmt::Debug for Fingerprint {
     fn fmt(&self, f: &mut core::fmt::Formatter<'_>) -> core::fmt::Result {
@@ -19,7 +20,7 @@ impl core::fmt::Debug for Fingerprint {
 
 impl Fingerprint {
     /// Starts a fingerprint over what the request headers carry.
-    pub fn start(spec: &FingerprintSpec, head: &RequestHead, req: &dyn RequestView) -> Self {
+    pub(crate) fn start(spec: &FingerprintSpec, head: &RequestHead, req: &dyn RequestView) -> Self {
         let mut h = PartHasher::new("idemgate/fingerprint/v1");
         h.part(&head.method);
         h.part(&head.path);
@@ -31,13 +32,13 @@ impl Fingerprint {
     }
 
     /// Adds the whole request body (the caller enforces the cap and delivers it at once).
-    pub fn body(mut self, body: &[u8]) -> Self {
+    pub(crate) fn body(mut self, body: &[u8]) -> Self {
         self.0.part(b"body");
         self.0.part(body);
         self
     }
 
-    pub fn finish(mut self) -> String {
+    pub(crate) fn finish(mut self) -> String {
         self.0.raw(b"end");
         self.0.finish_hex()
     }

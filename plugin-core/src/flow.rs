@@ -3,40 +3,35 @@
 //! out the [`Action`] it returns; every decision — the local tier, the sidecar claim, failure
 //! modes, shadow mode, what to store and what to release — is made here, natively testable.
 //!
+//! A request moves through [`Phase`]s, each carrying what is valid while it lasts (the body
+//! being hashed, the rate checks or claim out at the sidecar, the grant, the response being
+//! copied). Across phases the flow keeps the rule it matched, its stored key and fingerprint,
+//! and this gateway's slot for the key.
+//!
 //! Releases ([`Flow::take_release`]) and renewals ([`Flow::renewal_due`]) are callouts the root
 //! context dispatches, because the SDK drops answers addressed to a stream that has ended.
 
 use alloc::string::{String, ToString};
+use alloc::sync::Arc;
 use alloc::vec;
 use alloc::vec::Vec;
+use core::mem;
 use idemgate_wire::{
     AbortRequest, ClaimOutcome, ClaimRequest, CompleteRequest, LeaveRequest, Limits, Mode,
     OwnerOutcome, RateCheck, RateOutcome, RateRequest, RenewRequest, StoredResponse, paths,
 };
 
-use crate::breaker::Breaker;
 use crate::capture::{Capture, Outcome};
-use crate::config::{ClientAbort, Config, Conflict, FailureMode, Rule};
 use crate::fingerprint::Fingerprint;
+use crate::hash::PartHasher;
 use crate::key::{self, KeyError};
-use crate::local::{Hold, LocalClaim, LocalResponse, SharedStore, Table};
-use crate::metrics::{Counter, Histogram, Telemetry};
-use crate::problem::{self, Reply, types};
-use crate::rate::{self, Check, RateSpec, RateTable, Verdict};
-use crate::rule::{RequestHead, RequestView, match_rule};
-
-/// What the host offers a step: the clock, shared data, the VM's breaker and metrics.
-pub struct Env<'a> {
-    pub now_ms: u64,
-    pub shared: &'a dyn SharedStore,
-    pub breaker: &'a mut Breaker,
-    pub telemetry: &'a mut dyn Telemetry,
-    /// Unique per request on this gateway (VM nonce and sequence): the local-tier owner.
-    pub owner: u64,
-    /// This VM's random secret (read once from the host's randomness) that waiter names are
-    /// derived from; `None` when the host had none: queued claims then go unnamed (no leave).
-    pub waiter_secret: Option<&'a [u8; 32]>,
-}
+use crate::local::{Hold, LocalClaim, LocalResponse, Table};
+use crate::metrics::{Counter, Histogram};
+use crate::ports::{Env, RequestView, Telemetry};
+use crate::problem::{self, Refusal, Reply};
+use crate::rate::{self, Check, RateTable, Verdict};
+use crate::rule::{Matched, RequestHead, match_rule};
+use crate::spec::{ClientAbort, Config, Conflict, FailureMode, RateSpec, Rule};
 
 /// A sidecar request for the root context to dispatch.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -53,8 +48,9 @@ pub enum Action {
     Continue(Vec<(String, String)>),
     /// Keep the request paused (body being hashed).
     Pause,
-    /// Keep the request paused and dispatch this claim; its answer goes to [`Flow::on_claim_answer`].
-    Claim(Callout),
+    /// Keep the request paused while the sidecar decides on it — its rate limits, or its
+    /// key's claim — and dispatch this callout; the answer goes to [`Flow::on_decision`].
+    Decide(Callout),
     /// Answer locally instead.
     Respond(Reply),
 }
@@ -74,24 +70,55 @@ pub enum Answer<'a> {
     Failed,
 }
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+/// Where a request is, with what is valid there.
+#[derive(Debug)]
 enum Phase {
-    /// Waiting for the whole body to fingerprint it.
-    Body,
-    /// The rate check is with the sidecar; the request is paused.
-    Rating,
+    /// Waiting for the whole body to fingerprint it; the sidecar's rate checks come after.
+    Body {
+        fingerprint: Fingerprint,
+        /// The most Envoy has buffered so far.
+        seen: usize,
+        rate_checks: Vec<Check>,
+    },
+    /// The rate checks are with the sidecar; the request is paused.
+    Rating { sent_ms: u64, checks: Vec<Check> },
     /// The claim is with the sidecar; the request is paused.
-    Claiming,
+    Claiming(Claim),
     /// The client went away while the claim was out: a late grant is released at once.
-    Abandoned,
+    Abandoned { sent_ms: u64 },
     /// Granted by the sidecar while another request on this gateway still runs the key (the
     /// sidecar lost that request's claim, e.g. Redis restarted empty): the request stays
     /// paused, with its grant, until the local holder ends or the wait budget does.
-    LocalWait,
-    /// Forwarded: the response is watched, the key released when it completes.
-    Upstream,
+    LocalWait { grant: Grant, until_ms: u64 },
+    /// Forwarded: the response is watched, the key released when it completes. No grant when
+    /// forwarded by the failure mode or in shadow mode.
+    Upstream {
+        grant: Option<Grant>,
+        /// From the response headers on.
+        capture: Option<Capture>,
+    },
     /// Answered locally or released: nothing left to do.
     Finished,
+}
+
+impl Phase {
+    fn upstream() -> Phase {
+        Phase::Upstream {
+            grant: None,
+            capture: None,
+        }
+    }
+}
+
+/// A claim out at the sidecar.
+#[derive(Debug)]
+struct Claim {
+    sent_ms: u64,
+    /// The name the queued claim gave its place at the sidecar (for a leave).
+    waiter: Option<String>,
+    /// When a grant held back by this gateway ([`Phase::LocalWait`]) stops waiting: the
+    /// claim's wait budget (0 when it does not queue).
+    local_wait_until_ms: u64,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -102,12 +129,14 @@ struct Grant {
     renewing: bool,
 }
 
+/// This gateway's slot for the key: taken at the claim, given back when the request ends.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Local {
     /// Not held: the tier is off, or (queue policy) the slot is taken only when the request is
     /// let through — held while waiting, it would block the earlier waiter the sidecar grants.
     Off,
-    Held(Hold),
+    /// Held until `expires_ms` (renewed with the lease).
+    Held { hold: Hold, expires_ms: u64 },
     /// No slot could be taken (every probed one held by other keys): the sidecar decides.
     Unavailable,
 }
@@ -115,34 +144,25 @@ enum Local {
 /// A request that matched a rule, with the head the matcher read.
 #[derive(Debug)]
 pub struct Route {
-    rule: usize,
+    index: usize,
+    rule: Arc<Rule>,
     head: RequestHead,
 }
 
 /// One matched request's state, from request headers to release.
 #[derive(Debug)]
 pub struct Flow {
-    rule: usize,
+    /// The rule the request matched, held for the flow's whole life.
+    rule: Arc<Rule>,
+    /// Its place in the configuration (per-rule metrics).
+    rule_index: usize,
     key: String,
+    /// Set once the fingerprint is complete (after [`Phase::Body`]).
     fingerprint: Option<String>,
-    pending_body: Option<Fingerprint>,
-    body_seen: usize,
     phase: Phase,
     local: Local,
-    grant: Option<Grant>,
-    /// When this gateway's in-flight entry expires (while `local` is `Held`).
-    local_expires_ms: u64,
-    /// The name the queued claim gave its place at the sidecar (for a leave).
-    waiter: Option<String>,
-    /// End of a [`Phase::LocalWait`]: when the wait budget from the claim ends.
-    local_wait_until_ms: u64,
-    capture: Option<Capture>,
-    claim_sent_ms: u64,
+    /// A release (complete/abort/leave) for the root to dispatch.
     release: Option<Callout>,
-    /// Rate checks still to make (cleared once decided).
-    rate_checks: Vec<Check>,
-    /// The local tier's rate check is done (at request headers): never spend twice.
-    local_rated: bool,
     /// `RateLimit` fields for the forwarded response (`rate.expose`).
     rate_headers: Vec<(String, String)>,
 }
@@ -152,7 +172,11 @@ impl Flow {
     /// [`Flow::on_request_headers`] so the no-match path costs the `:method` read (and `:path`
     /// when a rule takes the method) and nothing else: no clock, no shared data, no metric.
     pub fn route(config: &Config, req: &dyn RequestView) -> Option<Route> {
-        match_rule(config, req).map(|(rule, head)| Route { rule, head })
+        match_rule(config, req).map(|Matched { index, rule, head }| Route {
+            index,
+            rule: Arc::clone(rule),
+            head,
+        })
     }
 
     /// Request headers of a routed request. `None` = nothing to track (the action says what
@@ -164,74 +188,61 @@ impl Flow {
         end_of_stream: bool,
         env: &mut Env<'_>,
     ) -> (Option<Flow>, Action) {
-        let Route {
-            rule: rule_index,
-            head,
-        } = route;
-        let Some(rule) = config.rules.get(rule_index) else {
-            return (None, Action::pass());
-        };
-        let raw_key = match key::extract(rule, &head, req) {
+        let Route { index, rule, head } = route;
+        let raw_key = match key::extract(&rule, &head, req) {
             Ok(Some(k)) => k,
             Ok(None) => {
                 env.telemetry.count(Counter::Bypassed);
                 return (None, Action::pass());
             }
             Err(e) => {
-                let (counter, type_uri, title) = match e {
-                    KeyError::Missing => (
-                        Counter::MissingKey,
-                        types::MISSING_KEY,
-                        "Idempotency key required",
-                    ),
-                    KeyError::RepeatedScope | KeyError::EncodedSeparator => {
-                        (Counter::Ambiguous, types::AMBIGUOUS, "Ambiguous request")
-                    }
-                    _ => (
-                        Counter::InvalidKey,
-                        types::INVALID_KEY,
-                        "Invalid idempotency key",
-                    ),
+                env.telemetry.count(match e {
+                    KeyError::Missing => Counter::MissingKey,
+                    KeyError::RepeatedScope | KeyError::EncodedSeparator => Counter::Ambiguous,
+                    _ => Counter::InvalidKey,
+                });
+                let action = if config.shadow {
+                    env.telemetry.count(Counter::ShadowWouldBlock);
+                    Action::pass()
+                } else {
+                    Action::Respond(Refusal::of_key(e).reply())
                 };
-                env.telemetry.count(counter);
-                let reply =
-                    problem::problem(400, type_uri, title, e.detail(), None, "idemgate_bad_key");
-                return (None, shadowed(config, env, reply));
+                return (None, action);
             }
         };
+        let key = key::scoped(&rule, &head, req, &raw_key);
+        let rate_checks = rule
+            .rate
+            .as_ref()
+            .map(|spec| rate::checks(&rule, spec, req, Some(&raw_key)))
+            .unwrap_or_default();
         let mut flow = Flow {
-            rule: rule_index,
-            key: key::scoped(rule, &head, req, &raw_key),
+            rule: Arc::clone(&rule),
+            rule_index: index,
+            key,
             fingerprint: None,
-            pending_body: None,
-            body_seen: 0,
-            phase: Phase::Claiming,
+            phase: Phase::Finished,
             local: Local::Off,
-            grant: None,
-            local_expires_ms: 0,
-            waiter: None,
-            local_wait_until_ms: 0,
-            capture: None,
-            claim_sent_ms: env.now_ms,
             release: None,
-            rate_checks: rule
-                .rate
-                .as_ref()
-                .map(|spec| rate::checks(rule, spec, req, Some(&raw_key)))
-                .unwrap_or_default(),
             rate_headers: Vec::new(),
-            local_rated: false,
         };
         // The local tier's limits are checked before the body is buffered or hashed: a
         // limited request is answered at once and costs no fingerprint.
-        if let Some(spec) = rule.rate.as_ref().filter(|s| s.tier.local())
-            && !flow.rate_checks.is_empty()
-        {
-            flow.local_rated = true;
-            if let Some(limited) = flow.rate_local(config, spec, env) {
-                return (Some(flow), limited);
+        let global_checks = match &rule.rate {
+            Some(spec) if !rate_checks.is_empty() => {
+                if spec.tier.local()
+                    && let Some(limited) = flow.rate_local(spec, &rate_checks, config, env)
+                {
+                    return (Some(flow), limited);
+                }
+                if spec.tier.global() {
+                    rate_checks
+                } else {
+                    Vec::new()
+                }
             }
-        }
+            _ => Vec::new(),
+        };
         if let Some(spec) = &rule.fingerprint {
             let fp = Fingerprint::start(spec, &head, req);
             if spec.max_body == 0 {
@@ -239,12 +250,15 @@ impl Flow {
             } else if end_of_stream {
                 flow.fingerprint = Some(fp.body(&[]).finish());
             } else {
-                flow.pending_body = Some(fp);
-                flow.phase = Phase::Body;
+                flow.phase = Phase::Body {
+                    fingerprint: fp,
+                    seen: 0,
+                    rate_checks: global_checks,
+                };
                 return (Some(flow), Action::Pause);
             }
         }
-        let action = flow.claim(config, rule, env);
+        let action = flow.decide(config, global_checks, env);
         (Some(flow), action)
     }
 
@@ -258,69 +272,87 @@ impl Flow {
         read: &mut dyn FnMut(usize) -> Option<Vec<u8>>,
         env: &mut Env<'_>,
     ) -> Action {
-        match self.phase {
-            Phase::Body => {}
-            // Body callbacks while the claim is out happen only with
-            // allow_on_headers_stop_iteration; Continue here would release the held headers.
-            Phase::Rating | Phase::Claiming | Phase::Abandoned | Phase::LocalWait => {
-                return Action::Pause;
+        let (fingerprint, seen, rate_checks) = match mem::replace(&mut self.phase, Phase::Finished)
+        {
+            Phase::Body {
+                fingerprint,
+                seen,
+                rate_checks,
+            } => (fingerprint, seen.max(buffered), rate_checks),
+            other => {
+                // Body callbacks while a decision is out happen only with
+                // allow_on_headers_stop_iteration; Continue here would release the held
+                // headers.
+                self.phase = other;
+                return if self.holds_request() {
+                    Action::Pause
+                } else {
+                    Action::pass()
+                };
             }
-            Phase::Upstream | Phase::Finished => return Action::pass(),
-        }
-        let Some(rule) = config.rules.get(self.rule) else {
-            return Action::pass();
         };
-        let cap = rule.fingerprint.as_ref().map_or(0, |f| f.max_body);
-        self.body_seen = self.body_seen.max(buffered);
-        if self.body_seen > cap {
+        let cap = self.rule.fingerprint.as_ref().map_or(0, |f| f.max_body);
+        if seen > cap {
             env.telemetry.count(Counter::TooLarge);
-            self.phase = Phase::Finished;
-            let reply = problem::problem(
-                413,
-                types::TOO_LARGE,
-                "Request body too large",
-                "the body is larger than this endpoint fingerprints",
-                None,
-                "idemgate_body_too_large",
-            );
-            return self.block(config, env, reply);
+            return self.refuse(config, env, Refusal::TooLarge);
         }
         if !end_of_stream {
+            self.phase = Phase::Body {
+                fingerprint,
+                seen,
+                rate_checks,
+            };
             return Action::Pause;
         }
-        let body = if self.body_seen == 0 {
+        let body = if seen == 0 {
             Some(Vec::new())
         } else {
-            read(self.body_seen)
+            read(seen)
         };
-        let (Some(fp), Some(body)) = (self.pending_body.take(), body) else {
+        let Some(body) = body else {
             // Envoy did not hand the buffered body over: fingerprinting it is impossible, and
             // guessing would let a different body replay this one. Fail like a sidecar outage.
-            self.phase = Phase::Finished;
-            let reply = unavailable(config);
-            return self.block(config, env, reply);
+            return self.refuse(config, env, unavailable(config));
         };
-        self.fingerprint = Some(fp.body(&body).finish());
-        self.claim(config, rule, env)
+        self.fingerprint = Some(fingerprint.body(&body).finish());
+        self.decide(config, rate_checks, env)
     }
 
-    /// Whether the request is still held (body being hashed or claim out): the glue then
-    /// passes request body and trailer callbacks to [`Flow::on_request_body`].
+    /// Whether the request is still held (body being hashed or a decision out): the glue
+    /// then passes request body and trailer callbacks to [`Flow::on_request_body`].
     pub fn holds_request(&self) -> bool {
         matches!(
             self.phase,
-            Phase::Body | Phase::Rating | Phase::Claiming | Phase::Abandoned | Phase::LocalWait
+            Phase::Body { .. }
+                | Phase::Rating { .. }
+                | Phase::Claiming(_)
+                | Phase::Abandoned { .. }
+                | Phase::LocalWait { .. }
         )
     }
 
-    /// Rate limits first (a limited request claims nothing), then the key.
-    fn claim(&mut self, config: &Config, rule: &Rule, env: &mut Env<'_>) -> Action {
-        if let Some(spec) = rule.rate.as_ref().filter(|_| !self.rate_checks.is_empty())
-            && let Some(action) = self.rate(config, spec, env)
-        {
-            return action;
+    /// The sidecar's rate checks first (a limited request claims nothing), then the key.
+    fn decide(&mut self, config: &Config, rate_checks: Vec<Check>, env: &mut Env<'_>) -> Action {
+        if !rate_checks.is_empty() {
+            let rule = Arc::clone(&self.rule);
+            if let Some(spec) = &rule.rate
+                && let Some(action) = self.rate_global(spec, rate_checks, config, env)
+            {
+                return action;
+            }
         }
-        let wait = match rule.conflict {
+        self.claim(config, env)
+    }
+
+    /// The local tier, then the claim at the sidecar.
+    fn claim(&mut self, config: &Config, env: &mut Env<'_>) -> Action {
+        let Rule {
+            mode,
+            conflict,
+            lease_ms,
+            ..
+        } = *self.rule;
+        let wait = match conflict {
             Conflict::Queue(policy) if !config.shadow => Some(policy),
             _ => None,
         };
@@ -333,15 +365,15 @@ impl Flow {
                 }
                 .lookup(&self.key, env.now_ms)
             } else {
-                Some(self.take_local(config, rule.lease_ms, env))
+                Some(self.take_local(config, lease_ms, env))
             };
             match found {
                 None | Some(LocalClaim::Claimed(_)) => {}
                 Some(LocalClaim::InFlight { retry_after_ms }) => {
                     env.telemetry.count(Counter::LocalHits);
-                    if rule.conflict == Conflict::Reject {
+                    if conflict == Conflict::Reject {
                         env.telemetry.count(Counter::Rejected);
-                        return self.block(config, env, in_progress(retry_after_ms));
+                        return self.refuse(config, env, Refusal::InProgress { retry_after_ms });
                     }
                 }
                 Some(LocalClaim::Completed(done)) => return self.replay_local(config, done, env),
@@ -350,7 +382,7 @@ impl Flow {
                     if config.failure_mode == FailureMode::Local {
                         // `local` promises that this gateway catches a duplicate while the
                         // sidecar is down; unrecorded here, this request could not be caught.
-                        return self.block(config, env, unavailable(config));
+                        return self.refuse(config, env, unavailable(config));
                     }
                     self.local = Local::Unavailable;
                 }
@@ -360,21 +392,27 @@ impl Flow {
             env.telemetry.count(Counter::BreakerOpen);
             return self.sidecar_failed(config, env);
         }
-        if let Some(policy) = wait {
-            self.waiter = env.waiter_secret.map(|s| waiter_name(s, env.owner));
-            self.local_wait_until_ms = env.now_ms.saturating_add(policy.longest_budget());
-        }
+        let (waiter, local_wait_until_ms) = match wait {
+            Some(policy) => (
+                env.waiter_secret.map(|s| waiter_name(s, env.owner)),
+                env.now_ms.saturating_add(policy.longest_budget()),
+            ),
+            None => (None, 0),
+        };
         let request = ClaimRequest {
             key: self.key.clone(),
-            mode: rule.mode,
-            lease_ms: rule.lease_ms,
+            mode,
+            lease_ms,
             fingerprint: self.fingerprint.clone(),
             wait,
-            waiter: self.waiter.clone(),
+            waiter: waiter.clone(),
         };
-        self.phase = Phase::Claiming;
-        self.claim_sent_ms = env.now_ms;
-        Action::Claim(Callout {
+        self.phase = Phase::Claiming(Claim {
+            sent_ms: env.now_ms,
+            waiter,
+            local_wait_until_ms,
+        });
+        Action::Decide(Callout {
             path: paths::CLAIM,
             body: idemgate_wire::encode(&request, &[]),
             timeout_ms: config
@@ -384,42 +422,37 @@ impl Flow {
         })
     }
 
-    /// The local tier's rate check (unless made at request headers), then the sidecar's.
-    /// `None`: under every limit (or not blocking: shadow, failure mode), the checks are done
-    /// and the claim goes on; otherwise a 429, or the `/v1/rate` callout whose answer goes to
-    /// [`Flow::on_claim_answer`].
-    fn rate(&mut self, config: &Config, spec: &RateSpec, env: &mut Env<'_>) -> Option<Action> {
-        if spec.tier.local()
-            && !self.local_rated
-            && let Some(limited) = self.rate_local(config, spec, env)
-        {
-            return Some(limited);
-        }
-        if !spec.tier.global() {
-            self.rate_checks.clear();
-            return None;
-        }
+    /// The sidecar's rate checks. `None`: not blocking (failure mode, shadow), the claim goes
+    /// on; otherwise a 503, or the `/v1/rate` callout whose answer goes to
+    /// [`Flow::on_decision`].
+    fn rate_global(
+        &mut self,
+        spec: &RateSpec,
+        checks: Vec<Check>,
+        config: &Config,
+        env: &mut Env<'_>,
+    ) -> Option<Action> {
         if !env.breaker.allow(env.now_ms) {
             env.telemetry.count(Counter::BreakerOpen);
-            return self.rate_failed(config, spec, env);
+            return self.rate_failed(spec, &checks, config, env);
         }
-        let checks = self
-            .rate_checks
-            .iter()
-            .filter_map(|c| {
-                let rate = spec.limits.get(c.limit)?.rate;
-                Some(RateCheck {
+        let request = RateRequest {
+            checks: checks
+                .iter()
+                .map(|c| RateCheck {
                     key: c.key.clone(),
-                    interval_us: rate.interval_us,
-                    burst: rate.burst,
+                    interval_us: c.limit.rate.interval_us,
+                    burst: c.limit.rate.burst,
                 })
-            })
-            .collect();
-        self.phase = Phase::Rating;
-        self.claim_sent_ms = env.now_ms;
-        Some(Action::Claim(Callout {
+                .collect(),
+        };
+        self.phase = Phase::Rating {
+            sent_ms: env.now_ms,
+            checks,
+        };
+        Some(Action::Decide(Callout {
             path: paths::RATE,
-            body: idemgate_wire::encode(&RateRequest { checks }, &[]),
+            body: idemgate_wire::encode(&request, &[]),
             timeout_ms: config.sidecar.timeout_ms,
         }))
     }
@@ -428,8 +461,9 @@ impl Flow {
     /// decision to the sidecar (or, local tier only, lets the request through, counted).
     fn rate_local(
         &mut self,
-        config: &Config,
         spec: &RateSpec,
+        checks: &[Check],
+        config: &Config,
         env: &mut Env<'_>,
     ) -> Option<Action> {
         let table = RateTable {
@@ -438,7 +472,7 @@ impl Flow {
             store: env.shared,
         };
         let now_us = env.now_ms.saturating_mul(1_000);
-        let Some(verdict) = rate::check_local(&table, spec, &self.rate_checks, now_us) else {
+        let Some(verdict) = rate::check_local(&table, checks, now_us) else {
             env.telemetry.count(Counter::LocalUnavailable);
             return None;
         };
@@ -463,11 +497,11 @@ impl Flow {
         // Per-rule figures count final decisions: a local allow is not final before the
         // sidecar's answer.
         if limited.is_some() || global || !spec.tier.global() {
-            env.telemetry.count_rate(self.rule, limited.is_some());
+            env.telemetry.count_rate(self.rule_index, limited.is_some());
         }
         let Some(retry_after_ms) = limited else {
             if spec.expose {
-                self.rate_headers = verdict.headers(spec);
+                self.rate_headers = verdict.headers();
             }
             return None;
         };
@@ -475,28 +509,26 @@ impl Flow {
             env.telemetry.count(Counter::ShadowWouldBlock);
             return None;
         }
-        self.rate_checks.clear();
         self.phase = Phase::Finished;
-        let mut reply = problem::problem(
-            429,
-            types::RATE_LIMITED,
-            "Too many requests",
-            "over the rate limit for this caller or resource; retry after the indicated time",
-            Some(retry_after_ms),
-            "idemgate_rate_limited",
-        );
-        reply.headers.extend(verdict.headers(spec));
-        Some(Action::Respond(reply))
+        let fields = verdict.headers();
+        Some(Action::Respond(
+            Refusal::RateLimited {
+                retry_after_ms,
+                fields,
+            }
+            .reply(),
+        ))
     }
 
     /// The sidecar could not check the limits: the rule's failure mode decides, as for claims.
     fn rate_failed(
         &mut self,
-        config: &Config,
         spec: &RateSpec,
+        checks: &[Check],
+        config: &Config,
         env: &mut Env<'_>,
     ) -> Option<Action> {
-        let decided = match config.failure_mode {
+        match config.failure_mode {
             FailureMode::Closed => {
                 env.telemetry.count(Counter::FailedClosed);
                 if spec.shadow {
@@ -504,7 +536,7 @@ impl Flow {
                     None
                 } else {
                     self.phase = Phase::Finished;
-                    Some(Action::Respond(unavailable(config)))
+                    Some(Action::Respond(unavailable(config).reply()))
                 }
             }
             FailureMode::Open => {
@@ -518,76 +550,83 @@ impl Flow {
             }
             FailureMode::Local => {
                 env.telemetry.count(Counter::FailedLocal);
-                self.rate_local(config, spec, env)
+                self.rate_local(spec, checks, config, env)
             }
-        };
-        self.rate_checks.clear();
-        decided
+        }
     }
 
-    fn on_rate_answer(&mut self, config: &Config, answer: Answer<'_>, env: &mut Env<'_>) -> Action {
-        let Some(rule) = config.rules.get(self.rule) else {
-            return Action::pass();
-        };
-        let Some(spec) = rule.rate.as_ref() else {
-            return Action::pass();
-        };
+    fn on_rate_answer(
+        &mut self,
+        config: &Config,
+        sent_ms: u64,
+        checks: Vec<Check>,
+        answer: Answer<'_>,
+        env: &mut Env<'_>,
+    ) -> Action {
         env.telemetry.record(
             Histogram::SidecarLatencyMs,
-            env.now_ms.saturating_sub(self.claim_sent_ms),
+            env.now_ms.saturating_sub(sent_ms),
         );
-        self.phase = Phase::Claiming;
-        let verdict = parse_rate(answer)
-            .and_then(|outcome| rate::global_verdict(&self.rate_checks, &outcome.results));
+        let rule = Arc::clone(&self.rule);
+        // Rating starts only under a rule with limits.
+        let Some(spec) = &rule.rate else {
+            return self.claim(config, env);
+        };
+        let verdict =
+            parse_rate(answer).and_then(|outcome| rate::global_verdict(&checks, &outcome.results));
         let blocked = match verdict {
             Some(verdict) => {
                 env.breaker.success();
-                self.rate_checks.clear();
                 self.rate_verdict(spec, &verdict, true, env)
             }
             None => {
                 env.telemetry.count(Counter::SidecarErrors);
                 env.breaker.failure(&config.breaker, env.now_ms);
-                self.rate_failed(config, spec, env)
+                self.rate_failed(spec, &checks, config, env)
             }
         };
         match blocked {
             Some(action) => action,
-            None => self.claim(config, rule, env),
+            None => self.claim(config, env),
         }
     }
 
     /// `RateLimit` fields for the forwarded response, once (`rate.expose`).
     pub fn take_response_headers(&mut self) -> Vec<(String, String)> {
-        core::mem::take(&mut self.rate_headers)
+        mem::take(&mut self.rate_headers)
     }
 
-    /// The claim's answer (delivered to the root, which applies the action to the stream if
-    /// it is still there). While rating, it is the `/v1/rate` answer.
-    pub fn on_claim_answer(
+    /// The answer to an [`Action::Decide`] callout (delivered to the root, which applies the
+    /// action to the stream if it is still there): the rate checks' or the claim's.
+    pub fn on_decision(
         &mut self,
         config: &Config,
         answer: Answer<'_>,
         env: &mut Env<'_>,
     ) -> Action {
-        if self.phase == Phase::Rating {
-            return self.on_rate_answer(config, answer, env);
-        }
-        if !matches!(self.phase, Phase::Claiming | Phase::Abandoned) {
-            return Action::pass();
-        }
+        let (sent_ms, claim) = match mem::replace(&mut self.phase, Phase::Finished) {
+            Phase::Rating { sent_ms, checks } => {
+                return self.on_rate_answer(config, sent_ms, checks, answer, env);
+            }
+            Phase::Claiming(claim) => (claim.sent_ms, Some(claim)),
+            Phase::Abandoned { sent_ms } => (sent_ms, None),
+            other => {
+                self.phase = other;
+                return Action::pass();
+            }
+        };
         env.telemetry.record(
             Histogram::SidecarLatencyMs,
-            env.now_ms.saturating_sub(self.claim_sent_ms),
+            env.now_ms.saturating_sub(sent_ms),
         );
         let Some((outcome, payload)) = parse_claim(answer, &self.key) else {
             env.telemetry.count(Counter::SidecarErrors);
             env.breaker.failure(&config.breaker, env.now_ms);
-            if self.phase == Phase::Abandoned {
-                self.phase = Phase::Finished;
-                return Action::pass();
-            }
-            return self.sidecar_failed(config, env);
+            return match claim {
+                Some(_) => self.sidecar_failed(config, env),
+                // Abandoned: nothing to answer.
+                None => Action::pass(),
+            };
         };
         env.breaker.success();
         let waited_ms = match &outcome {
@@ -600,13 +639,13 @@ impl Flow {
             env.telemetry.count(Counter::Queued);
             env.telemetry.record(Histogram::QueueWaitMs, waited_ms);
         }
-        if self.phase == Phase::Abandoned {
-            self.phase = Phase::Finished;
+        let Some(claim) = claim else {
+            // Abandoned: a grant goes back at once.
             if let ClaimOutcome::Granted { owner, .. } = outcome {
                 self.release = Some(abort_callout(config, &self.key, owner));
             }
             return Action::pass();
-        }
+        };
         match outcome {
             ClaimOutcome::Granted {
                 owner,
@@ -615,13 +654,13 @@ impl Flow {
                 ..
             } => {
                 env.telemetry.count(Counter::Granted);
-                self.grant = Some(Grant {
+                let grant = Grant {
                     owner,
                     fence,
                     renew_at_ms: env.now_ms.saturating_add(lease_ms / 2),
                     renewing: false,
-                });
-                self.go_upstream_granted(config, env)
+                };
+                self.go_upstream_granted(config, grant, claim.local_wait_until_ms, false, env)
                     .unwrap_or(Action::Pause)
             }
             ClaimOutcome::Completed { response, .. } => {
@@ -634,7 +673,7 @@ impl Flow {
             }
             ClaimOutcome::Mismatch => {
                 env.telemetry.count(Counter::Mismatch);
-                self.block(config, env, mismatch())
+                self.refuse(config, env, Refusal::Mismatch)
             }
             ClaimOutcome::Busy {
                 retry_after_ms,
@@ -642,23 +681,15 @@ impl Flow {
                 ..
             } => {
                 env.telemetry.count(Counter::Rejected);
-                self.block(config, env, wait_expired(retry_after_ms))
+                self.refuse(config, env, Refusal::WaitExpired { retry_after_ms })
             }
             ClaimOutcome::Busy { retry_after_ms, .. } => {
                 env.telemetry.count(Counter::Rejected);
-                self.block(config, env, in_progress(retry_after_ms))
+                self.refuse(config, env, Refusal::InProgress { retry_after_ms })
             }
             ClaimOutcome::QueueFull { retry_after_ms, .. } => {
                 env.telemetry.count(Counter::Rejected);
-                let reply = problem::problem(
-                    429,
-                    types::QUEUE_FULL,
-                    "Too many requests waiting for this key",
-                    "too many requests with this key are already waiting",
-                    Some(retry_after_ms),
-                    "idemgate_queue_full",
-                );
-                self.block(config, env, reply)
+                self.refuse(config, env, Refusal::QueueFull { retry_after_ms })
             }
         }
     }
@@ -670,11 +701,11 @@ impl Flow {
         match config.failure_mode {
             FailureMode::Closed => {
                 env.telemetry.count(Counter::FailedClosed);
-                self.block(config, env, unavailable(config))
+                self.refuse(config, env, unavailable(config))
             }
             FailureMode::Open => {
                 env.telemetry.count(Counter::FailedOpen);
-                self.phase = Phase::Upstream;
+                self.phase = Phase::upstream();
                 degraded(&config.degraded_header, "open")
             }
             FailureMode::Local => {
@@ -682,21 +713,26 @@ impl Flow {
                 // Forwarded only while holding this gateway's slot: the only claim there is.
                 match self.take_local_late(config, env) {
                     None => {
-                        self.phase = Phase::Upstream;
+                        self.phase = Phase::upstream();
                         degraded(&config.degraded_header, "local")
                     }
                     Some(LocalClaim::InFlight { retry_after_ms }) => {
                         env.telemetry.count(Counter::Rejected);
-                        self.block(config, env, in_progress(retry_after_ms))
+                        self.refuse(config, env, Refusal::InProgress { retry_after_ms })
                     }
                     Some(LocalClaim::Completed(done)) => self.replay_local(config, done, env),
                     Some(LocalClaim::Claimed(_) | LocalClaim::Unavailable) => {
                         env.telemetry.count(Counter::LocalUnavailable);
-                        self.block(config, env, unavailable(config))
+                        self.refuse(config, env, unavailable(config))
                     }
                 }
             }
         }
+    }
+
+    /// Refuses the request — or, in shadow mode, only counts that it would have and forwards.
+    fn refuse(&mut self, config: &Config, env: &mut Env<'_>, refusal: Refusal) -> Action {
+        self.block(config, env, refusal.reply())
     }
 
     /// Answers locally — or, in shadow mode, only counts that it would have and forwards.
@@ -704,7 +740,7 @@ impl Flow {
         if config.shadow {
             env.telemetry.count(Counter::ShadowWouldBlock);
             // Keep what this request holds: it goes upstream like any other.
-            self.phase = Phase::Upstream;
+            self.phase = Phase::upstream();
             return Action::pass();
         }
         self.release_local(config, env, None);
@@ -720,8 +756,10 @@ impl Flow {
         }
         .claim(&self.key, env.owner, env.now_ms, lease_ms);
         if let LocalClaim::Claimed(hold) = found {
-            self.local = Local::Held(hold);
-            self.local_expires_ms = env.now_ms.saturating_add(lease_ms);
+            self.local = Local::Held {
+                hold,
+                expires_ms: env.now_ms.saturating_add(lease_ms),
+            };
         }
         found
     }
@@ -734,8 +772,7 @@ impl Flow {
         if !config.local.enabled || self.local != Local::Off {
             return None;
         }
-        let lease_ms = config.rules.get(self.rule)?.lease_ms;
-        match self.take_local(config, lease_ms, env) {
+        match self.take_local(config, self.rule.lease_ms, env) {
             LocalClaim::Claimed(_) => None,
             found => Some(found),
         }
@@ -746,7 +783,7 @@ impl Flow {
         env.telemetry.count(Counter::LocalHits);
         if done.fingerprint != self.fingerprint {
             env.telemetry.count(Counter::Mismatch);
-            return self.block(config, env, mismatch());
+            return self.refuse(config, env, Refusal::Mismatch);
         }
         env.telemetry.count(Counter::Replayed);
         self.block(config, env, problem::replay(&done.response, &done.body))
@@ -754,74 +791,93 @@ impl Flow {
 
     /// The sidecar granted the key: forward with the fence once this gateway's slot is held.
     /// The local tier vetoes a grant for a key that another request here still runs (the
-    /// sidecar lost that claim: Redis restarted empty): `None` = wait for it
-    /// ([`Phase::LocalWait`], retried by [`Flow::on_local_wait_tick`]).
-    fn go_upstream_granted(&mut self, config: &Config, env: &mut Env<'_>) -> Option<Action> {
-        let reply = match self.take_local_late(config, env) {
-            None | Some(LocalClaim::Claimed(_)) => return Some(self.forward_granted(config)),
+    /// sidecar lost that claim: Redis restarted empty): `None` = wait for it until `until_ms`
+    /// ([`Phase::LocalWait`], retried by [`Flow::on_local_wait_tick`]; `retry` is such a
+    /// retry, whose veto was counted when the wait began).
+    fn go_upstream_granted(
+        &mut self,
+        config: &Config,
+        grant: Grant,
+        until_ms: u64,
+        retry: bool,
+        env: &mut Env<'_>,
+    ) -> Option<Action> {
+        let refusal = match self.take_local_late(config, env) {
+            None | Some(LocalClaim::Claimed(_)) => {
+                return Some(self.forward_granted(config, grant));
+            }
             Some(LocalClaim::Completed(done)) => {
                 // The call ran here and the sidecar forgot it: replay, never run it again.
                 let action = self.replay_local(config, done, env);
-                self.abort_grant(config);
+                self.settle_grant(config, grant);
                 return Some(action);
             }
             Some(LocalClaim::Unavailable) => {
                 env.telemetry.count(Counter::LocalUnavailable);
                 if config.failure_mode != FailureMode::Local {
                     self.local = Local::Unavailable;
-                    return Some(self.forward_granted(config));
+                    return Some(self.forward_granted(config, grant));
                 }
                 unavailable(config)
             }
             Some(LocalClaim::InFlight { retry_after_ms }) => {
-                if self.phase != Phase::LocalWait {
+                if !retry {
                     env.telemetry.count(Counter::LocalVetoes);
                 }
                 if config.shadow {
                     env.telemetry.count(Counter::ShadowWouldBlock);
-                    return Some(self.forward_granted(config));
+                    return Some(self.forward_granted(config, grant));
                 }
                 // Only queued claims get here (`reject` holds the slot from the claim on).
-                if env.now_ms < self.local_wait_until_ms {
-                    self.phase = Phase::LocalWait;
+                if env.now_ms < until_ms {
+                    self.phase = Phase::LocalWait { grant, until_ms };
                     return None;
                 }
                 env.telemetry.count(Counter::Rejected);
-                wait_expired(retry_after_ms)
+                Refusal::WaitExpired { retry_after_ms }
             }
         };
-        let action = self.block(config, env, reply);
-        self.abort_grant(config);
+        let action = self.refuse(config, env, refusal);
+        self.settle_grant(config, grant);
         Some(action)
     }
 
-    fn forward_granted(&mut self, config: &Config) -> Action {
-        self.phase = Phase::Upstream;
-        let fence = self.grant.as_ref().map_or(0, |g| g.fence);
+    fn forward_granted(&mut self, config: &Config, grant: Grant) -> Action {
+        let fence = grant.fence;
+        self.phase = Phase::Upstream {
+            grant: Some(grant),
+            capture: None,
+        };
         Action::Continue(vec![(config.fencing_header.clone(), fence.to_string())])
     }
 
-    /// A request answered locally after its grant gives the key back at the sidecar.
-    fn abort_grant(&mut self, config: &Config) {
-        if self.phase == Phase::Finished
-            && let Some(grant) = self.grant.take()
-        {
-            self.release = Some(abort_callout(config, &self.key, grant.owner));
+    /// The grant of a request just answered locally is given back at the sidecar; in shadow
+    /// mode the request went upstream instead, and keeps it.
+    fn settle_grant(&mut self, config: &Config, grant: Grant) {
+        match &mut self.phase {
+            Phase::Upstream { grant: kept, .. } => *kept = Some(grant),
+            _ => self.release = Some(abort_callout(config, &self.key, grant.owner)),
         }
     }
 
-    /// Whether this request waits for a holder on this gateway ([`Phase::LocalWait`]).
+    /// Whether this request, granted, waits for a holder on this gateway to end (a local
+    /// veto: `Phase::LocalWait`).
     pub fn waits_locally(&self) -> bool {
-        self.phase == Phase::LocalWait
+        matches!(self.phase, Phase::LocalWait { .. })
     }
 
-    /// The tick's retry of a [`Phase::LocalWait`]: `Some` once the wait ends (forward, or
+    /// The tick's retry of a local wait ([`Flow::waits_locally`]): `Some` once the wait ends (forward, or
     /// answer locally with the grant aborted: [`Flow::take_release`]).
     pub fn on_local_wait_tick(&mut self, config: &Config, env: &mut Env<'_>) -> Option<Action> {
-        if self.phase != Phase::LocalWait {
-            return None;
+        match mem::replace(&mut self.phase, Phase::Finished) {
+            Phase::LocalWait { grant, until_ms } => {
+                self.go_upstream_granted(config, grant, until_ms, true, env)
+            }
+            other => {
+                self.phase = other;
+                None
+            }
         }
-        self.go_upstream_granted(config, env)
     }
 
     fn release_local(
@@ -830,7 +886,7 @@ impl Flow {
         env: &mut Env<'_>,
         completed: Option<(LocalResponse, u64)>,
     ) {
-        if let Local::Held(hold) = self.local {
+        if let Local::Held { hold, .. } = self.local {
             self.local = Local::Off;
             Table {
                 config: &config.local,
@@ -849,24 +905,18 @@ impl Flow {
         body: &[u8],
         env: &mut Env<'_>,
     ) {
-        let Some(rule) = config.rules.get(self.rule) else {
-            return;
-        };
         let done = LocalResponse {
             fingerprint: self.fingerprint.clone(),
             response,
             body: body.to_vec(),
         };
-        self.release_local(
-            config,
-            env,
-            Some((done, env.now_ms.saturating_add(rule.retention_ms))),
-        );
+        let expires_ms = env.now_ms.saturating_add(self.rule.retention_ms);
+        self.release_local(config, env, Some((done, expires_ms)));
     }
 
     /// Whether the glue should read the response headers for [`Flow::on_response_headers`].
     pub fn watches_response(&self) -> bool {
-        self.phase == Phase::Upstream
+        matches!(self.phase, Phase::Upstream { .. })
     }
 
     /// Response headers of a forwarded request (pseudo-headers included).
@@ -877,12 +927,10 @@ impl Flow {
         end_of_stream: bool,
         env: &mut Env<'_>,
     ) {
-        if self.phase != Phase::Upstream {
+        let Phase::Upstream { capture, .. } = &mut self.phase else {
             return;
-        }
-        if let Some(rule) = config.rules.get(self.rule) {
-            self.capture = Some(Capture::begin(&rule.response, headers));
-        }
+        };
+        *capture = Some(Capture::begin(&self.rule.response, headers));
         if end_of_stream {
             self.finish(config, env);
         }
@@ -890,7 +938,7 @@ impl Flow {
 
     /// Whether the glue should read response body chunks.
     pub fn wants_response_body(&self) -> bool {
-        self.phase == Phase::Upstream && self.capture.as_ref().is_some_and(Capture::wants_body)
+        matches!(&self.phase, Phase::Upstream { capture: Some(c), .. } if c.wants_body())
     }
 
     /// A response body chunk as it passes (`chunk` is empty when not wanted).
@@ -901,11 +949,11 @@ impl Flow {
         end_of_stream: bool,
         env: &mut Env<'_>,
     ) {
-        if self.phase != Phase::Upstream {
+        let Phase::Upstream { capture, .. } = &mut self.phase else {
             return;
-        }
-        if let (Some(capture), Some(rule)) = (self.capture.as_mut(), config.rules.get(self.rule)) {
-            capture.chunk(&rule.response, chunk);
+        };
+        if let Some(capture) = capture {
+            capture.chunk(&self.rule.response, chunk);
         }
         if end_of_stream {
             self.finish(config, env);
@@ -914,40 +962,42 @@ impl Flow {
 
     /// Response trailers: the response is complete.
     pub fn on_response_trailers(&mut self, config: &Config, env: &mut Env<'_>) {
-        if self.phase == Phase::Upstream {
-            self.finish(config, env);
-        }
+        self.finish(config, env);
     }
 
-    /// The response went through completely: store it or abort, per policy.
+    /// The forwarded response went through completely: store it or abort, per policy.
     fn finish(&mut self, config: &Config, env: &mut Env<'_>) {
-        self.phase = Phase::Finished;
-        let Some(rule) = config.rules.get(self.rule) else {
-            return;
+        let (grant, capture) = match mem::replace(&mut self.phase, Phase::Finished) {
+            Phase::Upstream { grant, capture } => (grant, capture),
+            other => {
+                self.phase = other;
+                return;
+            }
         };
-        let capture = self.capture.take();
+        let rule = &*self.rule;
         // Lock mode stores nothing: any end of the response releases the lock.
-        let outcome = match rule.mode {
-            Mode::Lock => None,
-            Mode::Idempotency => Some(capture.map_or(Outcome::Abort, |c| c.finish(&rule.response))),
+        let (stored, aborted) = match rule.mode {
+            Mode::Lock => (None, false),
+            Mode::Idempotency => match capture.map_or(Outcome::Abort, |c| c.finish(&rule.response))
+            {
+                Outcome::Store(response, body) => (Some((response, body)), false),
+                Outcome::Abort => (None, true),
+            },
         };
-        let stored = match &outcome {
-            Some(Outcome::Store(response, body)) => Some((response.clone(), body.clone())),
-            _ => None,
-        };
+        let retention_ms = rule.retention_ms;
         let local_copy = stored.clone().map(|(response, body)| {
             let done = LocalResponse {
                 fingerprint: self.fingerprint.clone(),
                 response,
                 body,
             };
-            (done, env.now_ms.saturating_add(rule.retention_ms))
+            (done, env.now_ms.saturating_add(retention_ms))
         });
         self.release_local(config, env, local_copy);
-        let Some(grant) = self.grant.take() else {
+        let Some(grant) = grant else {
             return;
         };
-        if outcome == Some(Outcome::Abort) {
+        if aborted {
             self.release = Some(abort_callout(config, &self.key, grant.owner));
             return;
         }
@@ -955,7 +1005,7 @@ impl Flow {
         let request = CompleteRequest {
             key: self.key.clone(),
             owner: grant.owner,
-            retention_ms: rule.retention_ms,
+            retention_ms,
             response,
         };
         self.release = Some(Callout {
@@ -968,46 +1018,41 @@ impl Flow {
     /// The stream ended (`on_done`): whatever was not released is, now. Returns whether the
     /// flow must be kept for a claim answer still on its way.
     pub fn on_stream_end(&mut self, config: &Config, env: &mut Env<'_>) -> bool {
-        match self.phase {
-            Phase::Claiming => {
+        match mem::replace(&mut self.phase, Phase::Finished) {
+            Phase::Claiming(claim) => {
                 env.telemetry.count(Counter::Abandoned);
                 self.release_local(config, env, None);
-                self.phase = Phase::Abandoned;
+                self.phase = Phase::Abandoned {
+                    sent_ms: claim.sent_ms,
+                };
                 // The filter cannot cancel the claim's callout: a queued claim's place is given
                 // up by name, or it would block the queue until its budget ran out. Best
                 // effort (a late grant is still aborted), and not into an open breaker.
-                if let Some(waiter) = self.waiter.take()
+                if let Some(waiter) = claim.waiter
                     && !env.breaker.is_open(env.now_ms)
                 {
                     self.release = Some(leave_callout(config, &self.key, waiter));
                 }
                 true
             }
-            Phase::Abandoned => true,
-            Phase::LocalWait => {
+            abandoned @ Phase::Abandoned { .. } => {
+                self.phase = abandoned;
+                true
+            }
+            Phase::LocalWait { grant, .. } => {
                 // Granted but never forwarded: nothing ran, the key goes back at once.
                 env.telemetry.count(Counter::Abandoned);
-                self.phase = Phase::Finished;
-                self.abort_grant(config);
+                self.release = Some(abort_callout(config, &self.key, grant.owner));
                 false
             }
             // Nothing is held yet: the rate answer, when it comes, finds no flow.
-            Phase::Rating => {
-                self.phase = Phase::Finished;
-                false
-            }
-            Phase::Upstream => {
-                // Client abort or reset before the response completed: nothing to store.
-                self.capture = None;
-                self.phase = Phase::Finished;
-                let policy = config
-                    .rules
-                    .get(self.rule)
-                    .map_or(ClientAbort::Hold, |r| r.client_abort);
-                match policy {
+            Phase::Rating { .. } => false,
+            // Client abort or reset before the response completed: nothing to store.
+            Phase::Upstream { grant, .. } => {
+                match self.rule.client_abort {
                     ClientAbort::Release => {
                         self.release_local(config, env, None);
-                        if let Some(grant) = self.grant.take() {
+                        if let Some(grant) = grant {
                             self.release = Some(abort_callout(config, &self.key, grant.owner));
                         }
                     }
@@ -1018,21 +1063,23 @@ impl Flow {
                         // dropped): they end when their lease runs out.
                         env.telemetry.count(Counter::AbandonedUpstream);
                         self.local = Local::Off;
-                        self.grant = None;
                     }
                 }
                 false
             }
-            Phase::Body | Phase::Finished => false,
+            other @ (Phase::Body { .. } | Phase::Finished) => {
+                self.phase = other;
+                false
+            }
         }
     }
 
     /// The client went away while the claim was out: the claim's answer only releases.
     pub fn is_abandoned(&self) -> bool {
-        self.phase == Phase::Abandoned
+        matches!(self.phase, Phase::Abandoned { .. })
     }
 
-    /// A release (complete/abort) this flow produced, for the root to dispatch.
+    /// A release (complete/abort/leave) this flow produced, for the root to dispatch.
     pub fn take_release(&mut self) -> Option<Callout> {
         self.release.take()
     }
@@ -1042,11 +1089,13 @@ impl Flow {
     /// or `open`, or in shadow mode) this gateway's in-flight entry is the only protection
     /// left, so it is extended here directly, or a duplicate would pass after one lease.
     pub fn renewal_due(&mut self, config: &Config, env: &mut Env<'_>) -> Option<Callout> {
-        if !matches!(self.phase, Phase::Upstream | Phase::LocalWait) {
-            return None;
-        }
-        let lease_ms = config.rules.get(self.rule)?.lease_ms;
-        let Some(grant) = self.grant.as_mut() else {
+        let lease_ms = self.rule.lease_ms;
+        let grant = match &mut self.phase {
+            Phase::Upstream { grant, .. } => grant.as_mut(),
+            Phase::LocalWait { grant, .. } => Some(grant),
+            _ => return None,
+        };
+        let Some(grant) = grant else {
             self.renew_local(config, lease_ms, env);
             return None;
         };
@@ -1067,10 +1116,10 @@ impl Flow {
     }
 
     fn renew_local(&mut self, config: &Config, lease_ms: u64, env: &mut Env<'_>) {
-        let Local::Held(hold) = self.local else {
+        let Local::Held { hold, expires_ms } = self.local else {
             return;
         };
-        if env.now_ms.saturating_add(lease_ms / 2) < self.local_expires_ms {
+        if env.now_ms.saturating_add(lease_ms / 2) < expires_ms {
             return;
         }
         if self.extend_local(config, hold, env.now_ms.saturating_add(lease_ms), env) {
@@ -1095,14 +1144,18 @@ impl Flow {
         }
         .extend(hold, &self.key, expires_ms);
         if extended {
-            self.local_expires_ms = expires_ms;
+            self.local = Local::Held { hold, expires_ms };
         }
         extended
     }
 
     pub fn on_renew_answer(&mut self, config: &Config, answer: Answer<'_>, env: &mut Env<'_>) {
-        let Some(grant) = self.grant.as_mut() else {
-            return;
+        let grant = match &mut self.phase {
+            Phase::Upstream {
+                grant: Some(grant), ..
+            }
+            | Phase::LocalWait { grant, .. } => grant,
+            _ => return,
         };
         grant.renewing = false;
         match parse_owner(answer) {
@@ -1112,7 +1165,7 @@ impl Flow {
                 // The local entry must outlive the call too, or a duplicate reaching this
                 // gateway after one lease would pass the local tier (and, with the sidecar
                 // down and `failure_mode: local`, go upstream).
-                if let Local::Held(hold) = self.local {
+                if let Local::Held { hold, .. } = self.local {
                     self.extend_local(config, hold, env.now_ms.saturating_add(lease_ms), env);
                 }
             }
@@ -1128,7 +1181,13 @@ impl Flow {
 
     /// The fencing token granted to this request, if any.
     pub fn fence(&self) -> Option<u64> {
-        self.grant.as_ref().map(|g| g.fence)
+        match &self.phase {
+            Phase::Upstream {
+                grant: Some(grant), ..
+            }
+            | Phase::LocalWait { grant, .. } => Some(grant.fence),
+            _ => None,
+        }
     }
 }
 
@@ -1172,14 +1231,6 @@ pub fn on_leave_answer(answer: Answer<'_>, telemetry: &mut dyn Telemetry) -> Rel
     }
 }
 
-fn shadowed(config: &Config, env: &mut Env<'_>, reply: Reply) -> Action {
-    if config.shadow {
-        env.telemetry.count(Counter::ShadowWouldBlock);
-        return Action::pass();
-    }
-    Action::Respond(reply)
-}
-
 fn abort_callout(config: &Config, key: &str, owner: String) -> Callout {
     let request = AbortRequest {
         key: key.to_string(),
@@ -1207,7 +1258,7 @@ fn leave_callout(config: &Config, key: &str, waiter: String) -> Callout {
 /// The name a queued claim gives its place: unguessable without this VM's secret (so no
 /// one else can give the place up), unique per claim (`owner` is), 32 hex characters.
 fn waiter_name(secret: &[u8; 32], owner: u64) -> String {
-    let mut h = key::PartHasher::new("idemgate.waiter.v1");
+    let mut h = PartHasher::new("idemgate.waiter.v1");
     h.part(secret);
     h.part(&owner.to_le_bytes());
     let mut name = h.finish_hex();
@@ -1215,48 +1266,11 @@ fn waiter_name(secret: &[u8; 32], owner: u64) -> String {
     name
 }
 
-fn in_progress(retry_after_ms: u64) -> Reply {
-    problem::problem(
-        409,
-        types::IN_PROGRESS,
-        "A request with this key is in progress",
-        "an earlier request with the same key has not finished; retry later",
-        Some(retry_after_ms),
-        "idemgate_in_progress",
-    )
-}
-
-fn wait_expired(retry_after_ms: u64) -> Reply {
-    problem::problem(
-        503,
-        types::WAIT_EXPIRED,
-        "Waited too long for an earlier request",
-        "an earlier request with this key is still running; retry later",
-        Some(retry_after_ms),
-        "idemgate_wait_expired",
-    )
-}
-
-fn mismatch() -> Reply {
-    problem::problem(
-        422,
-        types::MISMATCH,
-        "Idempotency key reused with a different request",
-        "this key was used for a request with a different method, path, headers or body",
-        None,
-        "idemgate_key_reused",
-    )
-}
-
-fn unavailable(config: &Config) -> Reply {
-    problem::problem(
-        503,
-        types::UNAVAILABLE,
-        "Duplicate protection unavailable",
-        "the coordination service did not answer; retry later",
-        Some(config.breaker.cooldown_ms),
-        "idemgate_unavailable",
-    )
+/// The refusal when the decision cannot be made: retry once the breaker's cooldown is over.
+fn unavailable(config: &Config) -> Refusal {
+    Refusal::Unavailable {
+        retry_after_ms: config.breaker.cooldown_ms,
+    }
 }
 
 /// A claim answer, validated: anything else is a sidecar failure, never a crash.

@@ -5,11 +5,12 @@
 
 use alloc::string::String;
 use alloc::vec::Vec;
-use sha2::{Digest, Sha256};
 
 use crate::canonical::decode;
-use crate::config::{KeySource, Rule};
-use crate::rule::{RequestHead, RequestView};
+use crate::hash::PartHasher;
+use crate::ports::RequestView;
+use crate::rule::RequestHead;
+use crate::spec::{KeySource, Rule};
 
 /// Why a request's key was not usable.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -128,54 +129,6 @@ fn unquote(raw: &[u8]) -> Result<Vec<u8>, KeyError> {
     Err(KeyError::Malformed)
 }
 
-/// SHA-256 over length-prefixed parts: no two different part lists hash alike.
-pub(crate) struct PartHasher(Sha256);
-
-impl PartHasher {
-    pub(crate) fn new(domain: &str) -> Self {
-        let mut h = PartHasher(Sha256::new());
-        h.part(domain.as_bytes());
-        h
-    }
-
-    pub(crate) fn part(&mut self, bytes: &[u8]) {
-        self.0.update((bytes.len() as u64).to_be_bytes());
-        self.0.update(bytes);
-    }
-
-    /// An optional part: absent differs from empty.
-    pub(crate) fn optional(&mut self, bytes: Option<&[u8]>) {
-        match bytes {
-            Some(b) => {
-                self.0.update([1]);
-                self.part(b);
-            }
-            None => self.0.update([0]),
-        }
-    }
-
-    pub(crate) fn raw(&mut self, bytes: &[u8]) {
-        self.0.update(bytes);
-    }
-
-    pub(crate) fn finish_hex(self) -> String {
-        hex(&self.0.finalize())
-    }
-}
-
-pub(crate) fn hex(bytes: &[u8]) -> String {
-    const DIGITS: &[u8; 16] = b"0123456789abcdef";
-    let mut s = String::with_capacity(bytes.len() * 2);
-    for b in bytes {
-        for nibble in [b >> 4, b & 0xf] {
-            s.push(char::from(
-                *DIGITS.get(usize::from(nibble)).unwrap_or(&b'0'),
-            ));
-        }
-    }
-    s
-}
-
 /// The stored key: scope (rule, mode, optionally method, caller identity) ‖ key, hashed.
 pub fn scoped(rule: &Rule, head: &RequestHead, req: &dyn RequestView, key: &[u8]) -> String {
     let mut h = PartHasher::new("idemgate/key/v1");
@@ -202,12 +155,13 @@ mod tests {
     use crate::testing::Req;
 
     fn rule(extra: &str) -> Rule {
-        crate::config::parse(
+        let rule: alloc::sync::Arc<Rule> = crate::config::parse(
             alloc::format!(r#"{{"sidecar":{{"cluster":"s"}},"rules":[{{{extra}}}]}}"#).as_bytes(),
         )
         .unwrap()
         .rules
-        .remove(0)
+        .remove(0);
+        alloc::sync::Arc::unwrap_or_clone(rule)
     }
 
     fn head(req: &Req) -> RequestHead {

@@ -14,24 +14,14 @@ use alloc::string::String;
 use alloc::vec::Vec;
 use idemgate_wire::StoredResponse;
 
-use crate::config::LocalConfig;
-
-/// A host call on shared data failed in a way Envoy should never produce.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct HostError;
-
-/// Envoy shared data as the ABI offers it (the glue maps `proxy_*_shared_data`).
-pub trait SharedStore {
-    /// `None` when the key was never written; an empty value reads as `Some((vec![], cas))`.
-    fn get(&self, key: &str) -> Result<Option<(Vec<u8>, u32)>, HostError>;
-    /// `cas == None` writes unconditionally; `Ok(false)` is a CAS mismatch.
-    fn set(&self, key: &str, value: &[u8], cas: Option<u32>) -> Result<bool, HostError>;
-}
+use crate::hash::prefix_u32;
+use crate::ports::{HostError, SharedStore};
+use crate::spec::LocalConfig;
 
 /// A CAS value no live entry has in practice: setting a *missing* key with any non-zero CAS
 /// inserts it, while an existing key (written concurrently) has the CAS the host assigned on
 /// its write — a global counter that would have to reach `u32::MAX` to collide.
-const INSERT_CAS: u32 = u32::MAX;
+pub(crate) const INSERT_CAS: u32 = u32::MAX;
 const MAGIC: &[u8; 3] = b"IG1";
 const ROUNDS: u32 = 3;
 
@@ -44,10 +34,10 @@ enum State {
 
 /// A completed response kept for local replay.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct LocalResponse {
-    pub fingerprint: Option<String>,
-    pub response: StoredResponse,
-    pub body: Vec<u8>,
+pub(crate) struct LocalResponse {
+    pub(crate) fingerprint: Option<String>,
+    pub(crate) response: StoredResponse,
+    pub(crate) body: Vec<u8>,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -61,13 +51,13 @@ struct Entry {
 
 /// Proof that this request wrote the in-flight entry of `slot`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Hold {
-    pub slot: u32,
-    pub owner: u64,
+pub(crate) struct Hold {
+    pub(crate) slot: u32,
+    pub(crate) owner: u64,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub enum LocalClaim {
+pub(crate) enum LocalClaim {
     /// This request now holds the key on this gateway.
     Claimed(Hold),
     /// Another request on this gateway holds it.
@@ -88,22 +78,18 @@ enum Scan {
     Unavailable,
 }
 
-pub struct Table<'a> {
-    pub config: &'a LocalConfig,
-    pub store: &'a dyn SharedStore,
+pub(crate) struct Table<'a> {
+    pub(crate) config: &'a LocalConfig,
+    pub(crate) store: &'a dyn SharedStore,
 }
 
-pub fn slot_key(slot: u32) -> String {
+pub(crate) fn slot_key(slot: u32) -> String {
     format!("idemgate.v1.slot.{slot}")
 }
 
 impl Table<'_> {
     fn home(&self, key: &str) -> u32 {
-        let prefix = key
-            .get(..8)
-            .and_then(|h| u32::from_str_radix(h, 16).ok())
-            .unwrap_or(0);
-        prefix % self.config.slots
+        prefix_u32(key) % self.config.slots
     }
 
     fn probe(&self, key: &str) -> impl Iterator<Item = u32> + '_ {
@@ -155,7 +141,7 @@ impl Table<'_> {
 
     /// What this gateway knows of `key`, without claiming it: `Some` with
     /// [`LocalClaim::InFlight`] or [`LocalClaim::Completed`] when it is live here.
-    pub fn lookup(&self, key: &str, now_ms: u64) -> Option<LocalClaim> {
+    pub(crate) fn lookup(&self, key: &str, now_ms: u64) -> Option<LocalClaim> {
         match self.scan(key, now_ms) {
             Scan::Live(found) => Some(found),
             Scan::Take { .. } | Scan::Unavailable => None,
@@ -163,7 +149,7 @@ impl Table<'_> {
     }
 
     /// Looks `key` up among its slots and, when it is not live there, claims a slot for it.
-    pub fn claim(&self, key: &str, owner: u64, now_ms: u64, lease_ms: u64) -> LocalClaim {
+    pub(crate) fn claim(&self, key: &str, owner: u64, now_ms: u64, lease_ms: u64) -> LocalClaim {
         for _ in 0..ROUNDS {
             let (slot, cas) = match self.scan(key, now_ms) {
                 Scan::Live(found) => return found,
@@ -192,7 +178,12 @@ impl Table<'_> {
 
     /// Gives the slot back: free, or holding `completed` until `expires_ms`. Does nothing when
     /// the slot is no longer ours (our entry expired and was reused). Returns whether it wrote.
-    pub fn release(&self, hold: Hold, key: &str, completed: Option<(LocalResponse, u64)>) -> bool {
+    pub(crate) fn release(
+        &self,
+        hold: Hold,
+        key: &str,
+        completed: Option<(LocalResponse, u64)>,
+    ) -> bool {
         if let Some((done, _)) = &completed
             && done.body.len() > self.config.max_response_bytes
         {
@@ -220,7 +211,7 @@ impl Table<'_> {
     /// Moves the expiry of our in-flight entry to `expires_ms` (the sidecar renewed the
     /// lease), so a call longer than one lease is not taken for abandoned on this gateway.
     /// Returns whether it wrote.
-    pub fn extend(&self, hold: Hold, key: &str, expires_ms: u64) -> bool {
+    pub(crate) fn extend(&self, hold: Hold, key: &str, expires_ms: u64) -> bool {
         let entry = Entry {
             state: State::InFlight,
             key: key.into(),
@@ -252,7 +243,8 @@ impl Table<'_> {
     }
 }
 
-#[cfg(test)]
+/// The bytes of an in-flight entry, for test doubles that play another worker.
+#[cfg(any(test, feature = "testing"))]
 pub(crate) fn in_flight_bytes(key: &str, owner: u64, expires_ms: u64) -> Vec<u8> {
     encode(&Entry {
         state: State::InFlight,
@@ -379,7 +371,7 @@ pub(crate) mod tests {
     }
 
     fn key(n: u32) -> String {
-        crate::key::hex(&n.to_be_bytes()).repeat(8)
+        crate::hash::hex(&n.to_be_bytes()).repeat(8)
     }
 
     fn done(body: &[u8]) -> LocalResponse {

@@ -1,5 +1,5 @@
-//! Metric names and the port the decision code reports through. Names are the stable,
-//! documented interface (plugin/README.md); Envoy shows them without a prefix of its own.
+//! Metric names: the stable, documented interface (plugin/README.md); Envoy shows them
+//! without a prefix of its own. Decisions report them through [`crate::Telemetry`].
 
 /// Counters, one per decision and per noteworthy event.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -131,12 +131,4 @@ impl Histogram {
             Histogram::SidecarLatencyMs => "idemgate.sidecar.latency_ms",
         }
     }
-}
-
-/// Where decisions are counted; the glue maps it onto the proxy-wasm metrics ABI.
-pub trait Telemetry {
-    fn count(&mut self, counter: Counter);
-    fn record(&mut self, histogram: Histogram, value: u64);
-    /// A final rate decision for rule `rule` (`idemgate.rate.<rule>.allowed|limited`).
-    fn count_rate(&mut self, rule: usize, limited: bool);
 }

@@ -1,24 +1,26 @@
-//! Local replies: RFC 9457 problem documents with stable `type` URIs, and replays of stored
-//! responses. The filter's own problem types live here; the generic ones are shared with the
-//! sidecar through `idemgate_wire::problem_types`.
+//! Local replies: the filter's refusals, rendered as RFC 9457 problem documents with stable
+//! `type` URIs, and replays of stored responses. The filter's own problem types live here; the
+//! generic ones are shared with the sidecar through `idemgate_wire::problem_types`.
 
 use alloc::format;
 use alloc::string::{String, ToString};
 use alloc::vec::Vec;
 use idemgate_wire::{PROBLEM_CONTENT_TYPE, Problem, StoredResponse};
 
+use crate::key::KeyError;
+
 /// The filter's problem types (documented in plugin/README.md).
-pub mod types {
-    pub use idemgate_wire::problem_types::TOO_LARGE;
-    pub const MISSING_KEY: &str = "urn:idemgate:problem:missing-key";
-    pub const INVALID_KEY: &str = "urn:idemgate:problem:invalid-key";
-    pub const AMBIGUOUS: &str = "urn:idemgate:problem:ambiguous-request";
-    pub const IN_PROGRESS: &str = "urn:idemgate:problem:in-progress";
-    pub const MISMATCH: &str = "urn:idemgate:problem:key-reused";
-    pub const QUEUE_FULL: &str = "urn:idemgate:problem:queue-full";
-    pub const WAIT_EXPIRED: &str = "urn:idemgate:problem:wait-expired";
-    pub const UNAVAILABLE: &str = "urn:idemgate:problem:unavailable";
-    pub const RATE_LIMITED: &str = "urn:idemgate:problem:rate-limited";
+pub(crate) mod types {
+    pub(crate) use idemgate_wire::problem_types::TOO_LARGE;
+    pub(crate) const MISSING_KEY: &str = "urn:idemgate:problem:missing-key";
+    pub(crate) const INVALID_KEY: &str = "urn:idemgate:problem:invalid-key";
+    pub(crate) const AMBIGUOUS: &str = "urn:idemgate:problem:ambiguous-request";
+    pub(crate) const IN_PROGRESS: &str = "urn:idemgate:problem:in-progress";
+    pub(crate) const MISMATCH: &str = "urn:idemgate:problem:key-reused";
+    pub(crate) const QUEUE_FULL: &str = "urn:idemgate:problem:queue-full";
+    pub(crate) const WAIT_EXPIRED: &str = "urn:idemgate:problem:wait-expired";
+    pub(crate) const UNAVAILABLE: &str = "urn:idemgate:problem:unavailable";
+    pub(crate) const RATE_LIMITED: &str = "urn:idemgate:problem:rate-limited";
 }
 
 /// A response the filter sends instead of forwarding the request.
@@ -32,35 +34,160 @@ pub struct Reply {
 }
 
 /// Header marking a replayed response (as Stripe and the IETF draft's examples do).
-pub const REPLAYED_HEADER: &str = "idempotent-replayed";
+const REPLAYED_HEADER: &str = "idempotent-replayed";
 
-pub(crate) fn problem(
-    status: u16,
-    type_uri: &str,
-    title: &str,
-    detail: &str,
-    retry_after_ms: Option<u64>,
-    details: &'static str,
-) -> Reply {
-    let doc = Problem {
-        type_uri: type_uri.to_string(),
-        title: title.to_string(),
-        status,
-        detail: Some(detail.to_string()),
-        retry_after_ms,
-    };
-    let mut headers = alloc::vec![("content-type".to_string(), PROBLEM_CONTENT_TYPE.to_string())];
-    if let Some(ms) = retry_after_ms {
-        headers.push((
-            "retry-after".to_string(),
-            format!("{}", ms.div_ceil(1000).max(1)),
-        ));
+/// Why the filter answers a request itself instead of forwarding it: one variant per problem
+/// type, each a row of plugin/README.md's table ("Decisions, local replies and problem
+/// types"), rendered by [`Refusal::reply`] alone.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum Refusal {
+    /// 400: the rule requires a key and the request has none.
+    MissingKey,
+    /// 400: the key is malformed, too long, has characters the rule does not allow, or is
+    /// sent more than once.
+    InvalidKey(KeyError),
+    /// 400: the path or the caller's identity reads two ways (an encoded separator, a
+    /// repeated scope header).
+    Ambiguous(KeyError),
+    /// 409: an earlier request with the key still runs (`on_conflict: reject`).
+    InProgress { retry_after_ms: u64 },
+    /// 413: the body is larger than the rule fingerprints.
+    TooLarge,
+    /// 422: the key was used for a different request.
+    Mismatch,
+    /// 429: the key's queue is full.
+    QueueFull { retry_after_ms: u64 },
+    /// 429: over a rate limit; `fields` are its `RateLimit-Policy` / `RateLimit` headers.
+    RateLimited {
+        retry_after_ms: u64,
+        fields: Vec<(String, String)>,
+    },
+    /// 503: the queued request waited its whole budget and the earlier one still runs.
+    WaitExpired { retry_after_ms: u64 },
+    /// 503: the decision could not be made (sidecar down and failing closed, no local slot
+    /// under `failure_mode: local`, the body not handed over).
+    Unavailable { retry_after_ms: u64 },
+}
+
+impl Refusal {
+    /// The refusal of a request whose key could not be used.
+    pub(crate) fn of_key(e: KeyError) -> Refusal {
+        match e {
+            KeyError::Missing => Refusal::MissingKey,
+            KeyError::RepeatedScope | KeyError::EncodedSeparator => Refusal::Ambiguous(e),
+            _ => Refusal::InvalidKey(e),
+        }
     }
-    Reply {
-        status,
-        headers,
-        body: serde_json::to_vec(&doc).unwrap_or_default(),
-        details,
+
+    /// The problem+json reply: status, `type`, `title`, `detail`, `Retry-After` (seconds,
+    /// rounded up, mirrored in `retry_after_ms`) and Envoy's response code details.
+    pub(crate) fn reply(self) -> Reply {
+        let (status, type_uri, title, detail, retry_after_ms, details) = match &self {
+            Refusal::MissingKey => (
+                400,
+                types::MISSING_KEY,
+                "Idempotency key required",
+                KeyError::Missing.detail(),
+                None,
+                "idemgate_bad_key",
+            ),
+            Refusal::InvalidKey(e) => (
+                400,
+                types::INVALID_KEY,
+                "Invalid idempotency key",
+                e.detail(),
+                None,
+                "idemgate_bad_key",
+            ),
+            Refusal::Ambiguous(e) => (
+                400,
+                types::AMBIGUOUS,
+                "Ambiguous request",
+                e.detail(),
+                None,
+                "idemgate_bad_key",
+            ),
+            Refusal::InProgress { retry_after_ms } => (
+                409,
+                types::IN_PROGRESS,
+                "A request with this key is in progress",
+                "an earlier request with the same key has not finished; retry later",
+                Some(*retry_after_ms),
+                "idemgate_in_progress",
+            ),
+            Refusal::TooLarge => (
+                413,
+                types::TOO_LARGE,
+                "Request body too large",
+                "the body is larger than this endpoint fingerprints",
+                None,
+                "idemgate_body_too_large",
+            ),
+            Refusal::Mismatch => (
+                422,
+                types::MISMATCH,
+                "Idempotency key reused with a different request",
+                "this key was used for a request with a different method, path, headers or body",
+                None,
+                "idemgate_key_reused",
+            ),
+            Refusal::QueueFull { retry_after_ms } => (
+                429,
+                types::QUEUE_FULL,
+                "Too many requests waiting for this key",
+                "too many requests with this key are already waiting",
+                Some(*retry_after_ms),
+                "idemgate_queue_full",
+            ),
+            Refusal::RateLimited { retry_after_ms, .. } => (
+                429,
+                types::RATE_LIMITED,
+                "Too many requests",
+                "over the rate limit for this caller or resource; retry after the indicated time",
+                Some(*retry_after_ms),
+                "idemgate_rate_limited",
+            ),
+            Refusal::WaitExpired { retry_after_ms } => (
+                503,
+                types::WAIT_EXPIRED,
+                "Waited too long for an earlier request",
+                "an earlier request with this key is still running; retry later",
+                Some(*retry_after_ms),
+                "idemgate_wait_expired",
+            ),
+            Refusal::Unavailable { retry_after_ms } => (
+                503,
+                types::UNAVAILABLE,
+                "Duplicate protection unavailable",
+                "the coordination service did not answer; retry later",
+                Some(*retry_after_ms),
+                "idemgate_unavailable",
+            ),
+        };
+        let doc = Problem {
+            type_uri: type_uri.to_string(),
+            title: title.to_string(),
+            status,
+            detail: Some(detail.to_string()),
+            retry_after_ms,
+        };
+        let mut headers =
+            alloc::vec![("content-type".to_string(), PROBLEM_CONTENT_TYPE.to_string())];
+        if let Some(ms) = retry_after_ms {
+            headers.push((
+                "retry-after".to_string(),
+                format!("{}", ms.div_ceil(1000).max(1)),
+            ));
+        }
+        if let Refusal::RateLimited { fields, .. } = self {
+            headers.extend(fields);
+        }
+        Reply {
+            status,
+            headers,
+            body: serde_json::to_vec(&doc).unwrap_or_default(),
+            details,
+        }
     }
 }
 
@@ -72,5 +199,185 @@ pub(crate) fn replay(response: &StoredResponse, body: &[u8]) -> Reply {
         headers,
         body: body.to_vec(),
         details: "idemgate_replayed",
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used, clippy::expect_used, clippy::indexing_slicing)]
+    use super::*;
+
+    /// One refusal of each kind, in the README's order.
+    fn every_refusal() -> Vec<Refusal> {
+        let every = alloc::vec![
+            Refusal::MissingKey,
+            Refusal::InvalidKey(KeyError::Malformed),
+            Refusal::Ambiguous(KeyError::EncodedSeparator),
+            Refusal::InProgress {
+                retry_after_ms: 1_500
+            },
+            Refusal::TooLarge,
+            Refusal::Mismatch,
+            Refusal::QueueFull {
+                retry_after_ms: 1_500
+            },
+            Refusal::RateLimited {
+                retry_after_ms: 1_500,
+                fields: alloc::vec![("ratelimit".into(), "\"scope\";r=0;t=2".into())],
+            },
+            Refusal::WaitExpired {
+                retry_after_ms: 1_500
+            },
+            Refusal::Unavailable {
+                retry_after_ms: 1_500
+            },
+        ];
+        // A variant added to `Refusal` must get a place here, and then be in the list.
+        let places: Vec<usize> = every
+            .iter()
+            .map(|r| match r {
+                Refusal::MissingKey => 0,
+                Refusal::InvalidKey(_) => 1,
+                Refusal::Ambiguous(_) => 2,
+                Refusal::InProgress { .. } => 3,
+                Refusal::TooLarge => 4,
+                Refusal::Mismatch => 5,
+                Refusal::QueueFull { .. } => 6,
+                Refusal::RateLimited { .. } => 7,
+                Refusal::WaitExpired { .. } => 8,
+                Refusal::Unavailable { .. } => 9,
+            })
+            .collect();
+        assert_eq!(places, (0..every.len()).collect::<Vec<_>>());
+        every
+    }
+
+    /// `(status, type, whether Retry-After is sent)` per row of plugin/README.md's table of
+    /// problem types.
+    fn readme_rows() -> Vec<(u16, String, bool)> {
+        let readme = include_str!("../../plugin/README.md");
+        let section = readme
+            .split("\n## Decisions, local replies and problem types\n")
+            .nth(1)
+            .expect("plugin/README.md has the problem types section");
+        let section = section.split("\n## ").next().unwrap_or_default();
+        section
+            .lines()
+            .filter_map(|line| {
+                let cells: Vec<&str> = line.split('|').map(str::trim).collect();
+                let status = cells.get(1)?.parse::<u16>().ok()?;
+                assert_eq!(cells.len(), 6, "a row of four columns: {line}");
+                let type_uri = cells[2].trim_matches('`').to_string();
+                Some((status, type_uri, cells[4] != "—"))
+            })
+            .collect()
+    }
+
+    #[test]
+    fn the_plugin_readme_documents_every_refusal_as_sent() {
+        let rows = readme_rows();
+        let every = every_refusal();
+        for refusal in &every {
+            let reply = refusal.clone().reply();
+            let doc: Problem = serde_json::from_slice(&reply.body).unwrap();
+            assert_eq!(doc.status, reply.status);
+            let retry_after = reply.headers.iter().any(|(n, _)| n == "retry-after");
+            let row = (reply.status, doc.type_uri, retry_after);
+            assert!(
+                rows.contains(&row),
+                "plugin/README.md has no row {row:?} for {refusal:?}: {rows:?}"
+            );
+        }
+        assert_eq!(
+            rows.len(),
+            every.len(),
+            "plugin/README.md documents a problem the filter does not send: {rows:?}"
+        );
+    }
+
+    /// The bytes clients and dashboards see: a change here is a change of the interface.
+    #[test]
+    fn every_refusal_renders_exactly_so() {
+        let expected = [
+            (
+                400,
+                "",
+                "idemgate_bad_key",
+                r#"{"type":"urn:idemgate:problem:missing-key","title":"Idempotency key required","status":400,"detail":"this endpoint requires an idempotency key"}"#,
+            ),
+            (
+                400,
+                "",
+                "idemgate_bad_key",
+                r#"{"type":"urn:idemgate:problem:invalid-key","title":"Invalid idempotency key","status":400,"detail":"the key is not a valid RFC 8941 string or token"}"#,
+            ),
+            (
+                400,
+                "",
+                "idemgate_bad_key",
+                r#"{"type":"urn:idemgate:problem:ambiguous-request","title":"Ambiguous request","status":400,"detail":"the path has an encoded / or \\ (%2F, %5C), which servers read differently"}"#,
+            ),
+            (
+                409,
+                "2",
+                "idemgate_in_progress",
+                r#"{"type":"urn:idemgate:problem:in-progress","title":"A request with this key is in progress","status":409,"detail":"an earlier request with the same key has not finished; retry later","retry_after_ms":1500}"#,
+            ),
+            (
+                413,
+                "",
+                "idemgate_body_too_large",
+                r#"{"type":"urn:idemgate:problem:too-large","title":"Request body too large","status":413,"detail":"the body is larger than this endpoint fingerprints"}"#,
+            ),
+            (
+                422,
+                "",
+                "idemgate_key_reused",
+                r#"{"type":"urn:idemgate:problem:key-reused","title":"Idempotency key reused with a different request","status":422,"detail":"this key was used for a request with a different method, path, headers or body"}"#,
+            ),
+            (
+                429,
+                "2",
+                "idemgate_queue_full",
+                r#"{"type":"urn:idemgate:problem:queue-full","title":"Too many requests waiting for this key","status":429,"detail":"too many requests with this key are already waiting","retry_after_ms":1500}"#,
+            ),
+            (
+                429,
+                "2",
+                "idemgate_rate_limited",
+                r#"{"type":"urn:idemgate:problem:rate-limited","title":"Too many requests","status":429,"detail":"over the rate limit for this caller or resource; retry after the indicated time","retry_after_ms":1500}"#,
+            ),
+            (
+                503,
+                "2",
+                "idemgate_wait_expired",
+                r#"{"type":"urn:idemgate:problem:wait-expired","title":"Waited too long for an earlier request","status":503,"detail":"an earlier request with this key is still running; retry later","retry_after_ms":1500}"#,
+            ),
+            (
+                503,
+                "2",
+                "idemgate_unavailable",
+                r#"{"type":"urn:idemgate:problem:unavailable","title":"Duplicate protection unavailable","status":503,"detail":"the coordination service did not answer; retry later","retry_after_ms":1500}"#,
+            ),
+        ];
+        let every = every_refusal();
+        assert_eq!(every.len(), expected.len());
+        for (refusal, (status, retry_after, details, body)) in every.into_iter().zip(expected) {
+            let rate_limited = matches!(refusal, Refusal::RateLimited { .. });
+            let reply = refusal.reply();
+            let mut headers: Vec<(String, String)> =
+                alloc::vec![("content-type".into(), "application/problem+json".into())];
+            if !retry_after.is_empty() {
+                headers.push(("retry-after".into(), retry_after.into()));
+            }
+            if rate_limited {
+                headers.push(("ratelimit".into(), "\"scope\";r=0;t=2".into()));
+            }
+            assert_eq!(
+                (reply.status, reply.headers, reply.details),
+                (status, headers, details)
+            );
+            assert_eq!(core::str::from_utf8(&reply.body).unwrap(), body);
+        }
     }
 }

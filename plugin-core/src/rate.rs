@@ -17,80 +17,22 @@ use alloc::string::{String, ToString};
 use alloc::vec::Vec;
 use idemgate_wire::{GcraStep, Rate, RateResult, gcra};
 
-use crate::config::Rule;
-use crate::key::PartHasher;
-use crate::local::{HostError, SharedStore};
-use crate::rule::RequestView;
+use crate::hash::{PartHasher, prefix_u32};
+use crate::local::INSERT_CAS;
+use crate::ports::{HostError, RequestView, SharedStore};
+use crate::spec::{Limit, LimitBy, RateSpec, Rule};
 
-/// What a limit counts requests by.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum LimitBy {
-    /// The caller (the rule's `scope`: headers and properties).
-    Scope,
-    /// The resource key (the rule's `key`).
-    Key,
-    /// Each caller on each key.
-    ScopeAndKey,
-}
-
-impl LimitBy {
-    pub fn name(self) -> &'static str {
-        match self {
-            LimitBy::Scope => "scope",
-            LimitBy::Key => "key",
-            LimitBy::ScopeAndKey => "scope_and_key",
-        }
-    }
-}
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Limit {
-    pub by: LimitBy,
-    pub rate: Rate,
-}
-
-/// Where limits are checked.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Tier {
-    /// This gateway's shared data only: no callout, holds per gateway.
-    Local,
-    /// The sidecar only: one callout, holds across gateways.
-    Global,
-    /// Shared data first (over → 429 without a callout), then the sidecar.
-    LocalThenGlobal,
-}
-
-impl Tier {
-    pub fn local(self) -> bool {
-        matches!(self, Tier::Local | Tier::LocalThenGlobal)
-    }
-    pub fn global(self) -> bool {
-        matches!(self, Tier::Global | Tier::LocalThenGlobal)
-    }
-}
-
-/// A rule's compiled `rate` section.
+/// One limit of one request: the limit, and the hashed key its state lives under.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct RateSpec {
-    pub limits: Vec<Limit>,
-    pub tier: Tier,
-    /// Add `RateLimit-Policy` / `RateLimit` to forwarded responses too.
-    pub expose: bool,
-    /// Count what would be limited, never limit.
-    pub shadow: bool,
-}
-
-/// One limit of one request: which limit, and the hashed key its state lives under.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Check {
-    pub limit: usize,
-    pub key: String,
+pub(crate) struct Check {
+    pub(crate) limit: Limit,
+    pub(crate) key: String,
 }
 
 /// The checks of a request: one per limit it has the parts for (a limit by key is skipped
 /// when the request carries no key). Keys are hashes of rule, limit and parts, like dedupe
 /// keys: raw identities never leave the filter.
-pub fn checks(
+pub(crate) fn checks(
     rule: &Rule,
     spec: &RateSpec,
     req: &dyn RequestView,
@@ -118,7 +60,7 @@ pub fn checks(
             h.optional(key);
         }
         out.push(Check {
-            limit: i,
+            limit: *limit,
             key: h.finish_hex(),
         });
     }
@@ -127,14 +69,14 @@ pub fn checks(
 
 /// The combined result of a request's checks.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Verdict {
-    /// `(limit index, result)` per check made, in order; a limited one is last.
-    pub results: Vec<(usize, RateResult)>,
+pub(crate) struct Verdict {
+    /// `(limit, result)` per check made, in order; a limited one is last.
+    pub(crate) results: Vec<(Limit, RateResult)>,
 }
 
 impl Verdict {
     /// The first limited check's wait, if any check was over its limit.
-    pub fn limited(&self) -> Option<u64> {
+    pub(crate) fn limited(&self) -> Option<u64> {
         self.results
             .iter()
             .find(|(_, r)| !r.allowed)
@@ -145,13 +87,10 @@ impl Verdict {
     /// as a policy of `q = burst` units per `w` seconds (the time the burst takes to come
     /// back, so `q/w` is the sustained rate), with what remains and when (`t`: the wait
     /// when over the limit, else until the full burst is back).
-    pub fn headers(&self, spec: &RateSpec) -> Vec<(String, String)> {
+    pub(crate) fn headers(&self) -> Vec<(String, String)> {
         let mut policy = String::new();
         let mut current = String::new();
-        for (i, result) in &self.results {
-            let Some(limit) = spec.limits.get(*i) else {
-                continue;
-            };
+        for (limit, result) in &self.results {
             let sep = if policy.is_empty() { "" } else { ", " };
             let window_s = limit.rate.window_us().div_ceil(1_000_000).max(1);
             policy.push_str(&format!(
@@ -188,32 +127,26 @@ impl Verdict {
 /// state of other keys, the one closest to expiring is taken over (that key then gets a
 /// fresh burst: the table stays bounded and errs towards allowing). Every write is CAS: two
 /// workers never both spend the same unit.
-pub struct RateTable<'a> {
-    pub slots: u32,
-    pub probes: u32,
-    pub store: &'a dyn SharedStore,
+pub(crate) struct RateTable<'a> {
+    pub(crate) slots: u32,
+    pub(crate) probes: u32,
+    pub(crate) store: &'a dyn SharedStore,
 }
 
 const MAGIC: &[u8; 3] = b"IR1";
 /// CAS rounds before giving up; contention on one hot key is exactly what a limit sees.
 const ROUNDS: u32 = 16;
-/// See `local::INSERT_CAS`: a non-zero CAS inserts a missing key.
-const INSERT_CAS: u32 = u32::MAX;
 
-pub fn slot_key(slot: u32) -> String {
+pub(crate) fn slot_key(slot: u32) -> String {
     format!("idemgate.v1.rate.{slot}")
 }
 
 impl RateTable<'_> {
     /// One GCRA step for `key` at `now_us`; `None` when shared data failed or CAS kept
     /// losing (the caller decides without the local tier).
-    pub fn check(&self, key: &str, rate: Rate, now_us: u64) -> Option<GcraStep> {
+    pub(crate) fn check(&self, key: &str, rate: Rate, now_us: u64) -> Option<GcraStep> {
         let slots = self.slots.max(1);
-        let home = key
-            .get(..8)
-            .and_then(|h| u32::from_str_radix(h, 16).ok())
-            .unwrap_or(0)
-            % slots;
+        let home = prefix_u32(key) % slots;
         for _ in 0..ROUNDS {
             // (slot, cas, state of this key, expiry of what it would evict)
             let mut mine: Option<(u32, Option<u32>, u64)> = None;
@@ -284,16 +217,10 @@ fn decode(bytes: &[u8]) -> Option<(&str, u64)> {
 
 /// Runs `checks` against the local table; stops at the first limited one. `None` when the
 /// table could not decide (shared data failing).
-pub fn check_local(
-    table: &RateTable<'_>,
-    spec: &RateSpec,
-    checks: &[Check],
-    now_us: u64,
-) -> Option<Verdict> {
+pub(crate) fn check_local(table: &RateTable<'_>, checks: &[Check], now_us: u64) -> Option<Verdict> {
     let mut results = Vec::with_capacity(checks.len());
     for check in checks {
-        let limit = spec.limits.get(check.limit)?;
-        let step = table.check(&check.key, limit.rate, now_us)?;
+        let step = table.check(&check.key, check.limit.rate, now_us)?;
         results.push((check.limit, RateResult::of(&step)));
         if !step.allowed {
             break;
@@ -304,7 +231,7 @@ pub fn check_local(
 
 /// Pairs the sidecar's results with the checks sent; `None` if the answer cannot be theirs
 /// (more results than checks, or results after a limited one).
-pub fn global_verdict(checks: &[Check], results: &[RateResult]) -> Option<Verdict> {
+pub(crate) fn global_verdict(checks: &[Check], results: &[RateResult]) -> Option<Verdict> {
     if results.is_empty() || results.len() > checks.len() {
         return None;
     }
@@ -325,6 +252,7 @@ pub fn global_verdict(checks: &[Check], results: &[RateResult]) -> Option<Verdic
 mod tests {
     #![allow(clippy::unwrap_used, clippy::indexing_slicing)]
     use super::*;
+    use crate::spec::Tier;
     use crate::testing::{MemStore, Req};
 
     const RATE: Rate = Rate {
@@ -342,7 +270,7 @@ mod tests {
     }
 
     fn key(n: u32) -> String {
-        crate::key::hex(&n.to_be_bytes()).repeat(8)
+        crate::hash::hex(&n.to_be_bytes()).repeat(8)
     }
 
     #[test]
@@ -467,18 +395,18 @@ mod tests {
         };
         let checks = [
             Check {
-                limit: 0,
+                limit: s.limits[0],
                 key: "a".into(),
             },
             Check {
-                limit: 1,
+                limit: s.limits[1],
                 key: "b".into(),
             },
         ];
         let v = global_verdict(&checks, &[ok, over]).unwrap();
         assert_eq!(v.limited(), Some(1_500));
         assert_eq!(
-            v.headers(&s),
+            v.headers(),
             alloc::vec![
                 (
                     "ratelimit-policy".to_string(),

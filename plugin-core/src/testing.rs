@@ -1,4 +1,5 @@
-//! Test doubles for the ports: a request, Envoy-like shared data and a metrics recorder.
+//! Test doubles for the ports: a request, Envoy-like shared data and a metrics recorder. The
+//! crate's unit tests use them, and so does `fuzz/` (through the `testing` feature).
 
 #![allow(clippy::unwrap_used, clippy::indexing_slicing)]
 
@@ -6,36 +7,36 @@ use alloc::string::{String, ToString};
 use alloc::vec::Vec;
 use core::cell::{Cell, RefCell};
 
-use crate::local::{HostError, SharedStore};
-use crate::metrics::{Counter, Histogram, Telemetry};
-use crate::rule::RequestView;
+use crate::metrics::{Counter, Histogram};
+use crate::ports::{HostError, RequestView, SharedStore, Telemetry};
 
+/// A request's headers and properties, counting header reads.
 #[derive(Debug, Clone, Default)]
-pub(crate) struct Req {
+pub struct Req {
     headers: Vec<(String, Vec<u8>)>,
     properties: Vec<(Vec<String>, Vec<u8>)>,
     reads: Cell<usize>,
 }
 
 impl Req {
-    pub(crate) fn new(method: &str, path: &str) -> Req {
+    pub fn new(method: &str, path: &str) -> Req {
         Req::default().with(":method", method).with(":path", path)
     }
-    pub(crate) fn with(self, name: &str, value: &str) -> Req {
+    pub fn with(self, name: &str, value: &str) -> Req {
         self.with_bytes(name, value.as_bytes())
     }
-    pub(crate) fn with_bytes(mut self, name: &str, value: &[u8]) -> Req {
+    pub fn with_bytes(mut self, name: &str, value: &[u8]) -> Req {
         self.headers.push((name.to_string(), value.to_vec()));
         self
     }
-    pub(crate) fn with_property(mut self, path: &[&str], value: &str) -> Req {
+    pub fn with_property(mut self, path: &[&str], value: &str) -> Req {
         self.properties.push((
             path.iter().map(|s| s.to_string()).collect(),
             value.as_bytes().to_vec(),
         ));
         self
     }
-    pub(crate) fn reads(&self) -> usize {
+    pub fn reads(&self) -> usize {
         self.reads.get()
     }
 }
@@ -65,23 +66,27 @@ impl RequestView for Req {
 /// missing key is inserted whatever the CAS. `interfere_once` simulates another worker
 /// writing an in-flight entry just before our next conditional write.
 #[derive(Default)]
-pub(crate) struct MemStore {
+pub struct MemStore {
     map: RefCell<Vec<(String, Vec<u8>, u32)>>,
     next_cas: Cell<u32>,
     interference: RefCell<Option<(String, u64)>>,
     raw_interference: RefCell<Option<(String, Vec<u8>)>>,
-    pub(crate) fail: Cell<bool>,
+    pub fail: Cell<bool>,
 }
 
 impl MemStore {
-    pub(crate) fn len(&self) -> usize {
+    /// Keys written so far.
+    pub fn len(&self) -> usize {
         self.map.borrow().len()
     }
-    pub(crate) fn interfere_once(&self, key: String, expires_ms: u64) {
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+    pub fn interfere_once(&self, key: String, expires_ms: u64) {
         *self.interference.borrow_mut() = Some((key, expires_ms));
     }
     /// Another worker writes `value` under `key` just before our next conditional write.
-    pub(crate) fn interfere_raw_once(&self, key: String, value: Vec<u8>) {
+    pub fn interfere_raw_once(&self, key: String, value: Vec<u8>) {
         *self.raw_interference.borrow_mut() = Some((key, value));
     }
     fn write(&self, key: &str, value: &[u8]) {
@@ -139,16 +144,17 @@ impl SharedStore for MemStore {
     }
 }
 
+/// Every count, sample and rate decision reported, in order.
 #[derive(Default, Debug)]
-pub(crate) struct Recorder {
-    pub(crate) counts: Vec<Counter>,
-    pub(crate) samples: Vec<(Histogram, u64)>,
+pub struct Recorder {
+    pub counts: Vec<Counter>,
+    pub samples: Vec<(Histogram, u64)>,
     /// `(rule, limited)` per final rate decision.
-    pub(crate) rate: Vec<(usize, bool)>,
+    pub rate: Vec<(usize, bool)>,
 }
 
 impl Recorder {
-    pub(crate) fn count_of(&self, c: Counter) -> usize {
+    pub fn count_of(&self, c: Counter) -> usize {
         self.counts.iter().filter(|x| **x == c).count()
     }
 }

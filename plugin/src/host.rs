@@ -5,8 +5,8 @@
 
 use std::time::{Duration, UNIX_EPOCH};
 
-use idemgate_core::metrics::{Counter, Histogram, Telemetry};
-use idemgate_core::{Answer, Config, HostError, Reply, RequestView, SharedStore};
+use idemgate_core::metrics::{Counter, Histogram};
+use idemgate_core::{Answer, Config, HostError, Reply, RequestView, SharedStore, Telemetry};
 use proxy_wasm::hostcalls;
 use proxy_wasm::types::{BufferType, MapType, MetricType, Status};
 

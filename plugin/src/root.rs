@@ -282,7 +282,7 @@ fn dispatch(config: &Config, callout: &Callout) -> Option<u32> {
 /// Applies a claim's answer to its flow and, if the stream is still paused, to the stream.
 fn settle_claim(vm: &mut Vm, stream: u32, answer: Answer<'_>) {
     settle(vm, stream, &mut |config, flow, env| {
-        Some(flow.on_claim_answer(config, answer, env))
+        Some(flow.on_decision(config, answer, env))
     });
 }
 
@@ -336,7 +336,7 @@ fn settle(
         }
         ForStream::Apply(Action::Respond(reply)) => host::send_reply(&reply),
         // The rate check passed: the key's claim goes out next.
-        ForStream::Apply(Action::Claim(callout)) => vm.queue_claim(stream, callout),
+        ForStream::Apply(Action::Decide(callout)) => vm.queue_claim(stream, callout),
         ForStream::Apply(Action::Pause) => {}
     }
 }

@@ -33,7 +33,7 @@ impl Stream {
                 Next::Continue
             }
             Action::Pause => Next::Pause,
-            Action::Claim(callout) => {
+            Action::Decide(callout) => {
                 vm.queue_claim(self.id, callout);
                 Next::Pause
             }

@@ -10,6 +10,7 @@
 )]
 
 use super::*;
+use crate::breaker::Breaker;
 use crate::testing::{MemStore, Recorder, Req};
 use alloc::format;
 
@@ -42,7 +43,7 @@ fn start(config: &Config, req: &Req) -> (Action, Option<String>, Recorder) {
     };
     let (_, action) = Flow::on_request_headers(config, route, req, true, &mut env);
     let key = match &action {
-        Action::Claim(call) => {
+        Action::Decide(call) => {
             let (claim, _): (ClaimRequest, &[u8]) = idemgate_wire::decode(&call.body).unwrap();
             Some(claim.key)
         }

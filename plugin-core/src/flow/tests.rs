@@ -8,6 +8,8 @@
 )]
 
 use super::*;
+use crate::breaker::Breaker;
+use crate::problem::types;
 use crate::testing::{MemStore, Recorder, Req};
 use alloc::format;
 use idemgate_wire::{RateOutcome, RateRequest, WaitPolicy};
@@ -70,7 +72,7 @@ impl Gateway {
     /// Starts a request that must produce a claim; returns the flow and the decoded claim.
     fn claim(&mut self, req: &Req) -> (Flow, ClaimRequest, u64) {
         let (flow, action) = self.start(req);
-        let Action::Claim(call) = action else {
+        let Action::Decide(call) = action else {
             panic!("expected a claim, got {action:?}")
         };
         assert_eq!(call.path, paths::CLAIM);
@@ -80,7 +82,7 @@ impl Gateway {
     }
 
     fn answer(&mut self, flow: &mut Flow, answer: Answer<'_>) -> Action {
-        self.with(|c, env| flow.on_claim_answer(c, answer, env))
+        self.with(|c, env| flow.on_decision(c, answer, env))
     }
 
     fn answer_with(&mut self, flow: &mut Flow, outcome: &ClaimOutcome, payload: &[u8]) -> Action {
@@ -237,7 +239,7 @@ fn duplicate_in_flight_on_this_gateway_is_rejected_without_a_callout() {
     );
     // Other callers (another scope) are unaffected.
     let other = Req::new("POST", "/payments").with("idempotency-key", "k2");
-    assert!(matches!(gw.start(&other).1, Action::Claim(_)));
+    assert!(matches!(gw.start(&other).1, Action::Decide(_)));
 }
 
 #[test]
@@ -252,7 +254,7 @@ fn duplicate_in_flight_on_another_gateway_is_rejected_by_the_sidecar() {
     let r = reply(gw.answer_with(&mut flow, &busy, &[]));
     assert_eq!((r.status, header(&r, "retry-after")), (409, Some("3")));
     // The local slot was given back: a retry here goes to the sidecar again.
-    assert!(matches!(gw.start(&post("k")).1, Action::Claim(_)));
+    assert!(matches!(gw.start(&post("k")).1, Action::Decide(_)));
 }
 
 #[test]
@@ -814,7 +816,7 @@ fn sidecar_failures_fail_closed_by_default() {
         );
         assert!(flow.take_release().is_none());
         // The local slot is free again: the client's retry is not a local duplicate.
-        assert!(matches!(gw.start(&post("k")).1, Action::Claim(_)));
+        assert!(matches!(gw.start(&post("k")).1, Action::Decide(_)));
     }
 }
 
@@ -913,7 +915,7 @@ fn breaker_opens_and_skips_the_callout() {
     let (mut probe, _, _) = gw.claim(&post("probe"));
     assert_eq!(reply(gw.start(&post("during-probe")).1).status, 503);
     assert!(matches!(gw.grant(&mut probe, 1), Action::Continue(_)));
-    assert!(matches!(gw.start(&post("after")).1, Action::Claim(_)));
+    assert!(matches!(gw.start(&post("after")).1, Action::Decide(_)));
 }
 
 #[test]
@@ -923,7 +925,7 @@ fn client_abort_at_each_phase_releases_everything() {
     let (mut flow, _, _) = gw.claim(&post("k"));
     assert!(gw.end(&mut flow), "kept until the claim's answer arrives");
     assert!(
-        matches!(gw.start(&post("k")).1, Action::Claim(_)),
+        matches!(gw.start(&post("k")).1, Action::Decide(_)),
         "local slot freed"
     );
     assert_eq!(gw.grant(&mut flow, 3), Action::pass());
@@ -959,7 +961,7 @@ fn client_abort_at_each_phase_releases_everything() {
         assert!(!gw.end(&mut flow));
         assert_eq!(release(&mut flow).0, paths::ABORT);
         assert!(
-            matches!(gw.start(&post("k")).1, Action::Claim(_)),
+            matches!(gw.start(&post("k")).1, Action::Decide(_)),
             "local slot freed"
         );
     }
@@ -999,7 +1001,7 @@ fn client_abort_after_forwarding_holds_the_key_until_its_lease_ends() {
         assert_eq!(reply(retry).status, 409, "a retry meets the held key");
         gw.now += 4_001;
         assert!(
-            matches!(gw.start(&post("k")).1, Action::Claim(_)),
+            matches!(gw.start(&post("k")).1, Action::Decide(_)),
             "claimable once the lease ran out"
         );
     }
@@ -1013,7 +1015,7 @@ fn upstream_errors_abort_so_the_retry_runs_again() {
         gw.grant(&mut flow, 1);
         gw.respond(&mut flow, status, "application/json", &[b"{}"]);
         assert_eq!(release(&mut flow).0, paths::ABORT, "{status}");
-        assert!(matches!(gw.start(&post("k")).1, Action::Claim(_)));
+        assert!(matches!(gw.start(&post("k")).1, Action::Decide(_)));
     }
 }
 
@@ -1045,7 +1047,7 @@ fn body_fingerprint_with_allow_on_headers_stop_iteration() {
         action
     };
     let fp = |action: Action| {
-        let Action::Claim(call) = action else {
+        let Action::Decide(call) = action else {
             panic!("{action:?}")
         };
         let (claim, _): (ClaimRequest, &[u8]) = idemgate_wire::decode(&call.body).unwrap();
@@ -1240,7 +1242,7 @@ fn user_post(key: &str) -> Req {
 /// Starts a request and expects the `/v1/rate` callout; returns the flow and the checks.
 fn rate_callout(gw: &mut Gateway, req: &Req) -> (Flow, RateRequest) {
     let (flow, action) = gw.start(req);
-    let Action::Claim(call) = action else {
+    let Action::Decide(call) = action else {
         panic!("expected the rate callout, got {action:?}")
     };
     assert_eq!(call.path, paths::RATE);
@@ -1322,7 +1324,7 @@ fn local_rate_limit_answers_before_the_body() {
         let mut flow = flow.unwrap();
         let mut read = |n: usize| Some(vec![b'x'; n]);
         let action = gw.with(|c, env| flow.on_request_body(c, 4, true, &mut read, env));
-        assert!(matches!(action, Action::Claim(_)), "{action:?}");
+        assert!(matches!(action, Action::Decide(_)), "{action:?}");
     }
     let (_, action) = gw.start_with_eos(&user_post("c"), false);
     assert_eq!(reply(action).status, 429);
@@ -1345,7 +1347,7 @@ fn global_rate_check_comes_before_the_claim() {
         (500_000, 2)
     );
     assert!(flow.holds_request());
-    let Action::Claim(claim) = rate_answer(&mut gw, &mut flow, &[ALLOWED]) else {
+    let Action::Decide(claim) = rate_answer(&mut gw, &mut flow, &[ALLOWED]) else {
         panic!("the key's claim follows")
     };
     assert_eq!(claim.path, paths::CLAIM);
@@ -1388,7 +1390,7 @@ fn rate_failures_follow_the_failure_mode() {
     let (mut flow, _) = rate_callout(&mut gw, &user_post("k"));
     assert!(matches!(
         gw.answer(&mut flow, Answer::Failed),
-        Action::Claim(Callout {
+        Action::Decide(Callout {
             path: paths::CLAIM,
             ..
         })
@@ -1400,7 +1402,7 @@ fn rate_failures_follow_the_failure_mode() {
         let (mut flow, _) = rate_callout(&mut gw, &user_post(k));
         let action = gw.answer(&mut flow, Answer::Failed);
         if i < 2 {
-            assert!(matches!(action, Action::Claim(_)), "{k}: {action:?}");
+            assert!(matches!(action, Action::Decide(_)), "{k}: {action:?}");
         } else {
             assert_eq!(reply(action).status, 429, "{k}");
         }

@@ -1,0 +1,62 @@
+//! Hashing: every digest the filter makes (stored keys, fingerprints, rate keys, waiter names)
+//! is a SHA-256 over length-prefixed parts under a domain name, spelled as lower-case hex.
+
+use alloc::string::String;
+use sha2::{Digest, Sha256};
+
+/// SHA-256 over length-prefixed parts: no two different part lists hash alike.
+pub(crate) struct PartHasher(Sha256);
+
+impl PartHasher {
+    pub(crate) fn new(domain: &str) -> Self {
+        let mut h = PartHasher(Sha256::new());
+        h.part(domain.as_bytes());
+        h
+    }
+
+    pub(crate) fn part(&mut self, bytes: &[u8]) {
+        self.0.update((bytes.len() as u64).to_be_bytes());
+        self.0.update(bytes);
+    }
+
+    /// An optional part: absent differs from empty.
+    pub(crate) fn optional(&mut self, bytes: Option<&[u8]>) {
+        match bytes {
+            Some(b) => {
+                self.0.update([1]);
+                self.part(b);
+            }
+            None => self.0.update([0]),
+        }
+    }
+
+    pub(crate) fn raw(&mut self, bytes: &[u8]) {
+        self.0.update(bytes);
+    }
+
+    pub(crate) fn finish_hex(self) -> String {
+        hex(&self.0.finalize())
+    }
+}
+
+pub(crate) fn hex(bytes: &[u8]) -> String {
+    const DIGITS: &[u8; 16] = b"0123456789abcdef";
+    let mut s = String::with_capacity(bytes.len() * 2);
+    for b in bytes {
+        for nibble in [b >> 4, b & 0xf] {
+            s.push(char::from(
+                *DIGITS.get(usize::from(nibble)).unwrap_or(&b'0'),
+            ));
+        }
+    }
+    s
+}
+
+/// The first 32 bits of a hex digest (0 when it is not one): where a key's slots start in the
+/// shared-data tables.
+pub(crate) fn prefix_u32(hex_digest: &str) -> u32 {
+    hex_digest
+        .get(..8)
+        .and_then(|h| u32::from_str_radix(h, 16).ok())
+        .unwrap_or(0)
+}
