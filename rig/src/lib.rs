@@ -11,9 +11,10 @@
 //! `redis-server` of its own ([`idemgate_sidecar::testing::RedisServer`]), the demo
 //! [`backend`] (whose counters are the ground truth of what executed) or an upstream already
 //! listening, and — for the fault suite — a [`fault_proxy::FaultProxy`] on every hop.
-//! Gateways are started from the rig, as many as a test needs: [`Rig::shipped`] runs the
-//! shipped `envoy/envoy.yaml` with its ports pointed at the rig, [`Rig::bootstrap`] renders one
-//! with `idemgate_host::gateway::bootstrap`. [`processes`] runs the same stack as child
+//! Gateways are started in front of the rig, as many as a test needs: [`Rig::shipped`] runs
+//! the shipped `envoy/envoy.yaml` with its ports pointed at the rig;
+//! [`gateway::LiveGateway::from_bootstrap`] runs one rendered by
+//! `idemgate_host::gateway::bootstrap` at [`Rig::sidecar_hop`] and [`Rig::backend_hop`]. [`processes`] runs the same stack as child
 //! processes, for the demo.
 
 pub mod backend;
@@ -27,7 +28,6 @@ use crate::fault_proxy::FaultProxy;
 use crate::gateway::{LiveGateway, Shipped};
 use crate::sidecar::InProcessSidecar;
 use anyhow::{Context, Result};
-use idemgate_host::gateway::bootstrap::Bootstrap;
 use idemgate_sidecar::testing::RedisServer;
 use idemgate_sidecar::{Config as SidecarConfig, StoreConfig};
 use std::net::SocketAddr;
@@ -271,14 +271,6 @@ impl Rig {
     pub fn shipped(&self, shipped: &Shipped) -> Result<LiveGateway> {
         let backend = self.backend_hop().context("the rig has no backend")?;
         shipped.start(backend, self.sidecar_hop())
-    }
-
-    /// The bootstrap builder's idemgate gateway (its listener route, sidecar cluster and
-    /// filter names) with plugin configuration `plugin`, pointed at the rig; start it with
-    /// [`LiveGateway::from_bootstrap`] after changing what a test needs.
-    pub fn bootstrap(&self, plugin: &str) -> Result<Bootstrap> {
-        let backend = self.backend_hop().context("the rig has no backend")?;
-        Ok(Bootstrap::idemgate(backend, self.sidecar_hop(), plugin))
     }
 
     /// Stops the sidecar gracefully, reporting how it ended; the rest stops on drop.

@@ -10,7 +10,7 @@
 
 use idemgate_e2e::client::{Reply, http};
 use idemgate_e2e::harness::SIDECAR;
-use idemgate_host::gateway::bootstrap::{Bootstrap, ClusterSpec};
+use idemgate_host::gateway::bootstrap::{Bootstrap, ClusterSpec, FilterSpec};
 use idemgate_rig::backend::{Stats, Timings};
 use idemgate_rig::fault_proxy::FaultProxy;
 use idemgate_rig::gateway::LiveGateway;
@@ -95,10 +95,9 @@ impl Rig {
         } else {
             ClusterSpec::at(SIDECAR, rig.sidecar_hop())
         };
-        let bootstrap = rig
-            .bootstrap(&plugin)
-            .expect("the rig has a backend")
+        let bootstrap = Bootstrap::new(rig.backend_hop().expect("the rig has a backend"))
             .route_timeout(options.route_timeout)
+            .filter(FilterSpec::idemgate(&plugin))
             .cluster(sidecar_cluster);
         let gateway = LiveGateway::from_bootstrap(&bootstrap, 2)
             .expect("the gateway starts (build target/idemgate.wasm: cargo xtask wasm)");
