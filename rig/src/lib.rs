@@ -85,7 +85,8 @@ impl RigBuilder {
         self
     }
 
-    /// A fault proxy on every hop: sidecar → Redis, gateway → sidecar, gateway → backend.
+    /// A fault proxy on every hop: sidecar → Redis (when the rig runs its own Redis),
+    /// gateway → sidecar, gateway → backend.
     pub fn fault_proxies(mut self) -> Self {
         self.fault_proxies = true;
         self
@@ -205,9 +206,10 @@ impl Rig {
         self.demo.as_ref().map(DemoBackend::backend)
     }
 
-    /// What the demo backend executed so far (empty without one).
-    pub fn stats(&self) -> Stats {
-        self.backend().map(|b| b.stats()).unwrap_or_default()
+    /// What the demo backend executed so far; `None` when the rig does not run it (never
+    /// an empty record a test could mistake for "nothing ran").
+    pub fn stats(&self) -> Option<Stats> {
+        self.backend().map(|b| b.stats())
     }
 
     /// The rig's own `redis-server`, when it runs one.

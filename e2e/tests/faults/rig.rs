@@ -171,7 +171,9 @@ impl Rig {
 
     /// Ground truth: what the backend executed.
     pub fn stats(&self) -> Stats {
-        self.rig.stats()
+        self.rig
+            .stats()
+            .expect("the fault rig runs the demo backend")
     }
 
     /// A plugin counter, summed over the gateway's workers.
