@@ -1,23 +1,19 @@
-//! An in-process idemgate stack for the gateway groups: the sidecar (memory or Redis
-//! store), a backend, and `idemgate-gateway` running the shipped `envoy/envoy.yaml` with its
+//! The gateway groups' stack: the rig (`idemgate_rig`) with the sidecar on the memory store
+//! or Redis, a backend, and `idemgate-gateway` running the shipped `envoy/envoy.yaml` with its
 //! ports, filter module and plugin configuration replaced. What ships is what is measured:
 //! the listener, route timeout and the sidecar cluster (h2c, circuit breakers) are the file's.
 
-use anyhow::{Context, Result};
-use idemgate_demo::backend::{Backend, Timings};
-use idemgate_host::gateway::config::EnvoyConfig;
-use idemgate_host::gateway::{Gateway, GatewayOptions};
-use idemgate_host::{LogLevel, Metric};
-use idemgate_sidecar::{Config, Sidecar, StoreConfig};
-use std::collections::BTreeMap;
+use anyhow::Result;
+use idemgate_rig::Rig;
+use idemgate_rig::backend::{Backend, Timings};
+use idemgate_rig::gateway::{LiveGateway, Shipped, shipped};
+use idemgate_sidecar::StoreConfig;
 use std::net::SocketAddr;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::sync::Arc;
 
-/// The shipped bootstrap's listener, backend cluster and sidecar cluster.
-const LISTENER: &str = "ingress";
-const BACKEND: &str = "backend";
-const SIDECAR: &str = "idemgate_sidecar";
+/// The shipped bootstrap's sidecar cluster, which the plugin configuration names.
+const SIDECAR: &str = shipped::SIDECAR;
 
 /// How a lock rule treats a call for a resource another call holds.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -71,11 +67,10 @@ pub struct GatewaySpec<'a> {
     pub workers: usize,
 }
 
-/// A running stack; dropping the runtime stops the sidecar and the demo backend.
+/// A running stack; dropping it stops the gateway, the sidecar and the demo backend.
 pub struct Stack {
-    runtime: tokio::runtime::Runtime,
-    sidecar: Option<Sidecar>,
-    gateway: Option<Gateway>,
+    gateway: LiveGateway,
+    rig: Rig,
     /// The demo backend's ground truth, when the stack runs the demo backend.
     pub backend: Option<Arc<Backend>>,
     pub gateway_addr: SocketAddr,
@@ -96,96 +91,38 @@ impl Stack {
         backend: BackendSpec,
         spec: &GatewaySpec<'_>,
     ) -> Result<Stack> {
-        let runtime = tokio::runtime::Builder::new_multi_thread()
-            .worker_threads(2)
-            .enable_all()
-            .build()?;
-        let sidecar = runtime.block_on(Sidecar::spawn(Config::loopback(store)))?;
-        let sidecar_addr = sidecar.addr();
-        let (backend_addr, demo) = match backend {
-            BackendSpec::At(addr) => (addr, None),
-            BackendSpec::Demo => {
-                let demo = Backend::new(Timings::default());
-                let listener = runtime.block_on(tokio::net::TcpListener::bind("127.0.0.1:0"))?;
-                let addr = listener.local_addr()?;
-                let served = Arc::clone(&demo);
-                runtime.spawn(async move {
-                    let _ = idemgate_demo::backend::serve(
-                        listener,
-                        served,
-                        std::future::pending::<()>(),
-                    )
-                    .await;
-                });
-                (addr, Some(demo))
-            }
-        };
-        let mut config = EnvoyConfig::load(spec.envoy_yaml)
-            .with_context(|| format!("loading {}", spec.envoy_yaml.display()))?;
-        config.admin = None;
-        config.set_port(LISTENER, 0)?;
-        config.set_port(BACKEND, backend_addr.port())?;
-        config.set_port(SIDECAR, sidecar_addr.port())?;
-        for listener in &mut config.listeners {
-            if let Some(wasm) = listener.wasm.as_mut() {
-                wasm.code = PathBuf::from(spec.module);
-                wasm.settings.configuration = spec.plugin_config.clone().into_bytes();
-            }
+        let rig = Rig::builder().store(store);
+        let rig = match backend {
+            BackendSpec::Demo => rig.demo_backend(Timings::default()),
+            BackendSpec::At(addr) => rig.backend_at(addr),
         }
-        let gateway = Gateway::start(
-            config,
-            GatewayOptions {
-                concurrency: spec.workers,
-                log_level: Some(LogLevel::Error),
-                ..GatewayOptions::default()
-            },
+        .start()?;
+        let gateway = rig.shipped(
+            &Shipped::default()
+                .envoy_yaml(spec.envoy_yaml)
+                .module(spec.module)
+                .plugin(spec.plugin_config.clone())
+                .workers(spec.workers)
+                .quiet(),
         )?;
-        let gateway_addr = gateway
-            .listener_address(LISTENER)
-            .context("the gateway has no ingress listener")?;
         Ok(Stack {
-            runtime,
-            sidecar: Some(sidecar),
-            gateway: Some(gateway),
-            backend: demo,
-            gateway_addr,
-            sidecar_addr,
+            backend: rig.backend().cloned(),
+            gateway_addr: gateway.addr(),
+            sidecar_addr: rig.sidecar_addr(),
+            gateway,
+            rig,
         })
-    }
-
-    /// The filter's metrics (`idemgate.*`), summed over workers as Envoy shows them.
-    pub fn plugin_metrics(&self) -> BTreeMap<String, Metric> {
-        self.gateway
-            .as_ref()
-            .map(|g| g.shared().metrics())
-            .unwrap_or_default()
     }
 
     /// A counter of the filter's metrics (0 when never incremented).
     pub fn plugin_counter(&self, name: &str) -> i64 {
-        self.plugin_metrics().get(name).map_or(0, |m| m.value)
+        self.gateway.counter(name)
     }
 
     /// Stops the gateway, then the sidecar, reporting how the sidecar ended.
-    pub fn stop(mut self) -> Result<()> {
-        self.halt()
-    }
-
-    fn halt(&mut self) -> Result<()> {
-        if let Some(gateway) = self.gateway.take() {
-            gateway.shutdown();
-        }
-        if let Some(sidecar) = self.sidecar.take() {
-            self.runtime.block_on(sidecar.shutdown())?;
-        }
-        Ok(())
-    }
-}
-
-impl Drop for Stack {
-    fn drop(&mut self) {
-        // Dropped on an error path: the error being returned matters more than this one.
-        let _ = self.halt();
+    pub fn stop(self) -> Result<()> {
+        self.gateway.shutdown();
+        self.rig.stop()
     }
 }
 

@@ -28,7 +28,7 @@ pub fn configurations(text: &str) -> Result<Vec<Found>, String> {
         Ok(doc) => vec![doc],
         Err(_) => {
             let mut docs = Vec::new();
-            for (i, doc) in serde_yaml::Deserializer::from_str(text).enumerate() {
+            for (i, doc) in serde_norway::Deserializer::from_str(text).enumerate() {
                 let value = <Value as serde::Deserialize>::deserialize(doc)
                     .map_err(|e| format!("document {}: not YAML: {e}", i + 1))?;
                 docs.push(value);

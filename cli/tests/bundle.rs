@@ -9,21 +9,20 @@
 //! The bundle this replaces answered 503 to every protected request (the sidecar wanted a
 //! token no plugin sent); the negative controls below show what that looks like here.
 
-#![allow(
-    clippy::unwrap_used,
-    clippy::expect_used,
-    clippy::indexing_slicing,
-    clippy::panic
-)]
+// The whole crate is test code, helpers included: clippy's allow-*-in-tests settings
+// (clippy.toml) see only `#[test]` functions and `cfg(test)` items as tests.
+#![cfg(test)]
 
 use base64::Engine;
 use idemgate_cli::extract;
-use idemgate_demo::backend::{self, Backend, Timings};
 use idemgate_host::gateway::bootstrap::{Bootstrap, LISTENER};
 use idemgate_host::gateway::config::EnvoyConfig;
 use idemgate_host::gateway::{Gateway, GatewayOptions};
+use idemgate_rig::DemoBackend;
+use idemgate_rig::backend::Timings;
+use idemgate_rig::sidecar::InProcessSidecar;
+use idemgate_sidecar::Config as SidecarConfig;
 use idemgate_sidecar::testing::RedisServer;
-use idemgate_sidecar::{Config as SidecarConfig, Sidecar};
 use serde_json::{Value, json};
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
@@ -56,7 +55,7 @@ struct Rendered {
 impl Rendered {
     fn of(overlay: &str) -> Rendered {
         let text = render(overlay);
-        let docs = serde_yaml::Deserializer::from_str(&text)
+        let docs = serde_norway::Deserializer::from_str(&text)
             .map(|d| <Value as serde::Deserialize>::deserialize(d).unwrap())
             .filter(|d| !d.is_null())
             .collect();
@@ -167,7 +166,7 @@ fn gateway(
         .map(|(k, v)| ((*k).to_owned(), json!(v)))
         .collect();
     filter["environment_variables"] = json!({ "key_values": key_values });
-    let yaml = serde_yaml::to_string(&bootstrap).unwrap();
+    let yaml = serde_norway::to_string(&bootstrap).unwrap();
     let config = EnvoyConfig::from_yaml(&yaml, &idemgate_host::target_dir().join(".."))
         .map_err(|e| e.to_string())?;
     let gateway = Gateway::start(
@@ -214,21 +213,8 @@ fn idemgate(args: &[&str], env: &[(&str, &str)]) -> (bool, String) {
 
 #[test]
 fn rendered_overlays_protect_calls_end_to_end_with_the_token_from_one_secret() {
-    let runtime = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .unwrap();
-    let listener = runtime
-        .block_on(tokio::net::TcpListener::bind("127.0.0.1:0"))
-        .unwrap();
-    let backend_addr = listener.local_addr().unwrap();
-    let backend = Backend::new(Timings::default());
-    runtime.spawn(backend::serve(
-        listener,
-        backend.clone(),
-        std::future::pending(),
-    ));
+    let backend = DemoBackend::start(Timings::default()).expect("the demo backend starts");
+    let backend_addr = backend.addr();
     let redis = RedisServer::start().expect("redis-server starts (apt install redis-server)");
     let client = reqwest::blocking::Client::builder()
         .timeout(std::time::Duration::from_secs(20))
@@ -260,12 +246,11 @@ fn rendered_overlays_protect_calls_end_to_end_with_the_token_from_one_secret() {
             "{overlay}: the token is in no custom resource"
         );
 
-        let sidecar = runtime
-            .block_on(Sidecar::spawn(SidecarConfig {
-                auth_token: Some(sidecar_token.clone()),
-                ..SidecarConfig::loopback(redis.store_config())
-            }))
-            .expect("sidecar starts");
+        let sidecar = InProcessSidecar::start(SidecarConfig {
+            auth_token: Some(sidecar_token.clone()),
+            ..SidecarConfig::loopback(redis.store_config())
+        })
+        .expect("sidecar starts");
         let sidecar_addr = sidecar.addr();
 
         let (gw, addr) = gateway(
@@ -363,9 +348,9 @@ fn rendered_overlays_protect_calls_end_to_end_with_the_token_from_one_secret() {
         assert!(released.get("released").is_some(), "{released}");
 
         served.shutdown();
-        runtime.block_on(sidecar.shutdown()).unwrap();
+        sidecar.shutdown().unwrap();
     }
-    let stats = backend.stats();
+    let stats = backend.backend().stats();
     assert_eq!(
         (stats.charges, stats.double_charges),
         (2, 0),

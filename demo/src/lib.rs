@@ -1,7 +1,6 @@
-//! The idemgate demo: a backend whose services break under duplicate calls
-//! ([`backend`]), the scenarios that show it ([`scenarios`]) and the processes that run them
-//! end to end ([`stack`]). Used by `cargo xtask demo`, the end-to-end tests and the benchmarks.
+//! The idemgate demo: the scenarios that show duplicate calls breaking the demo backend
+//! ([`scenarios`]; the backend itself is `idemgate_rig::backend`), played by the
+//! `idemgate-demo` binary (`cargo xtask demo`) on the rig's processes, and by the end-to-end
+//! tests through live gateways.
 
-pub mod backend;
 pub mod scenarios;
-pub mod stack;

@@ -5,7 +5,7 @@
 //! A scenario is data ([`Call`]s with send offsets), so the same schedule runs anywhere;
 //! [`play`] sends every call at its offset, concurrently, and records what came back.
 
-use crate::backend::{SEQ_HEADER, Stats, WORK_HEADER};
+use idemgate_rig::backend::{SEQ_HEADER, Stats, WORK_HEADER};
 use std::time::{Duration, Instant};
 
 /// One HTTP call of a scenario.

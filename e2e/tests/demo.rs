@@ -2,7 +2,7 @@
 //! the demo backend and the gateway as processes on real ports. The binaries are built on
 //! first use with `cargo build` (a no-op when they are fresh).
 
-use crate::util::live::eventually;
+use idemgate_e2e::live::eventually;
 use idemgate_sidecar::testing::RedisServer;
 use std::io::{BufRead, BufReader};
 use std::net::{SocketAddr, TcpStream};

@@ -7,8 +7,10 @@
 //! Envoy's path normalisation (`normalize_path`, `merge_slashes`, escaped-slash action): what
 //! holds here is the filter's own layer, for deployments that do not set Envoy's.
 
-use crate::util::live::*;
-use crate::util::{Reply, Stack, dead_address, http};
+use idemgate_e2e::client::{Reply, http};
+use idemgate_e2e::harness::dead_address;
+use idemgate_e2e::live::*;
+use idemgate_e2e::stack::Stack;
 use idemgate_host::gateway::bootstrap::Bootstrap;
 use std::net::SocketAddr;
 use std::thread::JoinHandle;
@@ -64,7 +66,7 @@ fn every_spelling_of_a_guarded_path_is_guarded_by_the_filter_itself() {
         "the proof needs a gateway without Envoy's normalisation"
     );
     let gateway = variant_of(bootstrap, 1);
-    let g = gateway.addr;
+    let g = gateway.addr();
 
     // Two spellings of agent a2's "attach tool" (queue mode) never run together.
     let plain = spawn_post(g, "/agents/a2/tools", "plain", 300);
@@ -160,7 +162,7 @@ fn a_backend_never_sees_a_fencing_or_degraded_header_idemgate_did_not_set() {
         .retain(|r| r["name"] != "start-bot");
     rule(&mut plugin, "payments")["key"]["required"] = false.into();
     let degraded = variant(demo.addr, dead_address(), &plugin, 1);
-    let d = degraded.addr;
+    let d = degraded.addr();
     assert_eq!(
         post(d, "/bots/f1/start", "unmatched", 10, &forged).status,
         201
@@ -184,7 +186,7 @@ fn a_backend_never_sees_a_fencing_or_degraded_header_idemgate_did_not_set() {
     // Granted by the sidecar: the backend sees idemgate's token only, and a later guarded
     // write on the resource the forged calls touched is not refused.
     let guarded = variant(demo.addr, stack.addr, &shipped_plugin(), 1);
-    let reply = post(guarded.addr, "/agents/f1/tools", "granted", 10, &forged);
+    let reply = post(guarded.addr(), "/agents/f1/tools", "granted", 10, &forged);
     assert_eq!(reply.status, 200, "{reply:?}");
     let b = demo.stats();
     let fences = &b.fences["agent:f1"];

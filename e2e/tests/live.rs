@@ -8,10 +8,13 @@
 //! The schedules are `idemgate_demo::scenarios` where the demo plays the same situation, so
 //! what `cargo xtask demo` shows is what is asserted here.
 
-use crate::util::live::*;
-use crate::util::{Reply, Stack, http};
 use idemgate_demo::scenarios;
+use idemgate_e2e::client::{Reply, http};
+use idemgate_e2e::live::*;
+use idemgate_e2e::stack::Stack;
 use idemgate_host::gateway::bootstrap::{Bootstrap, FilterSpec};
+use idemgate_rig::fault_proxy::{Fault, FaultProxy};
+use idemgate_rig::gateway::LiveGateway;
 use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 
@@ -149,7 +152,7 @@ fn scenario_3_a_hundred_queued_calls_run_one_at_a_time_in_arrival_order() {
     let stack = Stack::start();
     let demo = Demo::start();
     let gateway = shipped(demo.addr, stack.addr, 2);
-    let addr = gateway.addr;
+    let addr = gateway.addr();
     let resource = "agent:agent-3";
     let mut clients = vec![std::thread::spawn(move || {
         attach(addr, "agent-3", 0, 3_000)
@@ -185,7 +188,7 @@ fn scenario_3_a_hundred_concurrent_calls_in_reject_mode_run_once() {
     let stack = Stack::start();
     let demo = Demo::start();
     let gateway = shipped(demo.addr, stack.addr, 2);
-    let addr = gateway.addr;
+    let addr = gateway.addr();
     let first = std::thread::spawn(move || start_bot(addr, "bot-3", "first", 5_000));
     demo.wait_started("bot:bot-3", "first");
     let duplicates: Vec<_> = (0..99)
@@ -235,12 +238,12 @@ fn scenario_4_a_retried_payment_is_charged_once_and_replayed() {
     );
     assert_eq!((run.backend.charges, run.backend.double_charges), (1, 0));
 
-    let no_key = pay(gateway.addr, "demo-user", None, r#"{"amount":1}"#, 10);
+    let no_key = pay(gateway.addr(), "demo-user", None, r#"{"amount":1}"#, 10);
     assert_eq!(no_key.status, 400, "{no_key:?}");
     assert!(problem_type(&no_key).starts_with("urn:idemgate:problem:"));
 
     let other_user = pay(
-        gateway.addr,
+        gateway.addr(),
         "another-user",
         Some("pay-4"),
         r#"{"amount":4200}"#,
@@ -267,11 +270,11 @@ fn scenario_4_the_same_key_with_another_body_is_422() {
         ),
         1,
     );
-    let first = pay(gateway.addr, "u", Some("k-422"), r#"{"amount":1}"#, 10);
+    let first = pay(gateway.addr(), "u", Some("k-422"), r#"{"amount":1}"#, 10);
     assert_eq!(first.status, 201, "{first:?}");
-    let again = pay(gateway.addr, "u", Some("k-422"), r#"{"amount":1}"#, 10);
+    let again = pay(gateway.addr(), "u", Some("k-422"), r#"{"amount":1}"#, 10);
     assert_eq!(again.header("idempotent-replayed"), Some("true"));
-    let changed = pay(gateway.addr, "u", Some("k-422"), r#"{"amount":2}"#, 10);
+    let changed = pay(gateway.addr(), "u", Some("k-422"), r#"{"amount":2}"#, 10);
     assert_eq!(changed.status, 422, "{changed:?}");
     assert_eq!(problem_type(&changed), "urn:idemgate:problem:key-reused");
     assert_eq!(demo.stats().charges, 1);
@@ -283,7 +286,7 @@ fn wait_until_guarded(demo: &Demo, gateway: &LiveGateway, user: &str) {
     let deadline = Instant::now() + Duration::from_secs(60);
     for attempt in 0.. {
         let key = format!("after-{attempt}");
-        let reply = pay(gateway.addr, user, Some(&key), r#"{"amount":1}"#, 10);
+        let reply = pay(gateway.addr(), user, Some(&key), r#"{"amount":1}"#, 10);
         let resource = format!("payment:{user}:{key}");
         if reply.status == 201 && demo.stats().fences.contains_key(&resource) {
             assert_eq!(reply.header("x-idemgate-degraded"), None);
@@ -306,21 +309,27 @@ fn scenario_5_sidecar_killed_fail_closed_then_recovers() {
     let demo = Demo::start();
     let gateway = shipped(demo.addr, stack.addr, 1);
     assert_eq!(
-        pay(gateway.addr, "u5", Some("before"), AMOUNT, 10).status,
+        pay(gateway.addr(), "u5", Some("before"), AMOUNT, 10).status,
         201
     );
-    let addr = gateway.addr;
+    let addr = gateway.addr();
     let in_flight = std::thread::spawn(move || pay(addr, "u5", Some("in-flight"), AMOUNT, 2_000));
     demo.wait_started("payment:u5:in-flight", "in-flight");
     stack.kill_sidecar();
-    let duplicate = pay(gateway.addr, "u5", Some("in-flight"), AMOUNT, 10);
+    let duplicate = pay(gateway.addr(), "u5", Some("in-flight"), AMOUNT, 10);
     assert!(
         matches!(duplicate.status, 409 | 503),
         "the duplicate is refused: {duplicate:?}"
     );
     assert!(duplicate.header("retry-after").is_some(), "{duplicate:?}");
     for i in 0..6 {
-        let reply = pay(gateway.addr, "u5", Some(&format!("during-{i}")), AMOUNT, 10);
+        let reply = pay(
+            gateway.addr(),
+            "u5",
+            Some(&format!("during-{i}")),
+            AMOUNT,
+            10,
+        );
         assert_eq!(reply.status, 503, "{reply:?}");
         assert_eq!(problem_type(&reply), "urn:idemgate:problem:unavailable");
         assert!(reply.header("retry-after").is_some(), "{reply:?}");
@@ -347,13 +356,13 @@ fn scenario_5_sidecar_killed_fail_open_passes_marked_then_recovers() {
     plugin["failure_mode"] = "open".into();
     let gateway = variant(demo.addr, stack.addr, &plugin, 1);
     assert_eq!(
-        pay(gateway.addr, "u5o", Some("before"), AMOUNT, 10).status,
+        pay(gateway.addr(), "u5o", Some("before"), AMOUNT, 10).status,
         201
     );
     stack.kill_sidecar();
     for i in 0..3 {
         let reply = pay(
-            gateway.addr,
+            gateway.addr(),
             "u5o",
             Some(&format!("during-{i}")),
             AMOUNT,
@@ -379,16 +388,16 @@ fn scenario_5_sidecar_killed_fail_local_still_catches_duplicates_on_one_gateway(
     plugin["failure_mode"] = "local".into();
     let gateway = variant(demo.addr, stack.addr, &plugin, 2);
     stack.kill_sidecar();
-    let addr = gateway.addr;
+    let addr = gateway.addr();
     let first = std::thread::spawn(move || pay(addr, "u5l", Some("local-1"), AMOUNT, 2_000));
     demo.wait_started("payment:u5l:local-1", "local-1");
     for _ in 0..4 {
-        let duplicate = pay(gateway.addr, "u5l", Some("local-1"), AMOUNT, 10);
+        let duplicate = pay(gateway.addr(), "u5l", Some("local-1"), AMOUNT, 10);
         assert_in_progress(&duplicate);
     }
     let first = first.join().unwrap();
     assert_eq!(first.status, 201, "{first:?}");
-    let replay = pay(gateway.addr, "u5l", Some("local-1"), AMOUNT, 10);
+    let replay = pay(gateway.addr(), "u5l", Some("local-1"), AMOUNT, 10);
     assert_eq!(replay.status, 201, "{replay:?}");
     assert_eq!(replay.body, first.body, "replayed from the local tier");
     let b = demo.stats();
@@ -407,7 +416,7 @@ fn scenario_6_duplicates_split_across_two_gateways_run_once() {
         shipped(demo.addr, stack.addr, 2),
         shipped(demo.addr, stack.addr, 2),
     ];
-    let [a, b] = [gateways[0].addr, gateways[1].addr];
+    let [a, b] = [gateways[0].addr(), gateways[1].addr()];
 
     // A double-click on two gateways.
     let first = std::thread::spawn(move || start_bot(a, "bot-6", "a", 1_000));
@@ -461,16 +470,16 @@ fn scenario_7_an_expired_holder_s_late_write_is_refused_by_its_fencing_token() {
     let mut plugin = shipped_plugin();
     plugin["tick"] = "200ms".into();
     rule(&mut plugin, "start-bot")["lease"] = "2s".into();
-    let relay = Relay::start(stack.addr);
-    let old = variant(demo.addr, relay.addr, &plugin, 1);
+    let relay = FaultProxy::start(stack.addr).expect("a proxy to the sidecar");
+    let old = variant(demo.addr, relay.addr(), &plugin, 1);
     let new = variant(demo.addr, stack.addr, &plugin, 1);
-    let old_addr = old.addr;
+    let old_addr = old.addr();
     let late = std::thread::spawn(move || start_bot(old_addr, "bot-7", "old", 10_000));
     demo.wait_started("bot:bot-7", "old");
-    relay.cut();
+    relay.set(Fault::Close);
     let deadline = Instant::now() + Duration::from_secs(30);
     let next = loop {
-        let reply = start_bot(new.addr, "bot-7", "new", 10);
+        let reply = start_bot(new.addr(), "bot-7", "new", 10);
         if reply.status != 409 {
             break reply;
         }

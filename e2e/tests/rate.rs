@@ -6,7 +6,8 @@
 //! tier runs on Redis's clock, so tests there use rates whose refill during the test is below
 //! one request, and state that tolerance.
 
-use crate::util::*;
+use idemgate_e2e::harness::*;
+use idemgate_e2e::stack::Stack;
 use idemgate_host::testing::{TestStream, TestVm};
 use std::time::{Duration, Instant};
 

@@ -1,6 +1,8 @@
 //! The scenarios, one function each.
 
-use crate::util::*;
+use idemgate_e2e::client::*;
+use idemgate_e2e::harness::*;
+use idemgate_e2e::stack::Stack;
 use idemgate_host::HeaderMap;
 use idemgate_host::gateway::bootstrap::{Bootstrap, LISTENER};
 use idemgate_host::testing::{Request, TestStream};

@@ -354,7 +354,10 @@ fn close_stream(c: &mut Ctx<'_>, ty: i32) -> HostResult {
     Ok(Status::Ok)
 }
 
-#[allow(clippy::too_many_arguments)]
+#[allow(
+    clippy::too_many_arguments,
+    reason = "the hostcall's arguments, as the ABI passes them"
+)]
 fn send_local_response(
     c: &mut Ctx<'_>,
     status: i32,
@@ -415,7 +418,10 @@ fn done(c: &mut Ctx<'_>) -> HostResult {
 
 // ---- callouts ----
 
-#[allow(clippy::too_many_arguments)]
+#[allow(
+    clippy::too_many_arguments,
+    reason = "the hostcall's arguments, as the ABI passes them"
+)]
 fn http_call(
     c: &mut Ctx<'_>,
     up: i32,

@@ -100,7 +100,7 @@ fn random_get(c: &mut Ctx<'_>, buf: i32, len: i32) -> i32 {
         return INVAL;
     }
     let mut bytes = vec![0u8; len];
-    if getrandom::getrandom(&mut bytes).is_err() {
+    if getrandom::fill(&mut bytes).is_err() {
         return INVAL;
     }
     errno(write(c, buf, &bytes))

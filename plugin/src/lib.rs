@@ -3,11 +3,11 @@
 //!
 //! | module | owns |
 //! |---|---|
-//! | [`root`] | the root context: configuration, the tick, every sidecar callout and its answer |
-//! | [`stream`] | the HTTP context: feeds stream events to the request's `Flow` |
-//! | [`environment`] | the VM's environment variables (`sidecar.token_env`) |
-//! | [`host`] | the ports of `idemgate-core` over `proxy_wasm::hostcalls` (never the panicking helpers) |
-//! | [`vm`] | the per-VM state shared by the root and its streams |
+//! | `root` | the root context: configuration, the tick, every sidecar callout and its answer |
+//! | `stream` | the HTTP context: feeds stream events to the request's `Flow` |
+//! | `environment` | the VM's environment variables (`sidecar.token_env`) |
+//! | `host` | the ports of `idemgate-core` over `proxy_wasm::hostcalls` (never the panicking helpers) |
+//! | `vm` | the per-VM state shared by the root and its streams |
 
 mod environment;
 mod host;

@@ -88,7 +88,11 @@ impl Context for Root {
 
 impl RootContext for Root {
     fn on_vm_start(&mut self, _vm_configuration_size: usize) -> bool {
-        log::info!("idemgate {} starting", env!("CARGO_PKG_VERSION"));
+        log::info!(
+            "idemgate {} ({}) starting",
+            env!("CARGO_PKG_VERSION"),
+            env!("IDEMGATE_GIT_COMMIT")
+        );
         true
     }
 

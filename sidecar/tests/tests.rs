@@ -1,11 +1,8 @@
 //! The sidecar's integration tests: black-box over real sockets against in-process
 //! sidecars; Redis-backed ones start their own `redis-server` on a free loopback port.
-#![allow(
-    clippy::unwrap_used,
-    clippy::expect_used,
-    clippy::panic,
-    clippy::indexing_slicing
-)]
+// The whole crate is test code, helpers included: clippy's allow-*-in-tests settings
+// (clippy.toml) see only `#[test]` functions and `cfg(test)` items as tests.
+#![cfg(test)]
 
 mod util;
 

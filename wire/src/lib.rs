@@ -126,7 +126,7 @@ pub struct ClaimRequest {
 /// some) while requests reject them (a typo must not silently change a claim).
 ///
 /// On the wire it is internally tagged (`{"outcome":"granted",...}`); it is decoded through
-/// the flat [`answer::ClaimAnswer`] because serde's internally tagged decoding buffers the
+/// the flat `answer::ClaimAnswer` because serde's internally tagged decoding buffers the
 /// document first, which costs the filter's `.wasm` ~20 KB.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(tag = "outcome", rename_all = "snake_case")]

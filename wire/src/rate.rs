@@ -181,7 +181,6 @@ pub struct RateOutcome {
 
 #[cfg(test)]
 mod tests {
-    #![allow(clippy::unwrap_used, clippy::indexing_slicing)]
     use super::*;
 
     const TEN_PER_SECOND_BURST_20: Rate = Rate {

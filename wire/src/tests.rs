@@ -1,5 +1,3 @@
-#![allow(clippy::unwrap_used, clippy::indexing_slicing)]
-
 use super::*;
 use alloc::string::ToString;
 use alloc::vec;

@@ -20,8 +20,9 @@ commands:
   bench   [group...]  measure idemgate against same-run baselines and write BENCHMARKS.md
           (groups: plugin, host, sidecar, queue, storm, e2e; all when none is named)
   wasm    build the filter to target/idemgate.wasm (and the host-test fixtures)
-  test    the whole test suite: fmt, clippy (native and wasm32), Envoy config schema checks,
-          unit tests, wasm build, then every test that loads the built wasm, then the images
+  test    the whole test suite: fmt, clippy (native and wasm32), docs (warnings denied),
+          Envoy config schema checks, unit tests, wasm build, then every test that loads
+          the built wasm, then the images
   integration  only the last step of `test`: every integration test binary, two at a time
           (needs `cargo xtask wasm` first)
   bundle  render the Kubernetes overlays and validate them (schemas, token wiring, idemgate
@@ -97,6 +98,14 @@ fn test(root: &Path) -> Result<()> {
                 "-D",
                 "warnings",
             ])
+            .current_dir(root),
+    )?;
+    // After clippy, so it reuses clippy's metadata for the dependencies (no codegen).
+    cmd::step(
+        "docs",
+        cmd::cargo()
+            .args(["doc", "--workspace", "--no-deps"])
+            .env("RUSTDOCFLAGS", "-D warnings")
             .current_dir(root),
     )?;
     envoy::check(root)?;

@@ -1,7 +1,7 @@
 //! Runs the demo backend on its own, e.g. behind a real Envoy.
 
 use clap::Parser;
-use idemgate_demo::backend::{self, Backend, Timings};
+use idemgate_rig::backend::{self, Backend, Timings};
 use std::time::Duration;
 
 #[derive(Parser)]

@@ -6,7 +6,7 @@
 use anyhow::{Result, bail};
 use clap::Parser;
 use idemgate_demo::scenarios::{self, Run, Scenario};
-use idemgate_demo::stack::{Stack, StackConfig};
+use idemgate_rig::processes::{Stack, StackConfig};
 use std::path::PathBuf;
 use std::process::ExitCode;
 use std::time::Duration;

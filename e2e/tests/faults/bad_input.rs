@@ -180,15 +180,15 @@ fn replay_never_crosses_scopes_and_nothing_stores_or_logs_raw_identities() {
     assert_eq!(rig.stats().charges, 3);
 
     // Redis: key names and string/hash values carry hashes, never the raw key or caller.
-    let names = rig.redis.cli(&["--scan"]).unwrap();
+    let names = rig.redis().cli(&["--scan"]).unwrap();
     let mut dump = names.clone();
     for name in names.lines().filter(|n| !n.is_empty()) {
-        let kind = rig.redis.cli(&["type", name]).unwrap_or_default();
+        let kind = rig.redis().cli(&["type", name]).unwrap_or_default();
         let value = match kind.trim() {
-            "string" => rig.redis.cli(&["--raw", "get", name]),
-            "hash" => rig.redis.cli(&["--raw", "hgetall", name]),
-            "list" => rig.redis.cli(&["--raw", "lrange", name, "0", "-1"]),
-            "zset" => rig.redis.cli(&["--raw", "zrange", name, "0", "-1"]),
+            "string" => rig.redis().cli(&["--raw", "get", name]),
+            "hash" => rig.redis().cli(&["--raw", "hgetall", name]),
+            "list" => rig.redis().cli(&["--raw", "lrange", name, "0", "-1"]),
+            "zset" => rig.redis().cli(&["--raw", "zrange", name, "0", "-1"]),
             _ => Ok(String::new()),
         };
         dump.push_str(&value.unwrap_or_default());

@@ -3,7 +3,7 @@
 //! records), and neither sees it once it is released.
 
 use crate::rig::*;
-use crate::util::http;
+use idemgate_e2e::client::http;
 use idemgate_wire::{ClaimOutcome, ClaimRequest, Mode, paths};
 
 #[test]

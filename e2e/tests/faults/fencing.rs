@@ -2,7 +2,7 @@
 //! token, and the backend refuses the old holder's late write.
 
 use crate::rig::*;
-use idemgate_e2e::fault_proxy::Fault;
+use idemgate_rig::fault_proxy::Fault;
 use std::time::{Duration, Instant};
 
 const TOOLS: &str = r#"[{"name":"tools","mode":"lock","match":{"path_template":"/agents/{agent}/tools"},"key":{"path_param":"agent"},"lease":"1s","on_conflict":"queue","queue":{"max_wait":"10s"}}]"#;
@@ -14,9 +14,7 @@ fn a_holder_partitioned_past_its_lease_is_fenced_out_by_the_backend() {
         ..Options::default()
     });
     let other = rig.second_gateway(TOOLS);
-    let other_addr = other
-        .listener_address(idemgate_host::gateway::bootstrap::LISTENER)
-        .unwrap();
+    let other_addr = other.addr();
     let addr = rig.addr;
     // Gateway A's holder runs 3 s; its lease is 1 s, renewed every 0.5 s from the tick.
     let stalled = std::thread::spawn(move || {
@@ -37,7 +35,7 @@ fn a_holder_partitioned_past_its_lease_is_fenced_out_by_the_backend() {
         std::thread::sleep(Duration::from_millis(20));
     }
     // Gateway A loses the sidecar: its renewals stop arriving, the lease runs out.
-    rig.sidecar_proxy.set(Fault::Blackhole);
+    rig.sidecar_proxy().set(Fault::Blackhole);
     let next = send(
         other_addr,
         "POST",
@@ -72,7 +70,7 @@ fn a_holder_partitioned_past_its_lease_is_fenced_out_by_the_backend() {
         rig.counter("idemgate.sidecar.errors") >= 1,
         "renewals failed"
     );
-    rig.sidecar_proxy.set(Fault::None);
+    rig.sidecar_proxy().set(Fault::None);
     other.shutdown();
     rig.assert_no_lock_held_after(Duration::from_secs(1));
 }

@@ -21,7 +21,7 @@ fn redis_emptied_queued_waiters_never_run_beside_this_gateways_holder() {
         .collect();
     std::thread::sleep(Duration::from_millis(300));
     // Redis empties (a restart without persistence) while the holder runs.
-    rig.redis.cli(&["FLUSHALL"]).expect("FLUSHALL");
+    rig.redis().cli(&["FLUSHALL"]).expect("FLUSHALL");
 
     let holder = holder.join().unwrap();
     let waiters: Vec<Call> = waiters.into_iter().map(|w| w.join().unwrap()).collect();

@@ -4,7 +4,7 @@
 //! the owner releases or renews, fencing tokens strictly increase per key, a completed key
 //! is replayed, never granted again.
 
-use crate::util::http;
+use idemgate_e2e::client::http;
 use idemgate_sidecar::testing::RedisServer;
 use idemgate_sidecar::{Config, Sidecar, StoreConfig};
 use idemgate_wire::{

@@ -2,7 +2,7 @@
 //! root sends `/v1/leave` when the stream ends, so their places do not fill the queue.
 
 use crate::rig::*;
-use crate::util::http;
+use idemgate_e2e::client::http;
 use std::time::{Duration, Instant};
 
 /// Lock mode, queued, at most 8 waiters per agent (what 30 quitters would fill).

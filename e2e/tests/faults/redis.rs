@@ -1,7 +1,7 @@
 //! Redis dies, restarts empty, turns slow, or disappears behind a partition.
 
 use crate::rig::*;
-use idemgate_e2e::fault_proxy::Fault;
+use idemgate_rig::fault_proxy::Fault;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
@@ -33,9 +33,9 @@ fn redis_killed_and_restarted_empty_mid_run_executes_nothing_twice() {
             calls
         });
         std::thread::sleep(Duration::from_millis(400));
-        rig.redis.stop();
+        rig.redis_mut().stop();
         std::thread::sleep(Duration::from_millis(700));
-        rig.redis.restart().expect("redis restarts (empty)");
+        rig.redis_mut().restart().expect("redis restarts (empty)");
         outage_over.store(true, Ordering::SeqCst);
         load.join().unwrap()
     });
@@ -67,7 +67,7 @@ fn redis_slow_then_blackholed_answers_within_bounds_and_recovers() {
         ..Options::default()
     });
     // Slow: 200 ms each way on every Redis exchange. Everything still works, once per key.
-    rig.redis_proxy
+    rig.redis_proxy()
         .set(Fault::Latency(Duration::from_millis(200)));
     let slow_keys = keys("redis-slow", 4);
     let calls = duplicate_payments(rig.addr, &slow_keys, 3, 100);
@@ -78,7 +78,7 @@ fn redis_slow_then_blackholed_answers_within_bounds_and_recovers() {
 
     // Blackholed: the sidecar's Redis calls time out (2 s), it answers 503, the filter fails
     // closed within its callout timeout.
-    rig.redis_proxy.set(Fault::Blackhole);
+    rig.redis_proxy().set(Fault::Blackhole);
     let calls = duplicate_payments(rig.addr, &keys("redis-hole", 2), 2, 100);
     assert_all_answered(&calls, &[409, 503]);
     assert!(calls.iter().any(|c| c.status() == 503));
@@ -89,7 +89,7 @@ fn redis_slow_then_blackholed_answers_within_bounds_and_recovers() {
     assert!(rig.counter("idemgate.requests.failed_closed") >= 1);
     assert_eq!(rig.stats().charges, 4, "nothing ran during the partition");
 
-    rig.redis_proxy.set(Fault::None);
+    rig.redis_proxy().set(Fault::None);
     let healed = until_status(201, Duration::from_secs(20), || {
         pay(rig.addr, "redis-healed", 10)
     });

@@ -1,19 +1,21 @@
-//! The fault rig: real Redis, an in-process sidecar on its own runtime (so it can be killed
-//! like a process), the demo backend (ground truth: what really executed), and the live
-//! harness gateway running `target/idemgate.wasm` — with a [`FaultProxy`] on every hop:
+//! The fault suite's rig: `idemgate_rig`'s stack with a [`FaultProxy`] on every hop — real
+//! Redis, an in-process sidecar on its own runtime (so it can be killed like a process), the
+//! demo backend (ground truth: what really executed) — and the live harness gateway running
+//! `target/idemgate.wasm`, plus the load and checks the fault tests share:
 //!
 //! ```text
 //! clients → gateway ─→ sidecar_proxy → sidecar ─→ redis_proxy → redis-server
 //!                   └→ backend_proxy → demo backend
 //! ```
 
-use crate::util::{Reply, SIDECAR, http};
-use idemgate_demo::backend::{self, Backend, Stats, Timings};
-use idemgate_e2e::fault_proxy::FaultProxy;
-use idemgate_host::gateway::Gateway as LiveGateway;
-use idemgate_host::gateway::bootstrap::{self, Bootstrap, ClusterSpec, FilterSpec};
+use idemgate_e2e::client::{Reply, http};
+use idemgate_e2e::harness::SIDECAR;
+use idemgate_host::gateway::bootstrap::{Bootstrap, ClusterSpec, FilterSpec};
+use idemgate_rig::backend::{Stats, Timings};
+use idemgate_rig::fault_proxy::FaultProxy;
+use idemgate_rig::gateway::LiveGateway;
+use idemgate_rig::sidecar::InProcessSidecar;
 use idemgate_sidecar::testing::RedisServer;
-use idemgate_sidecar::{Config as SidecarConfig, Sidecar};
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -63,99 +65,83 @@ pub fn plugin_config(timeout: &str, extra: &str, rules: &str) -> String {
     )
 }
 
+/// The rig with a fault proxy on every hop and one gateway, started by [`Rig::start`].
 pub struct Rig {
-    pub redis: RedisServer,
-    pub redis_proxy: FaultProxy,
-    sidecar_config: SidecarConfig,
-    sidecar: Option<(tokio::runtime::Runtime, Sidecar)>,
-    pub sidecar_proxy: FaultProxy,
-    pub backend: Arc<Backend>,
-    _backend_runtime: tokio::runtime::Runtime,
-    pub backend_proxy: FaultProxy,
-    gateway: Option<LiveGateway>,
+    rig: idemgate_rig::Rig,
+    gateway: LiveGateway,
     pub addr: SocketAddr,
 }
 
 impl Rig {
     pub fn start(options: Options) -> Rig {
-        let redis = RedisServer::start().expect("redis-server starts");
-        let redis_addr = SocketAddr::from(([127, 0, 0, 1], redis.port()));
-        let redis_proxy = FaultProxy::start(redis_addr).expect("redis proxy");
-        let mut store = redis.store_config();
-        if let idemgate_sidecar::StoreConfig::Redis(r) = &mut store {
-            r.urls = vec![format!("redis://{}", redis_proxy.addr())];
-        }
-        let mut sidecar_config = SidecarConfig::loopback(store);
-        sidecar_config.store_timeout = options.store_timeout;
-        sidecar_config.recheck = Duration::from_millis(100);
-        let sidecar = spawn_sidecar(&sidecar_config);
-        let sidecar_proxy = FaultProxy::start(sidecar.1.addr()).expect("sidecar proxy");
-
-        let backend_runtime = tokio::runtime::Builder::new_multi_thread()
-            .worker_threads(2)
-            .enable_all()
-            .build()
-            .expect("backend runtime");
-        let backend = Backend::new(Timings {
-            bot_spawn: Duration::from_millis(200),
-            attach: Duration::from_millis(50),
-            payment: Duration::from_millis(100),
-        });
-        let listener = backend_runtime
-            .block_on(tokio::net::TcpListener::bind("127.0.0.1:0"))
-            .expect("bind backend");
-        let backend_addr = listener.local_addr().expect("backend addr");
-        backend_runtime.spawn(backend::serve(
-            listener,
-            Arc::clone(&backend),
-            std::future::pending(),
-        ));
-        let backend_proxy = FaultProxy::start(backend_addr).expect("backend proxy");
-
+        let store_timeout = options.store_timeout;
+        let rig = idemgate_rig::Rig::builder()
+            .redis()
+            .fault_proxies()
+            .sidecar(move |config| {
+                config.store_timeout = store_timeout;
+                config.recheck = Duration::from_millis(100);
+            })
+            .demo_backend(Timings {
+                bot_spawn: Duration::from_millis(200),
+                attach: Duration::from_millis(50),
+                payment: Duration::from_millis(100),
+            })
+            .start()
+            .expect("redis-server, the sidecar, the backend and the proxies start");
         let plugin = plugin_config(options.sidecar_timeout, options.plugin_extra, options.rules);
         let sidecar_cluster = if options.sidecar_http2 {
-            ClusterSpec::sidecar(sidecar_proxy.addr())
+            ClusterSpec::sidecar(rig.sidecar_hop())
         } else {
-            ClusterSpec::at(SIDECAR, sidecar_proxy.addr())
+            ClusterSpec::at(SIDECAR, rig.sidecar_hop())
         };
-        let gateway = Bootstrap::new(backend_proxy.addr())
+        let bootstrap = Bootstrap::new(rig.backend_hop().expect("the rig has a backend"))
             .route_timeout(options.route_timeout)
             .filter(FilterSpec::idemgate(&plugin))
-            .cluster(sidecar_cluster)
-            .start(2)
+            .cluster(sidecar_cluster);
+        let gateway = LiveGateway::from_bootstrap(&bootstrap, 2)
             .expect("the gateway starts (build target/idemgate.wasm: cargo xtask wasm)");
-        let addr = gateway
-            .listener_address(bootstrap::LISTENER)
-            .expect("listener");
         Rig {
-            redis,
-            redis_proxy,
-            sidecar_config,
-            sidecar: Some(sidecar),
-            sidecar_proxy,
-            backend,
-            _backend_runtime: backend_runtime,
-            backend_proxy,
-            gateway: Some(gateway),
-            addr,
+            addr: gateway.addr(),
+            rig,
+            gateway,
         }
+    }
+
+    pub fn redis(&self) -> &RedisServer {
+        self.rig.redis().expect("the fault rig runs Redis")
+    }
+
+    pub fn redis_mut(&mut self) -> &mut RedisServer {
+        self.rig.redis_mut().expect("the fault rig runs Redis")
+    }
+
+    /// Between the sidecar and Redis.
+    pub fn redis_proxy(&self) -> &FaultProxy {
+        self.rig.redis_proxy().expect("the fault rig has proxies")
+    }
+
+    /// Between the gateway and the sidecar.
+    pub fn sidecar_proxy(&self) -> &FaultProxy {
+        self.rig.sidecar_proxy().expect("the fault rig has proxies")
+    }
+
+    /// Between the gateway and the demo backend.
+    pub fn backend_proxy(&self) -> &FaultProxy {
+        self.rig.backend_proxy().expect("the fault rig has proxies")
     }
 
     /// The sidecar dies as a process would: every task and socket dropped at once, waiting
     /// long-polls cut without an answer.
     pub fn kill_sidecar(&mut self) {
-        if let Some((runtime, sidecar)) = self.sidecar.take() {
-            drop(sidecar);
-            runtime.shutdown_background();
-        }
+        self.rig.kill_sidecar().expect("the sidecar dies");
     }
 
-    /// A new sidecar process (same Redis, new port); the gateway's hop is pointed at it.
+    /// A new sidecar process on the same Redis and address, behind the same proxy.
     pub fn restart_sidecar(&mut self) {
-        self.kill_sidecar();
-        let sidecar = spawn_sidecar(&self.sidecar_config);
-        self.sidecar_proxy.retarget(sidecar.1.addr());
-        self.sidecar = Some(sidecar);
+        self.rig
+            .restart_sidecar()
+            .expect("the sidecar starts again");
     }
 
     /// Another gateway (another Envoy) with its own shared data, calling the sidecar
@@ -167,43 +153,37 @@ impl Rig {
     /// A gateway like [`Rig::second_gateway`] calling the sidecar at `sidecar`.
     pub fn gateway_to(&self, sidecar: SocketAddr, rules: &str) -> LiveGateway {
         let plugin = plugin_config("1s", "", rules);
-        Bootstrap::idemgate(self.backend_proxy.addr(), sidecar, &plugin)
-            .route_timeout(Duration::from_secs(30))
-            .start(1)
-            .expect("the gateway starts")
+        let backend = self.rig.backend_hop().expect("the rig has a backend");
+        let bootstrap =
+            Bootstrap::idemgate(backend, sidecar, &plugin).route_timeout(Duration::from_secs(30));
+        LiveGateway::from_bootstrap(&bootstrap, 1).expect("the gateway starts")
     }
 
-    /// Another sidecar process on the same Redis; killed by dropping the runtime.
-    pub fn another_sidecar(&self) -> (tokio::runtime::Runtime, Sidecar) {
-        spawn_sidecar(&self.sidecar_config)
+    /// Another sidecar process on the same Redis; [`InProcessSidecar::kill`] kills it.
+    pub fn another_sidecar(&self) -> InProcessSidecar {
+        self.rig.another_sidecar().expect("another sidecar starts")
     }
 
+    /// Where the sidecar itself listens (behind [`Rig::sidecar_proxy`]).
     pub fn sidecar_addr(&self) -> SocketAddr {
-        self.sidecar
-            .as_ref()
-            .map(|(_, s)| s.addr())
-            .expect("a running sidecar")
+        self.rig.sidecar_addr()
     }
 
     /// Ground truth: what the backend executed.
     pub fn stats(&self) -> Stats {
-        self.backend.stats()
+        self.rig
+            .stats()
+            .expect("the fault rig runs the demo backend")
     }
 
     /// A plugin counter, summed over the gateway's workers.
     pub fn counter(&self, name: &str) -> i64 {
-        self.gateway
-            .as_ref()
-            .and_then(|g| g.shared().metrics().get(name).map(|m| m.value))
-            .unwrap_or(0)
+        self.gateway.counter(name)
     }
 
     /// Every line the filter logged on this gateway.
     pub fn gateway_logs(&self) -> Vec<String> {
-        self.gateway
-            .as_ref()
-            .map(|g| g.shared().logs().into_iter().map(|l| l.message).collect())
-            .unwrap_or_default()
+        self.gateway.logs()
     }
 
     /// Keys the sidecar reports as held (`GET /admin/v1/keys`). A sidecar that cannot answer
@@ -242,7 +222,7 @@ repeat
 until cursor == '0'
 return held
 ";
-        self.redis
+        self.redis()
             .cli(&["--raw", "EVAL", HELD, "0", "idemgate:{*}:state"])
             .expect("redis-cli lists the held records")
             .lines()
@@ -273,27 +253,6 @@ return held
     pub fn send(&self, method: &str, path: &str, headers: &[(&str, &str)], body: &str) -> Call {
         send(self.addr, method, path, headers, body)
     }
-}
-
-impl Drop for Rig {
-    fn drop(&mut self) {
-        if let Some(gateway) = self.gateway.take() {
-            gateway.shutdown();
-        }
-        self.kill_sidecar();
-    }
-}
-
-fn spawn_sidecar(config: &SidecarConfig) -> (tokio::runtime::Runtime, Sidecar) {
-    let runtime = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .expect("sidecar runtime");
-    let sidecar = runtime
-        .block_on(Sidecar::spawn(config.clone()))
-        .expect("sidecar starts");
-    (runtime, sidecar)
 }
 
 /// `per_key` concurrent duplicates of a payment for each key, all released at once.

@@ -2,7 +2,7 @@
 //! garbage.
 
 use crate::rig::*;
-use idemgate_e2e::fault_proxy::Fault;
+use idemgate_rig::fault_proxy::Fault;
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpListener};
 use std::time::{Duration, Instant};
@@ -14,7 +14,7 @@ fn wait_for_waiters(rig: &Rig, n: u64) -> String {
     let deadline = Instant::now() + Duration::from_secs(20);
     loop {
         if let Some(key) = rig.held_keys().pop() {
-            let info = crate::util::http(
+            let info = idemgate_e2e::client::http(
                 rig.sidecar_addr(),
                 "GET",
                 &format!("/admin/v1/keys/{key}"),
@@ -73,7 +73,7 @@ fn sidecar_killed_mid_long_poll_and_restarted_loses_nothing() {
 #[test]
 fn gateway_sidecar_partition_fails_closed_and_orphaned_grants_expire() {
     let rig = Rig::start(Options::default());
-    rig.sidecar_proxy.set(Fault::Blackhole);
+    rig.sidecar_proxy().set(Fault::Blackhole);
     // Each claim times out after the 1 s callout timeout: 503, never forwarded.
     let calls = duplicate_payments(rig.addr, &keys("partition", 3), 1, 10);
     assert_all_answered(&calls, &[503]);
@@ -102,7 +102,7 @@ fn gateway_sidecar_partition_fails_closed_and_orphaned_grants_expire() {
     // Healed. A claim held back by the partition can still reach the sidecar (if its
     // connection survived) and be granted to an owner that gave up: such a key is busy until
     // its lease ends, then runs once.
-    rig.sidecar_proxy.set(Fault::None);
+    rig.sidecar_proxy().set(Fault::None);
     let retried = until_status(201, Duration::from_secs(15), || {
         pay(rig.addr, "partition-0", 10)
     });
@@ -146,10 +146,10 @@ fn sidecar_answering_500_or_garbage_fails_closed() {
     let mut before = 0;
     for (i, answer) in answers.into_iter().enumerate() {
         // Drop pooled connections to the previous sidecar, then point at the fake one.
-        rig.sidecar_proxy.set(Fault::Close);
+        rig.sidecar_proxy().set(Fault::Close);
         std::thread::sleep(Duration::from_millis(100));
-        rig.sidecar_proxy.retarget(fake_sidecar(answer));
-        rig.sidecar_proxy.set(Fault::None);
+        rig.sidecar_proxy().retarget(fake_sidecar(answer));
+        rig.sidecar_proxy().set(Fault::None);
         // Past the breaker's cooldown, so this answer is really asked for.
         std::thread::sleep(Duration::from_millis(1_100));
         let call = pay(rig.addr, &format!("garbage-{i}"), 10);
@@ -165,19 +165,13 @@ fn sidecar_answering_500_or_garbage_fails_closed() {
 #[test]
 fn two_sidecars_one_dies_the_other_gateway_is_unaffected() {
     let rig = Rig::start(Options::default());
-    let (runtime, doomed) = rig.another_sidecar();
+    let doomed = rig.another_sidecar();
     let other = rig.gateway_to(doomed.addr(), PAYMENTS);
-    let gateways = [
-        rig.addr,
-        other
-            .listener_address(idemgate_host::gateway::bootstrap::LISTENER)
-            .unwrap(),
-    ];
+    let gateways = [rig.addr, other.addr()];
     let before: Vec<_> = (0..3)
         .flat_map(|wave| duplicates_on_both(gateways, wave))
         .collect();
-    drop(doomed);
-    runtime.shutdown_background();
+    doomed.kill().expect("the doomed sidecar dies");
     let after: Vec<_> = (3..6)
         .flat_map(|wave| duplicates_on_both(gateways, wave))
         .collect();

@@ -34,7 +34,7 @@ fn rss_kib() -> u64 {
 }
 
 fn redis_memory(rig: &Rig) -> u64 {
-    rig.redis
+    rig.redis()
         .cli(&["info", "memory"])
         .ok()
         .and_then(|s| {
@@ -55,12 +55,7 @@ fn soak() {
         ..Options::default()
     });
     let second = rig.second_gateway(RULES);
-    let gateways = [
-        rig.addr,
-        second
-            .listener_address(idemgate_host::gateway::bootstrap::LISTENER)
-            .unwrap(),
-    ];
+    let gateways = [rig.addr, second.addr()];
     let stop = Arc::new(AtomicBool::new(false));
     let payment_keys = Arc::new(AtomicU64::new(0));
     let answers = Arc::new(AtomicU64::new(0));
@@ -136,7 +131,7 @@ fn soak() {
         samples.push((started.elapsed().as_secs(), rss_kib(), redis_memory(&rig)));
         if started.elapsed() >= next_restart && started.elapsed() + Duration::from_secs(10) < total
         {
-            rig.redis.restart().expect("redis restarts");
+            rig.redis_mut().restart().expect("redis restarts");
             restarts += 1;
             next_restart += restart_every;
         }

@@ -1,7 +1,8 @@
 //! A plugin trap in one worker VM: the other workers keep deciding, the trapped VM's key is
 //! not leaked past its lease (local tier and sidecar), and the trapped worker fails closed.
 
-use crate::util::{Gateway, Stack, config, fence, post};
+use idemgate_e2e::harness::{Gateway, config, fence, post};
+use idemgate_e2e::stack::Stack;
 use idemgate_host::HeaderMap;
 use std::time::Duration;
 

@@ -2,7 +2,7 @@
 //! client's retry runs again.
 
 use crate::rig::*;
-use idemgate_e2e::fault_proxy::Fault;
+use idemgate_rig::fault_proxy::Fault;
 use std::time::Duration;
 
 #[test]
@@ -47,10 +47,10 @@ fn upstream_5xx_timeout_and_reset_release_the_key_and_the_retry_runs_again() {
     assert_eq!(retry.status(), 201, "{retry:?}");
 
     // Reset: the backend's connection is reset (503 from the router), released.
-    rig.backend_proxy.set(Fault::Reset);
+    rig.backend_proxy().set(Fault::Reset);
     let reset = pay(addr, "up-reset", 10);
     assert_eq!(reset.status(), 503, "{reset:?}");
-    rig.backend_proxy.set(Fault::None);
+    rig.backend_proxy().set(Fault::None);
     let retry = until_status(201, Duration::from_secs(10), || pay(addr, "up-reset", 10));
     assert_eq!(retry.status(), 201, "{retry:?}");
 

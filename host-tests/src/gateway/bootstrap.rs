@@ -380,8 +380,6 @@ impl ClusterSpec {
 
 #[cfg(test)]
 mod tests {
-    #![allow(clippy::unwrap_used, clippy::indexing_slicing, clippy::panic)]
-
     use super::*;
     use crate::gateway::config::RouteAction;
 

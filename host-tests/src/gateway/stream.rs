@@ -332,7 +332,7 @@ fn downstream_headers(parts: &http::request::Parts) -> HeaderMap {
     }
     if headers.get_bytes("x-request-id").is_none() {
         let mut random = [0u8; 16];
-        let _ = getrandom::getrandom(&mut random);
+        let _ = getrandom::fill(&mut random);
         let hex: String = random.iter().map(|b| format!("{b:02x}")).collect();
         let id = format!(
             "{}-{}-4{}-8{}-{}",

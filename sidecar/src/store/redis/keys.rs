@@ -108,10 +108,6 @@ fn tag_to_key(tag: &str) -> Option<String> {
 }
 
 #[cfg(test)]
-#[allow(
-    clippy::indexing_slicing,
-    reason = "a test: a panic is a failure report"
-)]
 mod tests {
     use super::*;
 

@@ -1,7 +1,7 @@
-//! Records the git commit the sidecar is built from (`IDEMGATE_GIT_COMMIT`), which it logs at
-//! start beside its version. Outside a git checkout (a source tarball, a container build
-//! without `.git`) the commit comes from the `IDEMGATE_GIT_COMMIT` environment variable, or is
-//! `unknown`.
+//! The build script of the sidecar and the filter: records the git commit they are built from
+//! (`IDEMGATE_GIT_COMMIT`), which each logs at start beside its version. Outside a git checkout
+//! (a source tarball, a container build without `.git`) the commit comes from the
+//! `IDEMGATE_GIT_COMMIT` environment variable, or is `unknown`.
 
 use std::process::Command;
 

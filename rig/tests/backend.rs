@@ -1,7 +1,11 @@
 //! The demo backend really breaks under concurrency (otherwise the demo proves nothing),
 //! and really refuses stale fencing tokens.
 
-use idemgate_demo::backend::{self, Backend, Stats, Timings};
+// The whole crate is test code, helpers included: clippy's allow-*-in-tests settings
+// (clippy.toml) see only `#[test]` functions and `cfg(test)` items as tests.
+#![cfg(test)]
+
+use idemgate_rig::backend::{self, Backend, Stats, Timings};
 use std::net::SocketAddr;
 use std::time::Duration;
 

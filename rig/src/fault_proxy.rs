@@ -21,7 +21,7 @@
 //!
 //! ```no_run
 //! # fn demo(redis: std::net::SocketAddr) -> std::io::Result<()> {
-//! use idemgate_e2e::fault_proxy::{Fault, FaultProxy};
+//! use idemgate_rig::fault_proxy::{Fault, FaultProxy};
 //! use std::time::Duration;
 //! let proxy = FaultProxy::start(redis)?;          // clients connect to proxy.addr()
 //! proxy.set(Fault::Latency(Duration::from_millis(200)));
@@ -351,13 +351,6 @@ fn count_held(shared: &Shared, blackholed: bool, data: &[u8]) {
 
 #[cfg(test)]
 mod tests {
-    #![allow(
-        clippy::unwrap_used,
-        clippy::expect_used,
-        clippy::panic,
-        clippy::indexing_slicing
-    )]
-
     use super::*;
     use std::io::{ErrorKind, Read as _, Write as _};
     use std::net::{TcpListener as StdListener, TcpStream as StdStream};

@@ -1,9 +1,11 @@
-//! Starting idemgate's processes on free loopback ports — the sidecar, the demo backend and
-//! the harness gateway running `envoy/envoy.yaml` — and stopping every one of them, so
-//! nothing is left running: [`Stack::stop`] kills and reaps them; dropping the [`Stack`]
+//! The rig's stack as child processes, for the demo: the sidecar, the demo backend and the
+//! harness gateway running `envoy/envoy.yaml` (its ports passed as `--set-port`, the names
+//! in [`crate::gateway::shipped`]) on free loopback ports — and stopping every one of them,
+//! so nothing is left running: [`Stack::stop`] kills and reaps them; dropping the [`Stack`]
 //! (an error, a cancelled start) kills them; and on Linux each child is started with
 //! `PR_SET_PDEATHSIG`, so the kernel kills it even if the demo itself is killed outright.
 
+use crate::gateway::shipped;
 use anyhow::{Context, Result, bail};
 use std::net::{SocketAddr, TcpListener};
 use std::path::PathBuf;
@@ -71,12 +73,21 @@ impl Stack {
             .arg("--wasm-path")
             .arg(&config.wasm)
             .args(["--concurrency", &config.workers.to_string()])
-            .args(["--set-port", &format!("ingress={}", gateway.port())])
-            .args(["--set-port", &format!("admin={}", admin.port())])
-            .args(["--set-port", &format!("backend={}", backend.port())])
             .args([
                 "--set-port",
-                &format!("idemgate_sidecar={}", sidecar.port()),
+                &format!("{}={}", shipped::LISTENER, gateway.port()),
+            ])
+            .args([
+                "--set-port",
+                &format!("{}={}", shipped::ADMIN, admin.port()),
+            ])
+            .args([
+                "--set-port",
+                &format!("{}={}", shipped::BACKEND, backend.port()),
+            ])
+            .args([
+                "--set-port",
+                &format!("{}={}", shipped::SIDECAR, sidecar.port()),
             ]);
         stack.spawn("gateway", gateway_cmd, config)?;
 

@@ -1,0 +1,234 @@
+//! The sidecar group: claim+complete throughput and latency against raw Redis and the HTTP
+//! hop alone, at concurrency 1 and 64.
+
+use super::LOAD_RUNS;
+use crate::report::{Figure, Goal, Group};
+use crate::sidecar_load::{self, Repeated, Server};
+use crate::stats::{Summary, percentile};
+use anyhow::{Context, Result};
+use idemgate_sidecar::StoreConfig;
+use idemgate_sidecar::testing::RedisServer;
+
+/// Seconds per closed-loop run, hand-off samples per run.
+const LOAD_SECONDS: f64 = 3.0;
+const HANDOFF_SAMPLES: usize = 100;
+
+pub fn group() -> Result<Group> {
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()?;
+    // The sidecar gets runtime threads of its own, as its own process would have.
+    let server = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .thread_name(sidecar_load::SIDECAR_THREADS)
+        .enable_all()
+        .build()?;
+    let server = server.handle();
+    runtime.block_on(async {
+        let redis = RedisServer::start().context("starting redis-server")?;
+        let mut figures = Vec::new();
+        for concurrency in [1usize, 64] {
+            println!(
+                "  concurrency {concurrency}: raw Redis, sidecar on Redis, sidecar on memory, \
+                 HTTP hop alone"
+            );
+            let redis = &redis;
+            let raw = sidecar_load::repeat(LOAD_RUNS, || {
+                sidecar_load::raw_redis_round_trips(redis, concurrency, LOAD_SECONDS)
+            })
+            .await?;
+            let through = |target: Server| {
+                sidecar_load::repeat(LOAD_RUNS, move || {
+                    let target = target.clone();
+                    sidecar_load::sidecar_round_trips(server, target, redis, concurrency, LOAD_SECONDS)
+                })
+            };
+            let on_redis = through(Server::Sidecar(redis.store_config())).await?;
+            let on_memory = through(Server::Sidecar(StoreConfig::Memory)).await?;
+            let hop = through(Server::HttpHop).await?;
+            let goal = (concurrency == 64).then_some(Goal::RatioAtLeast(0.5));
+            for (store, run, goal) in [("Redis", &on_redis, goal), ("memory", &on_memory, None)] {
+                figures.extend(load_figures(store, concurrency, run, &raw, goal));
+            }
+            figures.extend(hop_figures(concurrency, &hop, &on_redis, &raw));
+        }
+        for (store, config) in [
+            ("memory", StoreConfig::Memory),
+            ("Redis", redis.store_config()),
+        ] {
+            println!("  hand-off on {store}");
+            let (mut p50, mut p99) = (Vec::new(), Vec::new());
+            for _ in 0..LOAD_RUNS {
+                let mut gaps = sidecar_load::handoff_us(config.clone(), HANDOFF_SAMPLES).await?;
+                p50.extend(percentile(&mut gaps, 50.0));
+                p99.extend(percentile(&mut gaps, 99.0));
+            }
+            figures.push(Figure {
+                name: format!("hand-off on {store}: release → next grant, p50"),
+                unit: "µs",
+                value: Summary::of(&p50).context("no samples")?,
+                baseline: None,
+                goal: Some(Goal::AtMost(1000.0)),
+            });
+            figures.push(Figure {
+                name: format!("hand-off on {store}: release → next grant, p99"),
+                unit: "µs",
+                value: Summary::of(&p99).context("no samples")?,
+                baseline: None,
+                goal: None,
+            });
+        }
+        Ok(Group {
+            title: "Sidecar claim+complete against raw Redis",
+            command: "cargo xtask bench sidecar".into(),
+            figures,
+            checks: Vec::new(),
+            notes: vec![format!(
+                "Closed loop: each worker claims a fresh key (lock mode), completes it, repeats, \
+                 for {LOAD_SECONDS} s; {LOAD_RUNS} runs per configuration. The sidecar runs \
+                 in-process on its own runtime (two worker threads, as its own process would \
+                 have) and is driven over up to 4 h2c connections, as Envoy multiplexes \
+                 callouts per worker thread. The baseline is the minimal equivalent in raw \
+                 Redis — `SET key owner NX PX` then a compare-and-delete script — over one \
+                 multiplexed (auto-pipelining) connection against the same `redis-server` in \
+                 the same run; the sidecar's own Redis connection is multiplexed the same way. \
+                 Client, sidecar and Redis share the machine's cores, so throughput follows \
+                 the CPU time all three spend per round trip: the CPU rows split it (thread \
+                 times from /proc for the bench client and the sidecar, `INFO cpu` for \
+                 Redis). Hand-off: a waiter long-polls while the holder completes; \
+                 {HANDOFF_SAMPLES} samples per run, measured from just before the complete is \
+                 sent to the waiter's grant arriving."
+            ), "The HTTP hop alone is the sidecar's own HTTP stack (accept loop, connection \
+                 settings, axum router, same runtime) answering every claim `granted` and \
+                 every complete `released` with fixed bodies, without decoding, protocol \
+                 work, metrics or a store, driven by the same client over the same h2c \
+                 connections: no store can make the sidecar faster than that, so \
+                 \"sidecar on Redis against the HTTP hop alone\" is the share of the \
+                 reachable throughput the sidecar and its store achieve, and the hop's ratio \
+                 to raw Redis is the ceiling of the goal's ratio on this machine. Redis \
+                 commands per round trip come from `INFO commandstats` (every call inside a \
+                 script counts, plus the `EVALSHA` itself) and do not depend on load."
+                .to_owned()],
+        })
+    })
+}
+
+fn load_figures(
+    store: &str,
+    concurrency: usize,
+    run: &Repeated,
+    raw: &Repeated,
+    goal: Option<Goal>,
+) -> Vec<Figure> {
+    let name = |what: &str| format!("sidecar on {store}, concurrency {concurrency}: {what}");
+    let mut figures = vec![
+        Figure {
+            name: name("throughput"),
+            unit: "round trips/s",
+            value: run.ops,
+            baseline: Some(("raw Redis".into(), raw.ops)),
+            goal,
+        },
+        Figure {
+            name: name("p50 latency"),
+            unit: "µs",
+            value: run.p50,
+            baseline: Some(("raw Redis".into(), raw.p50)),
+            goal: None,
+        },
+        Figure {
+            name: name("p99 latency"),
+            unit: "µs",
+            value: run.p99,
+            baseline: Some(("raw Redis".into(), raw.p99)),
+            goal: None,
+        },
+    ];
+    if concurrency > 1 {
+        // Where the CPU went: on a saturated machine throughput is the inverse of the total.
+        let cpu = |what: &str, value, baseline: Option<(&str, Summary)>| Figure {
+            name: name(&format!("CPU per round trip, {what}")),
+            unit: "µs",
+            value,
+            baseline: baseline.map(|(n, b)| (n.to_owned(), b)),
+            goal: None,
+        };
+        figures.extend([
+            cpu(
+                "all processes",
+                run.cpu_total,
+                Some(("raw Redis, client + server", raw.cpu_total)),
+            ),
+            cpu(
+                "bench client",
+                run.cpu_client,
+                Some(("raw Redis client", raw.cpu_client)),
+            ),
+            cpu("sidecar", run.cpu_sidecar, None),
+            cpu(
+                "redis-server",
+                run.cpu_redis,
+                Some(("raw Redis server", raw.cpu_redis)),
+            ),
+        ]);
+        if store == "Redis" {
+            figures.push(Figure {
+                name: name("Redis commands per round trip"),
+                unit: "commands",
+                value: run.redis_commands,
+                baseline: Some(("raw Redis".into(), raw.redis_commands)),
+                goal: None,
+            });
+        }
+    }
+    figures
+}
+
+/// The HTTP hop alone (the ceiling of any store) against raw Redis, and the sidecar on
+/// Redis against it.
+fn hop_figures(
+    concurrency: usize,
+    hop: &Repeated,
+    on_redis: &Repeated,
+    raw: &Repeated,
+) -> Vec<Figure> {
+    let name = |what: &str| format!("HTTP hop alone, concurrency {concurrency}: {what}");
+    let mut figures = vec![
+        Figure {
+            name: name("throughput"),
+            unit: "round trips/s",
+            value: hop.ops,
+            baseline: Some(("raw Redis".into(), raw.ops)),
+            goal: None,
+        },
+        Figure {
+            name: format!(
+                "sidecar on Redis, concurrency {concurrency}: throughput against the HTTP hop alone"
+            ),
+            unit: "round trips/s",
+            value: on_redis.ops,
+            baseline: Some(("HTTP hop alone".into(), hop.ops)),
+            goal: None,
+        },
+    ];
+    if concurrency > 1 {
+        figures.extend([
+            Figure {
+                name: name("CPU per round trip, bench client"),
+                unit: "µs",
+                value: hop.cpu_client,
+                baseline: Some(("raw Redis client".into(), raw.cpu_client)),
+                goal: None,
+            },
+            Figure {
+                name: name("CPU per round trip, server"),
+                unit: "µs",
+                value: hop.cpu_sidecar,
+                baseline: Some(("sidecar on Redis, sidecar".into(), on_redis.cpu_sidecar)),
+                goal: None,
+            },
+        ]);
+    }
+    figures
+}

@@ -1,0 +1,74 @@
+//! A real `redis-server` and an in-process sidecar in front of it, from the rig
+//! ([`idemgate_rig::Rig`]), with the sidecar readings the scenarios wait on.
+
+use crate::client::http;
+use idemgate_rig::Rig;
+use std::net::SocketAddr;
+use std::time::{Duration, Instant};
+
+pub struct Stack {
+    rig: Rig,
+    /// Where the sidecar listens (the same across restarts).
+    pub addr: SocketAddr,
+}
+
+impl Stack {
+    pub fn start() -> Stack {
+        let rig = Rig::builder()
+            .redis()
+            .start()
+            .expect("redis-server and the sidecar start (apt install redis-server)");
+        let addr = rig.sidecar_addr();
+        Stack { rig, addr }
+    }
+
+    pub fn rig(&self) -> &Rig {
+        &self.rig
+    }
+
+    /// Kills the sidecar as a crash would: its runtime is dropped with every connection and
+    /// long-poll in flight, nothing is released, Redis keeps what it holds.
+    pub fn kill_sidecar(&mut self) {
+        self.rig.kill_sidecar().expect("the sidecar dies");
+    }
+
+    /// Starts a new sidecar on the killed one's address, over the same Redis.
+    pub fn restart_sidecar(&mut self) {
+        self.rig
+            .restart_sidecar()
+            .expect("the sidecar starts again");
+    }
+
+    /// Redis loses everything it held, as a restart without persistence would.
+    pub fn empty_redis(&self) {
+        self.rig.empty_redis().expect("FLUSHALL");
+    }
+
+    /// The sidecar's `idemgate_sidecar_waiters` gauge: claims waiting in its queues.
+    pub fn waiters(&self) -> u64 {
+        let metrics = http(self.addr, "GET", "/metrics", &[], "");
+        metrics
+            .body
+            .lines()
+            .find_map(|l| l.strip_prefix("idemgate_sidecar_waiters "))
+            .and_then(|v| v.trim().parse().ok())
+            .unwrap_or(0)
+    }
+
+    /// Waits (bounded) until `n` claims wait in the sidecar's queue for the stored `key`.
+    pub fn wait_for_queue(&self, key: &str, n: u64) {
+        let deadline = Instant::now() + Duration::from_secs(20);
+        loop {
+            let reply = http(self.addr, "GET", &format!("/admin/v1/keys/{key}"), &[], "");
+            let info: serde_json::Value = serde_json::from_str(&reply.body).unwrap_or_default();
+            if info["queue_len"].as_u64() == Some(n) {
+                return;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "queue of {key} never reached {n}: {reply:?}"
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+}
