@@ -1,0 +1,384 @@
+//! Logs and traces: the process-wide `tracing` subscriber (text or JSON lines, optionally an
+//! OTLP span exporter), and the span of each protocol request, which continues the caller's
+//! trace.
+//!
+//! Every `/v1` request runs inside one span named after its verb (`claim`, `complete`,
+//! `abort`, `renew`, `rate`, `leave`; a claim that queues gets a child `wait` span). The span
+//! carries the caller's request id (`x-request-id`) and trace id (W3C `traceparent`, or a
+//! `b3` header), so every log line written while serving the request carries them too; with
+//! `--otlp-endpoint` the spans are exported as children of the caller's span. Keys, tokens
+//! and bodies are never span fields: a key appears only as [`key_digest`].
+
+use opentelemetry::propagation::TextMapPropagator;
+use opentelemetry::trace::{
+    SpanContext, SpanId, TraceContextExt, TraceFlags, TraceId, TraceState, TracerProvider as _,
+};
+use opentelemetry_sdk::propagation::TraceContextPropagator;
+use opentelemetry_sdk::trace::SdkTracerProvider;
+use sha2::{Digest, Sha256};
+use tracing::Span;
+use tracing::field::Empty;
+use tracing_opentelemetry::OpenTelemetrySpanExt;
+use tracing_subscriber::EnvFilter;
+use tracing_subscriber::layer::SubscriberExt;
+use tracing_subscriber::util::SubscriberInitExt;
+
+/// How log lines are written to stderr.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
+pub enum LogFormat {
+    /// Human-readable lines (`tracing`'s default format).
+    #[default]
+    Text,
+    /// One JSON object per line: `timestamp`, `level`, `fields` (with `message`), `target`,
+    /// and `span` (the request's fields: `request_id`, `trace_id`, ...).
+    Json,
+}
+
+/// What the process-wide subscriber writes and where spans go.
+#[derive(Debug, Clone, Default)]
+pub struct TelemetryConfig {
+    pub log_format: LogFormat,
+    /// Base URL of an OTLP/HTTP collector (`http://collector:4318`); spans are posted to
+    /// `<base>/v1/traces` as protobuf. `None`: no export.
+    pub otlp_endpoint: Option<String>,
+}
+
+/// Why telemetry could not be set up.
+#[derive(Debug, thiserror::Error)]
+pub enum TelemetryError {
+    #[error("cannot set up the OTLP exporter: {0}")]
+    Exporter(#[from] opentelemetry_otlp::ExporterBuildError),
+    #[error("a global subscriber is already installed: {0}")]
+    Installed(#[from] tracing_subscriber::util::TryInitError),
+}
+
+/// The installed telemetry; [`Telemetry::shutdown`] flushes spans not exported yet.
+pub struct Telemetry {
+    provider: Option<SdkTracerProvider>,
+}
+
+impl Telemetry {
+    /// Installs the process-wide subscriber: `RUST_LOG` (default `info`) filters log lines
+    /// and spans alike; the OTLP layer is added only when an endpoint is configured.
+    ///
+    /// # Errors
+    /// The endpoint is not a URL, or a subscriber is already installed.
+    pub fn init(config: &TelemetryConfig) -> Result<Telemetry, TelemetryError> {
+        let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info"));
+        let (text, json) = match config.log_format {
+            LogFormat::Text => (Some(tracing_subscriber::fmt::layer()), None),
+            LogFormat::Json => (
+                None,
+                Some(
+                    tracing_subscriber::fmt::layer()
+                        .json()
+                        .with_current_span(true)
+                        .with_span_list(false),
+                ),
+            ),
+        };
+        let provider = config
+            .otlp_endpoint
+            .as_deref()
+            .map(tracer_provider)
+            .transpose()?;
+        let otel = provider.as_ref().map(|p| {
+            tracing_opentelemetry::layer()
+                .with_tracer(p.tracer("idemgate-sidecar"))
+                .with_location(false)
+                .with_threads(false)
+                .with_target(false)
+                .with_level(false)
+                .with_tracked_inactivity(false)
+        });
+        tracing_subscriber::registry()
+            .with(otel)
+            .with(text)
+            .with(json)
+            .with(filter)
+            .try_init()?;
+        Ok(Telemetry { provider })
+    }
+
+    /// Exports what is still queued (bounded by the exporter's timeout) and stops exporting.
+    pub fn shutdown(self) {
+        if let Some(provider) = self.provider
+            && let Err(err) = provider.shutdown()
+        {
+            tracing::warn!(%err, "flushing the last spans failed");
+        }
+    }
+}
+
+/// The OTLP/HTTP path of traces, appended to an endpoint that does not already name it.
+const TRACES_PATH: &str = "/v1/traces";
+
+fn traces_url(endpoint: &str) -> String {
+    if endpoint.ends_with(TRACES_PATH) {
+        endpoint.to_owned()
+    } else {
+        format!("{}{TRACES_PATH}", endpoint.trim_end_matches('/'))
+    }
+}
+
+fn tracer_provider(endpoint: &str) -> Result<SdkTracerProvider, TelemetryError> {
+    use opentelemetry_otlp::{Protocol, WithExportConfig};
+    let exporter = opentelemetry_otlp::SpanExporter::builder()
+        .with_http()
+        .with_protocol(Protocol::HttpBinary)
+        .with_endpoint(traces_url(endpoint))
+        .build()?;
+    let resource = opentelemetry_sdk::Resource::builder()
+        .with_service_name("idemgate-sidecar")
+        .with_attribute(opentelemetry::KeyValue::new(
+            "service.version",
+            env!("CARGO_PKG_VERSION"),
+        ))
+        .build();
+    // The default sampler follows the caller's sampled flag (parent-based, always on for
+    // requests without a caller trace); batches leave on the exporter's own thread.
+    Ok(SdkTracerProvider::builder()
+        .with_batch_exporter(exporter)
+        .with_resource(resource)
+        .build())
+}
+
+/// The protocol verbs that get a span, by route.
+pub(crate) fn verb_of(route: &str) -> Option<&'static str> {
+    use idemgate_wire::paths;
+    Some(match route {
+        paths::CLAIM => "claim",
+        paths::COMPLETE => "complete",
+        paths::ABORT => "abort",
+        paths::LEAVE => "leave",
+        paths::RENEW => "renew",
+        paths::RATE => "rate",
+        _ => return None,
+    })
+}
+
+/// The longest request id carried into logs and spans; longer ones are dropped.
+const MAX_REQUEST_ID: usize = 128;
+
+/// `x-request-id` when it is a plausible id (visible ASCII without quotes or backslashes,
+/// at most [`MAX_REQUEST_ID`] bytes), so a hostile value cannot forge log lines.
+fn request_id(headers: &axum::http::HeaderMap) -> Option<&str> {
+    let value = headers.get("x-request-id")?.to_str().ok()?;
+    let plausible = !value.is_empty()
+        && value.len() <= MAX_REQUEST_ID
+        && value
+            .bytes()
+            .all(|b| b.is_ascii_graphic() && b != b'"' && b != b'\\');
+    plausible.then_some(value)
+}
+
+/// The caller's span: W3C trace context (`traceparent`, `tracestate`) when it is valid, else
+/// a single `b3` header.
+fn caller_context(headers: &axum::http::HeaderMap) -> Option<opentelemetry::Context> {
+    if headers.contains_key("traceparent") {
+        let cx =
+            TraceContextPropagator::new().extract(&opentelemetry_http::HeaderExtractor(headers));
+        if cx.span().span_context().is_valid() {
+            return Some(cx);
+        }
+    }
+    let b3 = b3_span_context(headers.get("b3")?.to_str().ok()?)?;
+    Some(opentelemetry::Context::new().with_remote_span_context(b3))
+}
+
+/// The single `b3` header: `{trace id}-{span id}[-{sampling}[-{parent span id}]]`, the trace
+/// id 16 or 32 hex digits (B3 propagation, openzipkin/b3-propagation). A sampling-only value
+/// (`0`, `1`, `d`) names no span and gives `None`. Parsed here because the only well-kept B3
+/// propagator for `opentelemetry` ships inside the Zipkin exporter crate.
+fn b3_span_context(value: &str) -> Option<SpanContext> {
+    let mut parts = value.trim().split('-');
+    let (trace, span) = (parts.next()?, parts.next()?);
+    let sampling = parts.next();
+    let is_hex = |s: &str, lens: &[usize]| {
+        lens.contains(&s.len()) && s.bytes().all(|b| b.is_ascii_hexdigit())
+    };
+    if !is_hex(trace, &[16, 32]) || !is_hex(span, &[16]) {
+        return None;
+    }
+    let trace_id = TraceId::from_hex(trace).ok()?;
+    let span_id = SpanId::from_hex(span).ok()?;
+    let flags = match sampling {
+        Some("0") => TraceFlags::default(),
+        Some("1" | "d") | None => TraceFlags::SAMPLED,
+        Some(_) => return None,
+    };
+    let context = SpanContext::new(trace_id, span_id, flags, true, TraceState::default());
+    context.is_valid().then_some(context)
+}
+
+/// The span of one protocol request: named after its verb, a child of the caller's span.
+/// Fields recorded later: `idemgate.outcome`, `idemgate.queue_position`, `idemgate.wait_ms`,
+/// `idemgate.store_ms`, `http.response.status_code`.
+pub(crate) fn request_span(verb: &'static str, headers: &axum::http::HeaderMap) -> Span {
+    let span = tracing::info_span!(
+        "request",
+        otel.name = verb,
+        otel.kind = "server",
+        otel.status_code = Empty,
+        request_id = Empty,
+        trace_id = Empty,
+        idemgate.outcome = Empty,
+        idemgate.queue_position = Empty,
+        idemgate.wait_ms = Empty,
+        idemgate.store_ms = Empty,
+        http.response.status_code = Empty,
+    );
+    if span.is_disabled() {
+        return span;
+    }
+    if let Some(id) = request_id(headers) {
+        span.record("request_id", id);
+    }
+    let trace_id = match caller_context(headers) {
+        Some(cx) => {
+            let trace_id = cx.span().span_context().trace_id();
+            // Without the OTLP layer there is nothing to parent: the id still goes to logs.
+            let _ = span.set_parent(cx);
+            Some(trace_id)
+        }
+        // A request without a caller trace starts one when spans are exported.
+        None => Some(span.context().span().span_context().trace_id())
+            .filter(|id| *id != TraceId::INVALID),
+    };
+    if let Some(trace_id) = trace_id {
+        span.record("trace_id", tracing::field::display(trace_id));
+    }
+    span
+}
+
+/// Records the end of a request on its span: the HTTP status, and for a problem answer its
+/// outcome (`problem`) and, on a server error, the span's error status.
+pub(crate) fn finish(span: &Span, status: axum::http::StatusCode, store: std::time::Duration) {
+    span.record("idemgate.store_ms", store.as_secs_f64() * 1e3);
+    span.record("http.response.status_code", status.as_u16());
+    if status != axum::http::StatusCode::OK {
+        span.record("idemgate.outcome", "problem");
+    }
+    if status.is_server_error() {
+        span.record("otel.status_code", "ERROR");
+    }
+    span.in_scope(|| tracing::debug!(status = status.as_u16(), "answered"));
+}
+
+/// The answer of a request, on the current request span.
+pub(crate) fn outcome(label: &'static str) {
+    Span::current().record("idemgate.outcome", label);
+}
+
+tokio::task_local! {
+    /// Time the current request spent in store calls so far (see [`store_clock`]).
+    static STORE_TIME: std::cell::Cell<std::time::Duration>;
+}
+
+/// Runs `request` with a store clock: the time of every [`timed_store_call`] it makes adds up,
+/// and is returned beside its output.
+pub(crate) async fn store_clock<T>(
+    request: impl std::future::Future<Output = T>,
+) -> (T, std::time::Duration) {
+    STORE_TIME
+        .scope(std::cell::Cell::new(std::time::Duration::ZERO), async {
+            let out = request.await;
+            (
+                out,
+                STORE_TIME
+                    .try_with(std::cell::Cell::get)
+                    .unwrap_or_default(),
+            )
+        })
+        .await
+}
+
+/// Awaits one store call, observes its latency by `verb` and adds it to the request's store
+/// clock (calls outside a request, such as an abandoned waiter's cleanup, only count).
+pub(crate) async fn timed_store_call<T>(
+    metrics: &crate::metrics::Metrics,
+    verb: crate::metrics::StoreVerb,
+    call: impl std::future::Future<Output = T>,
+) -> T {
+    let started = std::time::Instant::now();
+    let out = call.await;
+    let took = started.elapsed();
+    metrics.observe_store(verb, took);
+    let _ = STORE_TIME.try_with(|total| total.set(total.get() + took));
+    out
+}
+
+/// A key as logs may show it: the first 8 bytes of its SHA-256, hex. Keys from the filter are
+/// digests already, but a key sent by hand may be a raw idempotency key or resource id.
+pub(crate) fn key_digest(key: &str) -> String {
+    let digest = Sha256::digest(key.as_bytes());
+    hex::encode(digest.get(..8).unwrap_or_default())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn b3_single_headers_name_a_span() {
+        let trace = "80f198ee56343ba864fe8b2a57d3eff7";
+        let parsed = b3_span_context(&format!("{trace}-e457b5a2e4d86bd1-1-05e3ac9a4f6e3b90"));
+        assert_eq!(
+            parsed.map(|c| (
+                c.trace_id().to_string(),
+                c.span_id().to_string(),
+                c.is_sampled()
+            )),
+            Some((trace.to_owned(), "e457b5a2e4d86bd1".to_owned(), true))
+        );
+        let short = b3_span_context("64fe8b2a57d3eff7-e457b5a2e4d86bd1-0");
+        assert_eq!(
+            short.map(|c| (c.trace_id().to_string(), c.is_sampled())),
+            Some(("000000000000000064fe8b2a57d3eff7".to_owned(), false))
+        );
+        for bad in [
+            "1",
+            "d",
+            "",
+            "xyz-e457b5a2e4d86bd1",
+            "80f198ee56343ba864fe8b2a57d3eff7-e457b5a2e4d86bd",
+            "80f198ee56343ba864fe8b2a57d3eff7-e457b5a2e4d86bd1-7",
+            "00000000000000000000000000000000-e457b5a2e4d86bd1",
+        ] {
+            assert!(b3_span_context(bad).is_none(), "{bad}");
+        }
+    }
+
+    #[test]
+    fn request_ids_that_could_forge_log_lines_are_dropped() {
+        let with = |v: &str| {
+            let mut h = axum::http::HeaderMap::new();
+            if let Ok(v) = axum::http::HeaderValue::from_str(v) {
+                h.insert("x-request-id", v);
+            }
+            request_id(&h).map(str::to_owned)
+        };
+        assert_eq!(with("9d3c-41"), Some("9d3c-41".to_owned()));
+        for bad in ["", "a b", "a\"b", "a\\b", &"x".repeat(129)] {
+            assert_eq!(with(bad), None, "{bad:?}");
+        }
+    }
+
+    #[test]
+    fn the_traces_path_is_appended_once() {
+        assert_eq!(traces_url("http://c:4318"), "http://c:4318/v1/traces");
+        assert_eq!(traces_url("http://c:4318/"), "http://c:4318/v1/traces");
+        assert_eq!(
+            traces_url("http://c:4318/v1/traces"),
+            "http://c:4318/v1/traces"
+        );
+    }
+
+    #[test]
+    fn key_digests_do_not_contain_the_key() {
+        let digest = key_digest("orders/42");
+        assert_eq!(digest.len(), 16);
+        assert!(!digest.contains("orders"));
+        assert_eq!(digest, key_digest("orders/42"));
+    }
+}
