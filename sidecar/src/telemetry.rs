@@ -143,7 +143,8 @@ fn tracer_provider(endpoint: &str) -> Result<SdkTracerProvider, TelemetryError> 
         .build())
 }
 
-/// The protocol verbs that get a span, by route.
+/// The requests that get a span, by route: the protocol verbs, and `admin` for the admin
+/// API (an operator's force release is logged with the operator's request id).
 pub(crate) fn verb_of(route: &str) -> Option<&'static str> {
     use idemgate_wire::paths;
     Some(match route {
@@ -153,6 +154,7 @@ pub(crate) fn verb_of(route: &str) -> Option<&'static str> {
         paths::LEAVE => "leave",
         paths::RENEW => "renew",
         paths::RATE => "rate",
+        admin if admin.starts_with("/admin/") => "admin",
         _ => return None,
     })
 }
