@@ -15,5 +15,6 @@ mod util;
 mod demo;
 mod hostile;
 mod live;
+mod observability;
 mod rate;
 mod scenarios;
