@@ -352,6 +352,49 @@ mod tests {
     }
 
     #[test]
+    fn traceparent_wins_over_b3_and_garbage_falls_back() {
+        let headers = |pairs: &[(&'static str, &str)]| {
+            let mut h = axum::http::HeaderMap::new();
+            for (name, value) in pairs {
+                if let Ok(v) = axum::http::HeaderValue::from_str(value) {
+                    h.insert(*name, v);
+                }
+            }
+            h
+        };
+        let ids = |h: &axum::http::HeaderMap| {
+            caller_context(h).map(|cx| {
+                let span = cx.span().span_context().clone();
+                (span.trace_id().to_string(), span.span_id().to_string())
+            })
+        };
+        let w3c = (
+            "traceparent",
+            "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01",
+        );
+        let b3 = ("b3", "80f198ee56343ba864fe8b2a57d3eff7-e457b5a2e4d86bd1-1");
+        let from_w3c = Some((
+            "4bf92f3577b34da6a3ce929d0e0e4736".to_owned(),
+            "00f067aa0ba902b7".to_owned(),
+        ));
+        let from_b3 = Some((
+            "80f198ee56343ba864fe8b2a57d3eff7".to_owned(),
+            "e457b5a2e4d86bd1".to_owned(),
+        ));
+        assert_eq!(ids(&headers(&[w3c, b3])), from_w3c);
+        assert_eq!(
+            ids(&headers(&[("traceparent", "00-zz-yy-01"), b3])),
+            from_b3
+        );
+        let zero_trace = (
+            "traceparent",
+            "00-00000000000000000000000000000000-00f067aa0ba902b7-01",
+        );
+        assert_eq!(ids(&headers(&[zero_trace])), None);
+        assert_eq!(ids(&headers(&[])), None);
+    }
+
+    #[test]
     fn request_ids_that_could_forge_log_lines_are_dropped() {
         let with = |v: &str| {
             let mut h = axum::http::HeaderMap::new();
