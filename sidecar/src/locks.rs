@@ -184,13 +184,14 @@ impl<S: Store> Locks<S> {
             };
             let (deadline, _) = queued.get_or_insert_with(|| {
                 self.metrics.queue_position.observe(f64::from(position));
-                Span::current().record("idemgate.queue_position", position);
-                let span = tracing::info_span!(
-                    "wait",
-                    idemgate.queue_position = position,
-                    idemgate.wait_ms = tracing::field::Empty,
-                    idemgate.outcome = tracing::field::Empty,
+                telemetry::attribute(
+                    &Span::current(),
+                    "idemgate.queue_position",
+                    i64::from(position),
                 );
+                let span = telemetry::child_span(|| {
+                    tracing::info_span!("wait", idemgate.queue_position = position)
+                });
                 let budget = Duration::from_millis(policy.budget_for(position)).min(longest);
                 (started + budget, span)
             });
@@ -439,10 +440,10 @@ fn record_claim_answer(label: &'static str, queued_since: Option<Instant>, wait:
     telemetry::outcome(label);
     if let Some(since) = queued_since {
         let waited_ms = since.elapsed().as_secs_f64() * 1e3;
-        Span::current().record("idemgate.wait_ms", waited_ms);
+        telemetry::attribute(&Span::current(), "idemgate.wait_ms", waited_ms);
         if let Some(wait) = wait {
-            wait.record("idemgate.wait_ms", waited_ms);
-            wait.record("idemgate.outcome", label);
+            telemetry::attribute(wait, "idemgate.wait_ms", waited_ms);
+            telemetry::attribute(wait, "idemgate.outcome", label);
         }
     }
 }

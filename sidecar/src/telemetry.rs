@@ -52,6 +52,16 @@ pub enum TelemetryError {
     Installed(#[from] tracing_subscriber::util::TryInitError),
 }
 
+/// Whether spans are exported (set once by [`Telemetry::init`]). Without export, a request's
+/// span carries only what log lines need (verb, request id, trace id): every field recorded
+/// on a span is formatted by the log layer at once (the JSON formatter re-parses the span's
+/// fields on each record), which measured as more than the rest of a request's work.
+static EXPORTING: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+fn exporting() -> bool {
+    EXPORTING.load(std::sync::atomic::Ordering::Relaxed)
+}
+
 /// The installed telemetry; [`Telemetry::shutdown`] flushes spans not exported yet.
 pub struct Telemetry {
     provider: Option<SdkTracerProvider>,
@@ -97,6 +107,7 @@ impl Telemetry {
             .with(json)
             .with(filter)
             .try_init()?;
+        EXPORTING.store(provider.is_some(), std::sync::atomic::Ordering::Relaxed);
         Ok(Telemetry { provider })
     }
 
@@ -188,6 +199,45 @@ fn caller_context(headers: &axum::http::HeaderMap) -> Option<opentelemetry::Cont
     Some(opentelemetry::Context::new().with_remote_span_context(b3))
 }
 
+/// The caller's trace id for logs alone (no span to parent): the trace-id part of a valid
+/// `traceparent`, as the W3C propagator would accept it, else a `b3` header's. Cheaper than
+/// building a context (a unit test holds it to the propagator's verdicts).
+fn caller_trace_id(headers: &axum::http::HeaderMap) -> Option<String> {
+    if let Some(id) = headers
+        .get("traceparent")
+        .and_then(|v| v.to_str().ok())
+        .and_then(w3c_trace_id)
+    {
+        return Some(id.to_owned());
+    }
+    let b3 = b3_span_context(headers.get("b3")?.to_str().ok()?)?;
+    Some(b3.trace_id().to_string())
+}
+
+/// `version-traceid-parentid-flags` (W3C Trace Context §3.2): lowercase hex of 2, 32, 16 and 2
+/// digits, version not `ff`, ids not all zeros; a version above 00 may append fields.
+fn w3c_trace_id(value: &str) -> Option<&str> {
+    let value = value.trim();
+    let mut parts = value.split('-');
+    let (version, trace, parent, flags) =
+        (parts.next()?, parts.next()?, parts.next()?, parts.next()?);
+    let hex = |s: &str, len: usize| {
+        s.len() == len
+            && s.bytes()
+                .all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b))
+    };
+    let zero = |s: &str| s.bytes().all(|b| b == b'0');
+    let valid = hex(version, 2)
+        && version != "ff"
+        && (version != "00" || parts.next().is_none())
+        && hex(trace, 32)
+        && !zero(trace)
+        && hex(parent, 16)
+        && !zero(parent)
+        && hex(flags, 2);
+    valid.then_some(trace)
+}
+
 /// The single `b3` header: `{trace id}-{span id}[-{sampling}[-{parent span id}]]`, the trace
 /// id 16 or 32 hex digits (B3 propagation, openzipkin/b3-propagation). A sampling-only value
 /// (`0`, `1`, `d`) names no span and gives `None`. Parsed here because the only well-kept B3
@@ -213,63 +263,80 @@ fn b3_span_context(value: &str) -> Option<SpanContext> {
     context.is_valid().then_some(context)
 }
 
-/// The span of one protocol request: named after its verb, a child of the caller's span.
-/// Fields recorded later: `idemgate.outcome`, `idemgate.queue_position`, `idemgate.wait_ms`,
-/// `idemgate.store_ms`, `http.response.status_code`.
+/// The span of one protocol request: named after its verb, with the caller's request id and
+/// trace id; when spans are exported, a child of the caller's span. The attributes of
+/// [`finish`], [`outcome`] and [`attribute`] are set only on exported spans.
 pub(crate) fn request_span(verb: &'static str, headers: &axum::http::HeaderMap) -> Span {
+    let request_id = request_id(headers);
+    if !exporting() {
+        let trace_id = caller_trace_id(headers);
+        return tracing::info_span!(
+            "request",
+            otel.name = verb,
+            request_id,
+            trace_id = trace_id.as_deref(),
+        );
+    }
+    let caller = caller_context(headers);
+    let trace_id = caller
+        .as_ref()
+        .map(|cx| cx.span().span_context().trace_id().to_string());
     let span = tracing::info_span!(
         "request",
         otel.name = verb,
         otel.kind = "server",
         otel.status_code = Empty,
-        request_id = Empty,
+        request_id,
         trace_id = Empty,
-        idemgate.outcome = Empty,
-        idemgate.queue_position = Empty,
-        idemgate.wait_ms = Empty,
-        idemgate.store_ms = Empty,
-        http.response.status_code = Empty,
     );
-    if span.is_disabled() {
-        return span;
-    }
-    if let Some(id) = request_id(headers) {
-        span.record("request_id", id);
-    }
-    let trace_id = match caller_context(headers) {
+    let trace_id = match caller {
         Some(cx) => {
-            let trace_id = cx.span().span_context().trace_id();
-            // Without the OTLP layer there is nothing to parent: the id still goes to logs.
             let _ = span.set_parent(cx);
-            Some(trace_id)
+            trace_id
         }
-        // A request without a caller trace starts one when spans are exported.
+        // A request without a caller trace starts one.
         None => Some(span.context().span().span_context().trace_id())
-            .filter(|id| *id != TraceId::INVALID),
+            .filter(|id| *id != TraceId::INVALID)
+            .map(|id| id.to_string()),
     };
     if let Some(trace_id) = trace_id {
-        span.record("trace_id", tracing::field::display(trace_id));
+        span.record("trace_id", trace_id);
     }
     span
 }
 
-/// Records the end of a request on its span: the HTTP status, and for a problem answer its
-/// outcome (`problem`) and, on a server error, the span's error status.
+/// Records the end of a request on its span: the HTTP status, the store time, and for a
+/// problem answer its outcome (`problem`) and, on a server error, the span's error status.
 pub(crate) fn finish(span: &Span, status: axum::http::StatusCode, store: std::time::Duration) {
-    span.record("idemgate.store_ms", store.as_secs_f64() * 1e3);
-    span.record("http.response.status_code", status.as_u16());
+    tracing::debug!(parent: span, status = status.as_u16(), "answered");
+    if !exporting() {
+        return;
+    }
+    span.set_attribute("idemgate.store_ms", store.as_secs_f64() * 1e3);
+    span.set_attribute("http.response.status_code", i64::from(status.as_u16()));
     if status != axum::http::StatusCode::OK {
-        span.record("idemgate.outcome", "problem");
+        span.set_attribute("idemgate.outcome", "problem");
     }
     if status.is_server_error() {
         span.record("otel.status_code", "ERROR");
     }
-    span.in_scope(|| tracing::debug!(status = status.as_u16(), "answered"));
 }
 
-/// The answer of a request, on the current request span.
+/// The answer of a request, on the current request span (exported spans only).
 pub(crate) fn outcome(label: &'static str) {
-    Span::current().record("idemgate.outcome", label);
+    attribute(&Span::current(), "idemgate.outcome", label);
+}
+
+/// Sets an attribute on an exported span (nothing without export).
+pub(crate) fn attribute(span: &Span, key: &'static str, value: impl Into<opentelemetry::Value>) {
+    if exporting() {
+        span.set_attribute(key, value);
+    }
+}
+
+/// A child span of the current one, or a disabled span when spans are not exported.
+pub(crate) fn child_span(make: impl FnOnce() -> Span) -> Span {
+    if exporting() { make() } else { Span::none() }
 }
 
 tokio::task_local! {
@@ -392,6 +459,37 @@ mod tests {
         );
         assert_eq!(ids(&headers(&[zero_trace])), None);
         assert_eq!(ids(&headers(&[])), None);
+    }
+
+    #[test]
+    fn the_log_only_trace_id_agrees_with_the_propagator() {
+        for value in [
+            "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01",
+            "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-00",
+            "01-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01-later",
+            "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01-extra",
+            "ff-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01",
+            "00-4BF92F3577B34DA6A3CE929D0E0E4736-00f067aa0ba902b7-01",
+            "00-00000000000000000000000000000000-00f067aa0ba902b7-01",
+            "00-4bf92f3577b34da6a3ce929d0e0e4736-0000000000000000-01",
+            "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7",
+            "xx-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01",
+            "",
+        ] {
+            let mut headers = axum::http::HeaderMap::new();
+            headers.insert("traceparent", axum::http::HeaderValue::from_static(value));
+            let by_propagator =
+                caller_context(&headers).map(|cx| cx.span().span_context().trace_id().to_string());
+            assert_eq!(caller_trace_id(&headers), by_propagator, "{value}");
+        }
+        // Stricter than the propagator where it reads fields as numbers, as the specification
+        // says: a 31-digit trace id or a 1-digit version is refused.
+        for short in [
+            "00-4bf92f3577b34da6a3ce929d0e0e473-00f067aa0ba902b7-01",
+            "0-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01",
+        ] {
+            assert_eq!(w3c_trace_id(short), None, "{short}");
+        }
     }
 
     #[test]
