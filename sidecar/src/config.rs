@@ -105,7 +105,7 @@ pub struct Cli {
     /// lowers it to fit the open-file limit.
     #[arg(long, env = "IDEMGATE_MAX_CONNECTIONS", default_value_t = 4096)]
     pub max_connections: usize,
-    /// Log lines on stderr: `text`, or `json` (one object per line, with the request's
+    /// Log lines on standard output: `text`, or `json` (one object per line, with the request's
     /// `request_id` and `trace_id` under `span`).
     #[arg(long, env = "IDEMGATE_LOG_FORMAT", value_enum, default_value_t = LogFormat::Text)]
     pub log_format: LogFormat,
