@@ -10,5 +10,6 @@
 mod demo;
 mod hostile;
 mod live;
+mod observability;
 mod rate;
 mod scenarios;

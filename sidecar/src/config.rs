@@ -2,6 +2,7 @@
 //! equivalents, parsed by clap), [`Config`] is the validated form the server runs with.
 //! Tests and embedding crates build a [`Config`] directly.
 
+use crate::telemetry::{LogFormat, TelemetryConfig};
 use clap::Parser;
 use std::fmt;
 use std::net::SocketAddr;
@@ -104,6 +105,24 @@ pub struct Cli {
     /// lowers it to fit the open-file limit.
     #[arg(long, env = "IDEMGATE_MAX_CONNECTIONS", default_value_t = 4096)]
     pub max_connections: usize,
+    /// Log lines on standard output: `text`, or `json` (one object per line, with the request's
+    /// `request_id` and `trace_id` under `span`).
+    #[arg(long, env = "IDEMGATE_LOG_FORMAT", value_enum, default_value_t = LogFormat::Text)]
+    pub log_format: LogFormat,
+    /// Export a span per request over OTLP/HTTP (protobuf) to this collector, e.g.
+    /// `http://otel-collector:4318` (`/v1/traces` is appended). Absent: nothing is exported.
+    #[arg(long, env = "IDEMGATE_OTLP_ENDPOINT")]
+    pub otlp_endpoint: Option<String>,
+}
+
+impl Cli {
+    /// The process-wide logging and tracing settings.
+    pub fn telemetry(&self) -> TelemetryConfig {
+        TelemetryConfig {
+            log_format: self.log_format,
+            otlp_endpoint: self.otlp_endpoint.clone().filter(|e| !e.trim().is_empty()),
+        }
+    }
 }
 
 /// Where state lives.

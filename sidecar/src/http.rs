@@ -6,8 +6,9 @@
 
 use crate::config::Config;
 use crate::locks::{LockError, Locks};
-use crate::metrics::Metrics;
+use crate::metrics::{Metrics, StoreVerb};
 use crate::store::{Store, StoreError};
+use crate::telemetry::{self, timed_store_call};
 use axum::Router;
 use axum::body::Body;
 use axum::extract::rejection::PathRejection;
@@ -72,12 +73,23 @@ impl Api {
 
     pub(crate) async fn handle(self, req: Request<hyper::body::Incoming>) -> Response {
         use tower::ServiceExt;
+        use tracing::Instrument;
         let route = route_label(req.uri().path());
         let started = Instant::now();
-        let response = match self.router.oneshot(req.map(Body::new)).await {
+        let span =
+            telemetry::verb_of(route).map(|verb| telemetry::request_span(verb, req.headers()));
+        let answer = telemetry::store_clock(self.router.oneshot(req.map(Body::new)));
+        let (response, store_time) = match &span {
+            Some(span) => answer.instrument(span.clone()).await,
+            None => answer.await,
+        };
+        let response = match response {
             Ok(response) => response,
             Err(never) => match never {},
         };
+        if let Some(span) = &span {
+            telemetry::finish(span, response.status(), store_time);
+        }
         self.metrics
             .request_seconds
             .with_label_values(&[route, response.status().as_str()])
@@ -376,14 +388,17 @@ async fn rate<S: Store>(State(app): AppState<S>, _: Authorized, req: Request) ->
     let (req, _): (RateRequest, _) = decode(&frame, false)?;
     req.validate(app.config.limits.max_key_len)
         .map_err(field_problem)?;
-    let outcome = crate::rate::check(app.locks.store().as_ref(), &req)
-        .await
-        .map_err(|e| app.store_error(&e))?;
+    let outcome = timed_store_call(
+        &app.metrics,
+        StoreVerb::Rate,
+        crate::rate::check(app.locks.store().as_ref(), &req),
+    )
+    .await
+    .map_err(|e| app.store_error(&e))?;
     let limited = outcome.results.iter().any(|r| !r.allowed);
-    app.metrics
-        .rate_decisions
-        .with_label_values(&[if limited { "limited" } else { "allowed" }])
-        .inc();
+    let label = if limited { "limited" } else { "allowed" };
+    telemetry::outcome(label);
+    app.metrics.rate_decisions.with_label_values(&[label]).inc();
     Ok(framed(&outcome, &[]))
 }
 
@@ -496,12 +511,13 @@ async fn list_keys<S: Store>(State(app): AppState<S>, _: Authorized, req: Reques
             _ => return Err(bad_request(format!("limit: must be 1..={LIST_MAX}"))),
         },
     };
-    let (keys, truncated) = app
-        .locks
-        .store()
-        .list_held(limit)
-        .await
-        .map_err(|e| app.store_error(&e))?;
+    let (keys, truncated) = timed_store_call(
+        &app.metrics,
+        StoreVerb::Admin,
+        app.locks.store().list_held(limit),
+    )
+    .await
+    .map_err(|e| app.store_error(&e))?;
     Ok(json(
         &serde_json::json!({ "keys": keys, "truncated": truncated }),
     ))
@@ -514,12 +530,13 @@ async fn inspect_key<S: Store>(
 ) -> Answer {
     let Path(key) = key.map_err(|e| bad_request(e.body_text()))?;
     app.config.limits.key(&key).map_err(field_problem)?;
-    let info = app
-        .locks
-        .store()
-        .inspect(&key)
-        .await
-        .map_err(|e| app.store_error(&e))?;
+    let info = timed_store_call(
+        &app.metrics,
+        StoreVerb::Admin,
+        app.locks.store().inspect(&key),
+    )
+    .await
+    .map_err(|e| app.store_error(&e))?;
     Ok(json(&info))
 }
 
@@ -539,16 +556,17 @@ async fn force_release<S: Store>(State(app): AppState<S>, _: Authorized, req: Re
     let release: ReleaseRequest =
         serde_json::from_slice(&body).map_err(|e| bad_request(e.to_string()))?;
     app.config.limits.key(&release.key).map_err(field_problem)?;
-    let fence = app
-        .locks
-        .store()
-        .force_release(&release.key)
-        .await
-        .map_err(|e| app.store_error(&e))?;
+    let fence = timed_store_call(
+        &app.metrics,
+        StoreVerb::Admin,
+        app.locks.store().force_release(&release.key),
+    )
+    .await
+    .map_err(|e| app.store_error(&e))?;
     app.metrics.force_releases.inc();
     tracing::warn!(
         audit = "force_release",
-        key = %release.key,
+        key_digest = %telemetry::key_digest(&release.key),
         released_fence = ?fence,
         %peer,
         "operator force-released a key"
@@ -562,9 +580,7 @@ async fn ready<S: Store>(State(app): AppState<S>) -> Answer {
     if *app.shutting_down.borrow() {
         return Err(shutting_down());
     }
-    app.locks
-        .store()
-        .ping()
+    timed_store_call(&app.metrics, StoreVerb::Ready, app.locks.store().ping())
         .await
         .map_err(|e| app.store_error(&e))?;
     Ok((StatusCode::OK, "ready\n").into_response())

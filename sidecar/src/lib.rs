@@ -10,6 +10,7 @@
 //! - `rate`: the global tier of rate limits (`/v1/rate`, GCRA, one store step per limit).
 //! - `store`: the lock and rate-limit store traits, two implementations (memory, Redis
 //!   with Lua scripts).
+//! - [`telemetry`]: log format, the OTLP span exporter, the span of each protocol request.
 //! - `waiters`: the per-process registry that stores wake waiting claims through.
 //! - [`server`]: the HTTP/1.1 + h2c accept loop, [`run`] and [`Sidecar`].
 //! - `testing` (feature `testing`): real `redis-server` processes for tests.
@@ -31,6 +32,7 @@ mod metrics;
 mod rate;
 pub mod server;
 mod store;
+pub mod telemetry;
 #[cfg(feature = "testing")]
 pub mod testing;
 mod waiters;
@@ -38,3 +40,4 @@ mod waiters;
 pub use config::{Cli, Config, ConfigError, RedisConfig, RedisTls, RedisTopology, StoreConfig};
 pub use server::{ServerError, Sidecar, run};
 pub use store::{CompletedInfo, HolderInfo, KeyInfo, KeyState, StoreError};
+pub use telemetry::{LogFormat, Telemetry, TelemetryConfig};

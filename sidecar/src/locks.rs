@@ -9,11 +9,12 @@
 //! notification. Each wake-up is one atomic claim step that also reports "granted to you".
 
 use crate::config::Config;
-use crate::metrics::Metrics;
+use crate::metrics::{Metrics, StoreVerb};
 use crate::store::{
     ClaimArgs, ClaimReply, ClaimStep, Grant, LeaveStep, QueueArgs, Store, StoreError, Stored,
     millis, now_us,
 };
+use crate::telemetry::{self, timed_store_call};
 use bytes::Bytes;
 use idemgate_wire::{
     AbortRequest, ClaimOutcome, ClaimRequest, CompleteRequest, LeaveRequest, OwnerOutcome,
@@ -23,6 +24,7 @@ use std::sync::Arc;
 use std::time::Duration;
 use tokio::sync::watch;
 use tokio::time::Instant;
+use tracing::Span;
 
 /// Why a verb produced no protocol answer.
 #[derive(Debug, thiserror::Error)]
@@ -83,11 +85,13 @@ impl<S: Store> Drop for QueueGuard<S> {
             std::mem::take(&mut self.key),
             std::mem::take(&mut self.owner),
         );
-        runtime.spawn(async move {
+        // The request's span (entered while its future is dropped) keeps its ids on the log.
+        let cleanup = async move {
             if let Err(err) = store.leave(&key, &owner, true).await {
                 tracing::warn!(%err, "could not remove an abandoned waiter; it expires by itself");
             }
-        });
+        };
+        runtime.spawn(tracing::Instrument::instrument(cleanup, Span::current()));
     }
 }
 
@@ -111,7 +115,8 @@ impl<S: Store> Locks<S> {
     }
 
     async fn step(&self, args: &ClaimArgs<'_>) -> Result<ClaimReply, StoreError> {
-        let reply = self.store.claim(args).await?;
+        let reply =
+            timed_store_call(&self.metrics, StoreVerb::Claim, self.store.claim(args)).await?;
         if reply.lease_expired {
             self.metrics.lease_expiries.inc();
         }
@@ -135,7 +140,7 @@ impl<S: Store> Locks<S> {
         };
         let Some(policy) = req.wait else {
             let reply = self.step(&args).await?;
-            return Ok(self.answer(&owner, reply.step, None));
+            return Ok(self.answer(&owner, reply.step, None, None));
         };
         let longest = Duration::from_millis(policy.longest_budget()).min(self.config.max_wait);
         args.queue = Some(QueueArgs {
@@ -155,8 +160,9 @@ impl<S: Store> Locks<S> {
             metrics: Arc::clone(&self.metrics),
         };
         let mut shutdown = self.shutdown.clone();
-        // Set once the claim is queued: when its wait budget ends.
-        let mut queued_until = None;
+        // Set once the claim is queued: when its wait budget ends, and the `wait` span that
+        // lasts until the claim's answer.
+        let mut queued: Option<(Instant, Span)> = None;
         loop {
             let reply = self.step(&args).await?;
             let (position, holder_ttl_ms) = match reply.step {
@@ -167,19 +173,39 @@ impl<S: Store> Locks<S> {
                 } => (position, holder_ttl_ms),
                 step => {
                     guard.disarm();
-                    return Ok(self.answer(&owner, step, queued_until.map(|_| started)));
+                    let wait = queued.map(|(_, span)| (started, span));
+                    return Ok(self.answer(
+                        &owner,
+                        step,
+                        wait.as_ref().map(|w| w.0),
+                        wait.map(|w| w.1),
+                    ));
                 }
             };
-            let deadline = *queued_until.get_or_insert_with(|| {
+            let (deadline, _) = queued.get_or_insert_with(|| {
                 self.metrics.queue_position.observe(f64::from(position));
+                telemetry::attribute(
+                    &Span::current(),
+                    "idemgate.queue_position",
+                    i64::from(position),
+                );
+                let span = telemetry::child_span(|| {
+                    tracing::info_span!("wait", idemgate.queue_position = position)
+                });
                 let budget = Duration::from_millis(policy.budget_for(position)).min(longest);
-                started + budget
+                (started + budget, span)
             });
+            let deadline = *deadline;
             let now = Instant::now();
             if now >= deadline {
-                let step = self.store.leave(&req.key, &owner, false).await?;
+                let step = timed_store_call(
+                    &self.metrics,
+                    StoreVerb::Claim,
+                    self.store.leave(&req.key, &owner, false),
+                )
+                .await?;
                 guard.disarm();
-                return Ok(self.give_up(&owner, step, started));
+                return Ok(self.give_up(&owner, step, started, queued.map(|(_, span)| span)));
             }
             let mut nap = self.config.recheck;
             if position == 0 {
@@ -195,7 +221,12 @@ impl<S: Store> Locks<S> {
                 () = tokio::time::sleep(nap) => false,
             };
             if stopping {
-                self.store.leave(&req.key, &owner, true).await?;
+                timed_store_call(
+                    &self.metrics,
+                    StoreVerb::Claim,
+                    self.store.leave(&req.key, &owner, true),
+                )
+                .await?;
                 guard.disarm();
                 self.observe_wait(started);
                 return Err(LockError::ShuttingDown);
@@ -209,16 +240,23 @@ impl<S: Store> Locks<S> {
             .observe(started.elapsed().as_secs_f64());
     }
 
-    fn give_up(&self, owner: &str, step: LeaveStep, started: Instant) -> (ClaimOutcome, Bytes) {
+    fn give_up(
+        &self,
+        owner: &str,
+        step: LeaveStep,
+        started: Instant,
+        wait: Option<Span>,
+    ) -> (ClaimOutcome, Bytes) {
         match step {
             LeaveStep::Granted(grant) => {
-                self.answer(owner, ClaimStep::Granted(grant), Some(started))
+                self.answer(owner, ClaimStep::Granted(grant), Some(started), wait)
             }
             LeaveStep::Left {
                 retry_after_ms,
                 queue_len,
             } => {
                 self.observe_wait(started);
+                record_claim_answer("busy", Some(started), wait.as_ref());
                 self.metrics.claims.with_label_values(&["busy"]).inc();
                 let outcome = ClaimOutcome::Busy {
                     retry_after_ms: retry_after_ms.max(1),
@@ -230,12 +268,14 @@ impl<S: Store> Locks<S> {
         }
     }
 
-    /// The protocol answer for a final claim step; `queued_since` is set when it waited.
+    /// The protocol answer for a final claim step; `queued_since` (and the `wait` span) are
+    /// set when it waited.
     fn answer(
         &self,
         owner: &str,
         step: ClaimStep,
         queued_since: Option<Instant>,
+        wait: Option<Span>,
     ) -> (ClaimOutcome, Bytes) {
         let waited_ms = queued_since.map_or(0, |t| millis(t.elapsed()));
         if let Some(started) = queued_since {
@@ -320,11 +360,17 @@ impl<S: Store> Locks<S> {
                 Bytes::new(),
             ),
         };
+        record_claim_answer(label, queued_since, wait.as_ref());
         self.metrics.claims.with_label_values(&[label]).inc();
         (outcome, payload)
     }
 
     fn owner_answer(&self, op: &str, outcome: OwnerOutcome) -> OwnerOutcome {
+        telemetry::outcome(match outcome {
+            OwnerOutcome::Released => "released",
+            OwnerOutcome::Renewed { .. } => "renewed",
+            OwnerOutcome::Stale => "stale",
+        });
         if outcome == OwnerOutcome::Stale {
             self.metrics.stale_owners.with_label_values(&[op]).inc();
             tracing::info!(op, "refused a stale owner");
@@ -339,33 +385,65 @@ impl<S: Store> Locks<S> {
     ) -> Result<OwnerOutcome, LockError> {
         let retention = Duration::from_millis(req.retention_ms).min(self.config.max_retention);
         let stored = req.response.map(|response| Stored { response, body });
-        let outcome = self
-            .store
-            .complete(&req.key, &req.owner, retention, stored)
-            .await?;
+        let outcome = timed_store_call(
+            &self.metrics,
+            StoreVerb::Complete,
+            self.store.complete(&req.key, &req.owner, retention, stored),
+        )
+        .await?;
         Ok(self.owner_answer("complete", outcome))
     }
 
     /// Gives up a named queued place (`/v1/leave`).
     pub(crate) async fn leave(&self, req: &LeaveRequest) -> Result<OwnerOutcome, LockError> {
-        let outcome = self.store.leave_named(&req.key, &req.waiter).await?;
+        let outcome = timed_store_call(
+            &self.metrics,
+            StoreVerb::Leave,
+            self.store.leave_named(&req.key, &req.waiter),
+        )
+        .await?;
         let label = if outcome == OwnerOutcome::Released {
             "released"
         } else {
             "stale"
         };
+        telemetry::outcome(label);
         self.metrics.leaves.with_label_values(&[label]).inc();
         Ok(outcome)
     }
 
     pub(crate) async fn abort(&self, req: &AbortRequest) -> Result<OwnerOutcome, LockError> {
-        let outcome = self.store.abort(&req.key, &req.owner).await?;
+        let outcome = timed_store_call(
+            &self.metrics,
+            StoreVerb::Abort,
+            self.store.abort(&req.key, &req.owner),
+        )
+        .await?;
         Ok(self.owner_answer("abort", outcome))
     }
 
     pub(crate) async fn renew(&self, req: &RenewRequest) -> Result<OwnerOutcome, LockError> {
         let lease = Duration::from_millis(req.lease_ms).min(self.config.max_lease);
-        let outcome = self.store.renew(&req.key, &req.owner, lease).await?;
+        let outcome = timed_store_call(
+            &self.metrics,
+            StoreVerb::Renew,
+            self.store.renew(&req.key, &req.owner, lease),
+        )
+        .await?;
         Ok(self.owner_answer("renew", outcome))
+    }
+}
+
+/// Records a claim's answer on its request span and, when it waited, on its `wait` span
+/// (which ends when dropped here).
+fn record_claim_answer(label: &'static str, queued_since: Option<Instant>, wait: Option<&Span>) {
+    telemetry::outcome(label);
+    if let Some(since) = queued_since {
+        let waited_ms = since.elapsed().as_secs_f64() * 1e3;
+        telemetry::attribute(&Span::current(), "idemgate.wait_ms", waited_ms);
+        if let Some(wait) = wait {
+            telemetry::attribute(wait, "idemgate.wait_ms", waited_ms);
+            telemetry::attribute(wait, "idemgate.outcome", label);
+        }
     }
 }

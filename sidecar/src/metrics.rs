@@ -2,9 +2,65 @@
 //! sidecars in tests do not collide), rendered at `/metrics`.
 
 use prometheus::{
-    Encoder, Histogram, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge, Opts,
-    Registry, TextEncoder,
+    Encoder, Histogram, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge,
+    IntGaugeVec, Opts, Registry, TextEncoder,
 };
+use std::time::Duration;
+
+/// What a store call was made for: the protocol verbs, and the admin and readiness calls.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum StoreVerb {
+    Claim,
+    Complete,
+    Abort,
+    Renew,
+    Leave,
+    Rate,
+    Admin,
+    Ready,
+}
+
+impl StoreVerb {
+    const ALL: [StoreVerb; 8] = [
+        StoreVerb::Claim,
+        StoreVerb::Complete,
+        StoreVerb::Abort,
+        StoreVerb::Renew,
+        StoreVerb::Leave,
+        StoreVerb::Rate,
+        StoreVerb::Admin,
+        StoreVerb::Ready,
+    ];
+
+    fn label(self) -> &'static str {
+        match self {
+            StoreVerb::Claim => "claim",
+            StoreVerb::Complete => "complete",
+            StoreVerb::Abort => "abort",
+            StoreVerb::Renew => "renew",
+            StoreVerb::Leave => "leave",
+            StoreVerb::Rate => "rate",
+            StoreVerb::Admin => "admin",
+            StoreVerb::Ready => "ready",
+        }
+    }
+}
+
+/// Label values known in advance, exported as zero from the start: a query or alert on a
+/// counter that has not moved yet then finds a series instead of nothing.
+const CLAIM_OUTCOMES: &[&str] = &[
+    "granted",
+    "completed",
+    "mismatch",
+    "busy",
+    "queue_full",
+    "left",
+];
+const STORE_ERROR_KINDS: &[&str] = &["transient", "permanent"];
+const OWNER_OPS: &[&str] = &["complete", "abort", "renew"];
+const LEAVE_OUTCOMES: &[&str] = &["released", "stale"];
+const RATE_OUTCOMES: &[&str] = &["allowed", "limited"];
+const CLOSE_REASONS: &[&str] = &["first_byte_timeout", "idle_timeout", "shutdown"];
 
 pub(crate) struct Metrics {
     registry: Registry,
@@ -36,6 +92,8 @@ pub(crate) struct Metrics {
     pub rate_decisions: IntCounterVec,
     /// Request latency by route and status.
     pub request_seconds: HistogramVec,
+    /// One store call's latency, by the verb it served ([`StoreVerb`] order).
+    store_seconds: Vec<Histogram>,
 }
 
 const NS: &str = "idemgate_sidecar";
@@ -180,8 +238,72 @@ impl Metrics {
                     &["route", "status"],
                 )?,
             ),
+            store_seconds: {
+                let by_verb = register(
+                    r,
+                    HistogramVec::new(
+                        hist(
+                            "store_seconds",
+                            "Latency of one store call (a Redis script or command), by the verb it served.",
+                            LATENCY_BUCKETS.to_vec(),
+                        ),
+                        &["verb"],
+                    )?,
+                );
+                StoreVerb::ALL
+                    .iter()
+                    .map(|verb| by_verb.with_label_values(&[verb.label()]))
+                    .collect()
+            },
             registry,
         })
+        .map(|metrics| metrics.with_build_and_process_info())
+    }
+
+    /// Adds `idemgate_sidecar_build_info{version,git_sha} 1` and the standard `process_*`
+    /// metrics (Linux), and exports every known label value of the counters as zero.
+    fn with_build_and_process_info(self) -> Self {
+        let r = &self.registry;
+        if let Ok(info) = IntGaugeVec::new(
+            opts(
+                "build_info",
+                "The running build: version and git commit (always 1).",
+            ),
+            &["version", "git_sha"],
+        ) {
+            register(r, info.clone())
+                .with_label_values(&[env!("CARGO_PKG_VERSION"), env!("IDEMGATE_GIT_COMMIT")])
+                .set(1);
+        }
+        #[cfg(target_os = "linux")]
+        {
+            let process = prometheus::process_collector::ProcessCollector::for_self();
+            if let Err(err) = r.register(Box::new(process)) {
+                tracing::error!(%err, "process metrics not registered");
+            }
+        }
+        let known: [(&IntCounterVec, &[&str]); 6] = [
+            (&self.claims, CLAIM_OUTCOMES),
+            (&self.store_errors, STORE_ERROR_KINDS),
+            (&self.stale_owners, OWNER_OPS),
+            (&self.leaves, LEAVE_OUTCOMES),
+            (&self.rate_decisions, RATE_OUTCOMES),
+            (&self.connections_closed, CLOSE_REASONS),
+        ];
+        for (counter, labels) in known {
+            for label in labels {
+                counter.with_label_values(&[label]);
+            }
+        }
+        self
+    }
+
+    /// Observes one store call made for `verb`.
+    pub(crate) fn observe_store(&self, verb: StoreVerb, took: Duration) {
+        let index = StoreVerb::ALL.iter().position(|v| *v == verb);
+        if let Some(histogram) = index.and_then(|i| self.store_seconds.get(i)) {
+            histogram.observe(took.as_secs_f64());
+        }
     }
 
     /// The Prometheus text exposition.
@@ -196,6 +318,38 @@ impl Metrics {
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn build_process_and_store_metrics_are_exported() {
+        let text = super::Metrics::new()
+            .map(|m| {
+                m.observe_store(super::StoreVerb::Rate, std::time::Duration::from_millis(3));
+                m.render()
+            })
+            .unwrap_or_default();
+        let build = format!(
+            "idemgate_sidecar_build_info{{git_sha=\"{}\",version=\"{}\"}} 1",
+            env!("IDEMGATE_GIT_COMMIT"),
+            env!("CARGO_PKG_VERSION")
+        );
+        assert!(text.contains(&build), "{text}");
+        assert!(
+            text.contains("idemgate_sidecar_store_seconds_count{verb=\"rate\"} 1"),
+            "{text}"
+        );
+        assert!(
+            text.contains("idemgate_sidecar_store_errors_total{kind=\"permanent\"} 0"),
+            "{text}"
+        );
+        #[cfg(target_os = "linux")]
+        for name in [
+            "process_cpu_seconds_total",
+            "process_resident_memory_bytes",
+            "process_open_fds",
+        ] {
+            assert!(text.contains(&format!("\n{name} ")), "{name}: {text}");
+        }
+    }
+
     #[test]
     fn every_metric_registers() {
         let metrics = super::Metrics::new().map_err(|e| e.to_string());

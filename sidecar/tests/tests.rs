@@ -10,6 +10,7 @@ mod cluster;
 mod connections;
 mod crash;
 mod http_api;
+mod observability;
 mod rate;
 mod redis_faults;
 mod redis_layout;

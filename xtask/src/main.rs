@@ -4,6 +4,7 @@
 mod cmd;
 mod envoy;
 mod image;
+mod observability;
 mod testrun;
 mod toolchain;
 mod wasm;
@@ -21,8 +22,8 @@ commands:
           (groups: plugin, host, sidecar, queue, storm, e2e; all when none is named)
   wasm    build the filter to target/idemgate.wasm (and the host-test fixtures)
   test    the whole test suite: fmt, clippy (native and wasm32), docs (warnings denied),
-          Envoy config schema checks, unit tests, wasm build, then every test that loads
-          the built wasm, then the images
+          Envoy config schema checks, alerting rules (promtool), unit tests, wasm build,
+          then every test that loads the built wasm, then the images
   integration  only the last step of `test`: every integration test binary, two at a time
           (needs `cargo xtask wasm` first)
   bundle  render the Kubernetes overlays and validate them (schemas, token wiring, idemgate
@@ -79,6 +80,7 @@ fn test(root: &Path) -> Result<()> {
         ("redis-server", "redis-server"),
         ("redis-cli", "redis-tools"),
         ("kubectl", "kubectl"),
+        ("promtool", "prometheus"),
     ];
     toolchain::ensure_apt(&[&needs, image::APT_NEEDS].concat())?;
     cmd::step(
@@ -110,6 +112,7 @@ fn test(root: &Path) -> Result<()> {
     )?;
     envoy::check(root)?;
     envoy::check_bundle(root)?;
+    observability::check(root)?;
     let route = toolchain::wasm_route()?;
     cmd::step("clippy (wasm32-wasip1)", &mut wasm::clippy(root, route))?;
     cmd::step(

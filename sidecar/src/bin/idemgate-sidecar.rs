@@ -2,31 +2,44 @@
 
 use anyhow::Context;
 use clap::Parser;
-use idemgate_sidecar::{Cli, Config};
-use tracing_subscriber::EnvFilter;
+use idemgate_sidecar::{Cli, Config, Telemetry};
 
 #[global_allocator]
 static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
-    tracing_subscriber::fmt()
-        .with_env_filter(
-            EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info")),
-        )
-        .init();
     // `--check`: validate flags and store, exit 0/1 (sidecar/src/check.rs).
-    if let Some(args) = idemgate_sidecar::check::requested(std::env::args_os()) {
-        std::process::exit(i32::from(
-            !idemgate_sidecar::check::run(Cli::parse_from(args)).await,
-        ));
+    let check = idemgate_sidecar::check::requested(std::env::args_os());
+    let cli = match &check {
+        Some(args) => Cli::parse_from(args),
+        None => Cli::parse(),
+    };
+    let telemetry = Telemetry::init(&cli.telemetry())?;
+    if check.is_some() {
+        let ok = idemgate_sidecar::check::run(cli).await;
+        flush(telemetry).await;
+        std::process::exit(i32::from(!ok));
     }
-    let mut config = Config::from_cli(Cli::parse())?;
+    let served = serve(cli).await;
+    flush(telemetry).await;
+    served
+}
+
+/// Exports the spans still queued; the exporter blocks, so off the async workers.
+async fn flush(telemetry: Telemetry) {
+    let _ = tokio::task::spawn_blocking(move || telemetry.shutdown()).await;
+}
+
+async fn serve(cli: Cli) -> anyhow::Result<()> {
+    let otlp_endpoint = cli.otlp_endpoint.clone();
+    let mut config = Config::from_cli(cli)?;
     fit_connections_to_open_files(&mut config);
     tracing::info!(
         version = env!("CARGO_PKG_VERSION"),
         commit = env!("IDEMGATE_GIT_COMMIT"),
         ?config,
+        otlp_endpoint = %otlp_endpoint.as_deref().map_or_else(|| "none".to_owned(), idemgate_sidecar::config::redact_url),
         "starting idemgate-sidecar"
     );
     let listener = tokio::net::TcpListener::bind(config.listen)

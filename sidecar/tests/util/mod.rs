@@ -141,7 +141,8 @@ impl Reply {
 pub struct Client {
     base: String,
     inner: HyperClient<HttpConnector, Full<Bytes>>,
-    authorization: Option<String>,
+    /// Sent with every request (`authorization`, trace context).
+    headers: Vec<(String, String)>,
 }
 
 impl Client {
@@ -162,7 +163,7 @@ impl Client {
         Client {
             base: base.to_owned(),
             inner,
-            authorization: None,
+            headers: Vec::new(),
         }
     }
 
@@ -171,8 +172,14 @@ impl Client {
     }
 
     /// Sends `value` as the `authorization` header of every request.
-    pub fn with_authorization(mut self, value: &str) -> Client {
-        self.authorization = Some(value.to_owned());
+    pub fn with_authorization(self, value: &str) -> Client {
+        self.with_header("authorization", value)
+    }
+
+    /// Sends `name: value` with every request (replacing an earlier value of `name`).
+    pub fn with_header(mut self, name: &str, value: &str) -> Client {
+        self.headers.retain(|(n, _)| !n.eq_ignore_ascii_case(name));
+        self.headers.push((name.to_owned(), value.to_owned()));
         self
     }
 
@@ -181,8 +188,8 @@ impl Client {
             .method(method)
             .uri(format!("{}{path}", self.base))
             .header("content-type", idemgate_wire::CONTENT_TYPE);
-        if let Some(value) = &self.authorization {
-            req = req.header("authorization", value);
+        for (name, value) in &self.headers {
+            req = req.header(name, value);
         }
         let req = req.body(Full::new(Bytes::from(body))).expect("request");
         let response = tokio::time::timeout(Duration::from_secs(60), self.inner.request(req))

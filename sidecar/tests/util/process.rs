@@ -19,8 +19,17 @@ impl SidecarProcess {
         Self::spawn_limited(None, args)
     }
 
+    /// Like [`SidecarProcess::spawn`], with `env` set on top (`RUST_LOG`, `OTEL_*`).
+    pub fn spawn_env(args: &[&str], env: &[(&str, &str)]) -> SidecarProcess {
+        Self::spawn_with(None, args, env)
+    }
+
     /// Like [`SidecarProcess::spawn`], under `prlimit --nofile=n:n` when `nofile` is set.
     pub fn spawn_limited(nofile: Option<u32>, args: &[&str]) -> SidecarProcess {
+        Self::spawn_with(nofile, args, &[])
+    }
+
+    fn spawn_with(nofile: Option<u32>, args: &[&str], env: &[(&str, &str)]) -> SidecarProcess {
         let port = TcpListener::bind("127.0.0.1:0")
             .and_then(|l| l.local_addr())
             .expect("a free port")
@@ -46,6 +55,7 @@ impl SidecarProcess {
             .env("RUST_LOG", "info")
             .env("NO_COLOR", "1")
             .env_remove("REDIS_URL")
+            .envs(env.iter().copied())
             .stdout(out.try_clone().expect("log file"))
             .stderr(out)
             .spawn()
