@@ -184,11 +184,7 @@ impl<S: Store> Locks<S> {
             };
             let (deadline, _) = queued.get_or_insert_with(|| {
                 self.metrics.queue_position.observe(f64::from(position));
-                telemetry::attribute(
-                    &Span::current(),
-                    "idemgate.queue_position",
-                    i64::from(position),
-                );
+                telemetry::current_attribute("idemgate.queue_position", i64::from(position));
                 let span = telemetry::child_span(|| {
                     tracing::info_span!("wait", idemgate.queue_position = position)
                 });
@@ -440,7 +436,7 @@ fn record_claim_answer(label: &'static str, queued_since: Option<Instant>, wait:
     telemetry::outcome(label);
     if let Some(since) = queued_since {
         let waited_ms = since.elapsed().as_secs_f64() * 1e3;
-        telemetry::attribute(&Span::current(), "idemgate.wait_ms", waited_ms);
+        telemetry::current_attribute("idemgate.wait_ms", waited_ms);
         if let Some(wait) = wait {
             telemetry::attribute(wait, "idemgate.wait_ms", waited_ms);
             telemetry::attribute(wait, "idemgate.outcome", label);

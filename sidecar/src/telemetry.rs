@@ -338,7 +338,15 @@ pub(crate) fn finish(span: &Span, status: axum::http::StatusCode, store: std::ti
 
 /// The answer of a request, on the current request span (exported spans only).
 pub(crate) fn outcome(label: &'static str) {
-    attribute(&Span::current(), "idemgate.outcome", label);
+    current_attribute("idemgate.outcome", label);
+}
+
+/// Sets an attribute on the current span when spans are exported (looking the current span
+/// up only then: that alone is a dispatcher call and a reference count).
+pub(crate) fn current_attribute(key: &'static str, value: impl Into<opentelemetry::Value>) {
+    if exporting() {
+        Span::current().set_attribute(key, value);
+    }
 }
 
 /// Sets an attribute on an exported span (nothing without export).
