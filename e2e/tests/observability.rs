@@ -3,9 +3,10 @@
 //! few scenarios, then every metric selector of every dashboard query and alert expression
 //! must match a sample of the gateway's `/stats/prometheus` or the sidecar's `/metrics`.
 
-use crate::util::live::{Demo, shipped};
-use crate::util::{Stack, http};
 use idemgate_demo::scenarios;
+use idemgate_e2e::client::http;
+use idemgate_e2e::live::{Demo, shipped};
+use idemgate_e2e::stack::Stack;
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::PathBuf;
 
