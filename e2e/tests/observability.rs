@@ -159,7 +159,7 @@ fn every_metric_the_dashboard_and_alerts_query_is_exposed() {
         demo.play(&gateway, &scenario);
     }
     let admin = gateway
-        .gateway
+        .gateway()
         .admin_address()
         .expect("the shipped config has an admin");
     let envoy = http(admin, "GET", "/stats/prometheus", &[], "");
