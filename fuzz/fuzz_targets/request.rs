@@ -121,6 +121,8 @@ fuzz_target!(|input: Input| {
         breaker: &mut breaker,
         telemetry: &mut telemetry,
         owner: 7,
+        // Queued claims name their waiter (derived from this secret) as the filter's do.
+        waiter_secret: Some(&[7; 32]),
     };
     let Some(route) = Flow::route(config, &req) else {
         return;
