@@ -109,9 +109,11 @@ impl HeaderMap {
         }
     }
 
+    /// Removes every value of `key`, a name in any case (Envoy `remove`). Stored keys are
+    /// lower case, so comparing each one without regard to case is Envoy's comparison of its
+    /// lower-cased copy of the name, without the copy.
     pub fn remove(&mut self, key: &[u8]) {
-        let key = key.to_ascii_lowercase();
-        self.entries.retain(|(k, _)| *k != key);
+        self.entries.retain(|(k, _)| !k.eq_ignore_ascii_case(key));
     }
 
     /// Converts an `http` crate map (names are already lower-case there).
@@ -166,5 +168,14 @@ mod tests {
         map.replace(b"A", b"9");
         assert_eq!(map, HeaderMap::from([("a", "9"), ("b", "2")]));
         assert_eq!(map.get_joined("a"), Some(b"9".to_vec()));
+    }
+
+    #[test]
+    fn remove_takes_every_value_of_a_name_given_in_any_case() {
+        let mut map = HeaderMap::from([("x-a", "1"), ("b", "2"), ("X-A", "3")]);
+        map.remove(b"X-a");
+        assert_eq!(map, HeaderMap::from([("b", "2")]));
+        map.remove(b"absent");
+        assert_eq!(map, HeaderMap::from([("b", "2")]));
     }
 }

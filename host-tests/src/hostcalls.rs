@@ -6,7 +6,7 @@ use crate::abi::{
     BufferType, Direction, LogLevel, MapType, MetricKind, Status, decode_pairs, encode_pairs,
 };
 use crate::headers::HeaderMap;
-use crate::vm::memory::{check_writable, read, read_str, return_bytes, span, write};
+use crate::vm::memory::{check_writable, read, read_str, return_bytes, slice, span, write};
 use crate::vm::{
     CalloutOutcome, CalloutRequest, Deferred, GrpcKind, LocalReply, Phase, Target, VmState,
 };
@@ -159,10 +159,7 @@ fn get_header_map_value(
     };
     // The name is looked up where it lies in guest memory, as Envoy does: no copy.
     let (guest, state) = memory.data_and_store_mut(&mut *c);
-    let (p, l) = span(kp, kl);
-    let Some(key) = p.checked_add(l).and_then(|end| guest.get(p..end)) else {
-        return Ok(Status::InvalidMemoryAccess);
-    };
+    let key = tri!(slice(guest, kp, kl));
     let value = match map_access(state, ty) {
         MapAccess::Writable(m) => m.get_raw(key).map(<[u8]>::to_vec),
         MapAccess::ReadOnly(m) => m.get_raw(key).map(<[u8]>::to_vec),
@@ -184,14 +181,21 @@ fn mutate_header(
     op: fn(&mut HeaderMap, &[u8], &[u8]),
 ) -> HostResult {
     let ty = tri!(map_type(ty));
-    let key = tri!(read(c, kp, kl));
-    let value = match value {
-        Some((vp, vl)) => tri!(read(c, vp, vl)),
-        None => Vec::new(),
+    let Some(memory) = c.data().wasm.as_ref().map(|w| w.memory) else {
+        return Ok(Status::InvalidMemoryAccess);
     };
-    match map_access(c.data_mut(), ty) {
+    // Name and value are read where they lie in guest memory: Envoy copies the name into a
+    // `LowerCaseString` (a small string, no allocation for ordinary names) and copies a value
+    // only into the map, which `op` does here too.
+    let (guest, state) = memory.data_and_store_mut(&mut *c);
+    let key = tri!(slice(guest, kp, kl));
+    let value = match value {
+        Some((vp, vl)) => tri!(slice(guest, vp, vl)),
+        None => &[],
+    };
+    match map_access(state, ty) {
         MapAccess::Writable(m) => {
-            op(m, &key, &value);
+            op(m, key, value);
             Ok(Status::Ok)
         }
         _ => Ok(Status::BadArgument),

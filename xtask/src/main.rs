@@ -110,6 +110,7 @@ fn test(root: &Path) -> Result<()> {
             .env("RUSTDOCFLAGS", "-D warnings")
             .current_dir(root),
     )?;
+    cmd::step("fuzz targets compile", &mut fuzz_check(root))?;
     envoy::check(root)?;
     envoy::check_bundle(root)?;
     observability::check(root)?;
@@ -184,6 +185,23 @@ fn fuzz(root: &Path, args: &[String]) -> Result<()> {
         )?;
     }
     Ok(())
+}
+
+/// Type-checks every fuzz target on the stable toolchain, so that a change to the APIs they
+/// drive cannot leave one uncompilable until someone next fuzzes. `check` never links, so
+/// libfuzzer-sys is pointed at a library path instead of compiling libFuzzer's C++ sources
+/// (its build script only emits link flags then).
+fn fuzz_check(root: &Path) -> std::process::Command {
+    let mut check = cmd::cargo();
+    check
+        .args(["check", "--manifest-path", "fuzz/Cargo.toml", "--bins"])
+        .args(["--target-dir", "target/fuzz-check"])
+        .env(
+            "CUSTOM_LIBFUZZER_PATH",
+            root.join("target/fuzz-check/libfuzzer-unlinked.a"),
+        )
+        .current_dir(root);
+    check
 }
 
 /// `90s`, `10m` or plain seconds.

@@ -42,6 +42,31 @@ const WASM_OPT_ARGS: &[&str] = &[
     "--enable-sign-ext",
 ];
 
+/// Binaryen's whole-module dead-code eliminator: given the exports to keep, it drops the
+/// others and every function only they reach (`wasm-metadce`, in Debian's `binaryen` too).
+const WASM_METADCE: &str = "wasm-metadce";
+/// Callbacks the proxy-wasm SDK exports that Envoy never calls on idemgate, dropped before
+/// `wasm-opt`. proxy-wasm-cpp-host looks every `proxy_on_*` callback up as optional and skips
+/// a missing one (`src/context.cc`: e.g. `onGrpcClose` returns when `on_grpc_close_` is
+/// null), and so does the host harness. With the SDK at opt-level 3 each of them inlines the
+/// dispatcher's lookups: ~14 KiB of the module, which is what lets the SDK stay at 3.
+const UNUSED_CALLBACKS: &[(&str, &str)] = &[
+    ("proxy_on_grpc_receive_initial_metadata", "grpc"),
+    ("proxy_on_grpc_receive", "grpc"),
+    ("proxy_on_grpc_receive_trailing_metadata", "grpc"),
+    ("proxy_on_grpc_close", "grpc"),
+    ("proxy_on_foreign_function", "foreign_function"),
+    ("proxy_on_new_connection", "on_new_connection"),
+    ("proxy_on_downstream_data", "on_downstream"),
+    ("proxy_on_downstream_connection_close", "on_downstream"),
+    ("proxy_on_upstream_data", "on_upstream"),
+    ("proxy_on_upstream_connection_close", "on_upstream"),
+];
+/// Where the filter's code lives: a mention of a dropped callback's feature here (a gRPC
+/// call, a foreign function, a network-filter callback) fails the build instead of shipping
+/// a filter whose callback is missing.
+const FILTER_SOURCES: &[&str] = &["plugin/src", "plugin-core/src", "wire/src"];
+
 /// Builds every module; returns the filter's path.
 pub fn build_all(root: &Path) -> Result<PathBuf> {
     build_with(root, toolchain::wasm_route()?)
@@ -69,7 +94,11 @@ pub fn build_with(root: &Path, route: Route) -> Result<PathBuf> {
 
     let target = root.join("target");
     let filter = target.join("idemgate.wasm");
-    let optimized = optimize(&built(root, WASI, FILTER_PROFILE, FILTER_PACKAGE), &filter)?;
+    let optimized = optimize(
+        root,
+        &built(root, WASI, FILTER_PROFILE, FILTER_PACKAGE),
+        &filter,
+    )?;
     std::fs::create_dir_all(target.join("fixtures"))?;
     for (dir, package) in &fixtures {
         copy(
@@ -150,20 +179,93 @@ fn cargo(root: &Path, route: Route, target: &str, subcommand: &[&str]) -> Comman
     command
 }
 
-/// Copies the filter to `to`, through `wasm-opt` when it is installed (optional: the
-/// unoptimized module works the same, it is only larger). Returns whether it optimized.
-fn optimize(from: &Path, to: &Path) -> Result<bool> {
-    if !cmd::succeeds(Command::new("which").arg(WASM_OPT)) {
+/// Copies the filter to `to`, through `wasm-metadce` (the callbacks Envoy never calls on it)
+/// and `wasm-opt` when binaryen is installed (optional: the unoptimized module works the same,
+/// it is only larger). Returns whether it optimized.
+fn optimize(root: &Path, from: &Path, to: &Path) -> Result<bool> {
+    let installed = |tool| cmd::succeeds(Command::new("which").arg(tool));
+    if !installed(WASM_OPT) || !installed(WASM_METADCE) {
         println!(
-            "{WASM_OPT} not found (apt-get install binaryen): the filter is not post-optimized"
+            "{WASM_OPT}/{WASM_METADCE} not found (apt-get install binaryen): the filter is not \
+             post-optimized"
         );
         copy(from, to)?;
         return Ok(false);
     }
+    let trimmed = from.with_extension("trimmed.wasm");
+    let graph = from.with_extension("metadce.json");
+    std::fs::write(&graph, metadce_graph(root, &std::fs::read(from)?)?)?;
+    let mut metadce = Command::new(WASM_METADCE);
+    metadce
+        .args(&WASM_OPT_ARGS[1..])
+        .arg(from)
+        .arg("--graph-file")
+        .arg(&graph)
+        .arg("-o")
+        .arg(&trimmed)
+        // It lists every function it drops.
+        .stdout(std::process::Stdio::null());
+    cmd::step("wasm-metadce (filter: unused callbacks)", &mut metadce)?;
     let mut wasm_opt = Command::new(WASM_OPT);
-    wasm_opt.args(WASM_OPT_ARGS).arg(from).arg("-o").arg(to);
+    wasm_opt.args(WASM_OPT_ARGS).arg(&trimmed).arg("-o").arg(to);
     cmd::step("wasm-opt (filter)", &mut wasm_opt)?;
     Ok(true)
+}
+
+/// `wasm-metadce`'s reachability graph: every export of `module` but [`UNUSED_CALLBACKS`] is
+/// reached from outside. Fails if the filter's sources use what a dropped callback serves.
+fn metadce_graph(root: &Path, module: &[u8]) -> Result<String> {
+    for (callback, feature) in UNUSED_CALLBACKS {
+        if let Some(file) = mentions(root, FILTER_SOURCES, feature)? {
+            anyhow::bail!(
+                "{} mentions `{feature}`: if the filter now needs {callback}, take it out of \
+                 UNUSED_CALLBACKS in xtask/src/wasm.rs",
+                file.display()
+            );
+        }
+    }
+    let mut kept = Vec::new();
+    for payload in wasmparser::Parser::new(0).parse_all(module) {
+        if let wasmparser::Payload::ExportSection(exports) = payload? {
+            for export in exports {
+                let name = export?.name;
+                if !UNUSED_CALLBACKS.iter().any(|(c, _)| *c == name) {
+                    kept.push(name.to_owned());
+                }
+            }
+        }
+    }
+    let node = |name: &str| format!("export:{name}");
+    let mut graph = vec![serde_json::json!({
+        "name": "outside",
+        "root": true,
+        "reaches": kept.iter().map(|e| node(e)).collect::<Vec<_>>(),
+    })];
+    graph.extend(
+        kept.iter()
+            .map(|e| serde_json::json!({"name": node(e), "export": e})),
+    );
+    Ok(serde_json::to_string(&graph)?)
+}
+
+/// The first `.rs` file under `dirs` (relative to `root`) whose text contains `word`.
+fn mentions(root: &Path, dirs: &[&str], word: &str) -> Result<Option<PathBuf>> {
+    let mut pending: Vec<PathBuf> = dirs.iter().map(|d| root.join(d)).collect();
+    while let Some(dir) = pending.pop() {
+        for entry in
+            std::fs::read_dir(&dir).with_context(|| format!("reading {}", dir.display()))?
+        {
+            let path = entry?.path();
+            if path.is_dir() {
+                pending.push(path);
+            } else if path.extension().is_some_and(|e| e == "rs")
+                && std::fs::read_to_string(&path)?.contains(word)
+            {
+                return Ok(Some(path));
+            }
+        }
+    }
+    Ok(None)
 }
 
 fn built(root: &Path, target: &str, profile: &str, package: &str) -> PathBuf {

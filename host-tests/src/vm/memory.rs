@@ -18,6 +18,14 @@ pub(crate) fn span(ptr: i32, len: i32) -> (usize, usize) {
     (ptr as u32 as usize, len as u32 as usize)
 }
 
+/// The bytes at `ptr`/`len` where they lie in guest memory `guest` (bounds-checked).
+pub(crate) fn slice(guest: &[u8], ptr: i32, len: i32) -> Result<&[u8], Status> {
+    let (p, l) = span(ptr, len);
+    p.checked_add(l)
+        .and_then(|end| guest.get(p..end))
+        .ok_or(Status::InvalidMemoryAccess)
+}
+
 pub(crate) fn read(c: &Ctx<'_>, ptr: i32, len: i32) -> Result<Vec<u8>, Status> {
     let memory = c
         .data()
@@ -25,12 +33,7 @@ pub(crate) fn read(c: &Ctx<'_>, ptr: i32, len: i32) -> Result<Vec<u8>, Status> {
         .as_ref()
         .ok_or(Status::InvalidMemoryAccess)?
         .memory;
-    let (p, l) = span(ptr, len);
-    memory
-        .data(c)
-        .get(p..p.checked_add(l).ok_or(Status::InvalidMemoryAccess)?)
-        .map(<[u8]>::to_vec)
-        .ok_or(Status::InvalidMemoryAccess)
+    slice(memory.data(c), ptr, len).map(<[u8]>::to_vec)
 }
 
 pub(crate) fn write(c: &mut Ctx<'_>, ptr: i32, bytes: &[u8]) -> Result<(), Status> {
