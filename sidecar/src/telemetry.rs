@@ -7,7 +7,7 @@
 //! carries the caller's request id (`x-request-id`) and trace id (W3C `traceparent`, or a
 //! `b3` header), so every log line written while serving the request carries them too; with
 //! `--otlp-endpoint` the spans are exported as children of the caller's span. Keys, tokens
-//! and bodies are never span fields: a key appears only as [`key_digest`].
+//! and bodies are never span fields: a key appears only as `key_digest`.
 
 use opentelemetry::propagation::TextMapPropagator;
 use opentelemetry::trace::{
