@@ -21,7 +21,9 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 
 /// Group ids in report order.
-const GROUPS: [&str; 6] = ["plugin", "host", "sidecar", "queue", "storm", "e2e"];
+const GROUPS: [&str; 7] = ["plugin", "host", "sidecar", "queue", "storm", "e2e", "peer"];
+/// Groups run only when named: `peer` installs its baseline product first.
+const ON_REQUEST: [&str; 1] = ["peer"];
 
 pub fn run(wanted: &[String], target: &Path, out: &Path) -> Result<()> {
     for name in wanted {
@@ -46,7 +48,8 @@ pub fn run(wanted: &[String], target: &Path, out: &Path) -> Result<()> {
     };
     let mut failed = Vec::new();
     for id in GROUPS {
-        if !wanted.is_empty() && !wanted.iter().any(|w| w == id) {
+        let named = wanted.iter().any(|w| w == id);
+        if (!wanted.is_empty() || ON_REQUEST.contains(&id)) && !named {
             continue;
         }
         println!("== group {id}");
@@ -57,6 +60,7 @@ pub fn run(wanted: &[String], target: &Path, out: &Path) -> Result<()> {
             "queue" => queue(&modules)?,
             "storm" => duplicate_storm(&modules)?,
             "e2e" => end_to_end(&modules)?,
+            "peer" => crate::peer::group(target, &modules.envoy_yaml, &modules.idemgate)?,
             _ => unreachable!("GROUPS lists every group"),
         };
         chart::ratios(&group, &dir.join(format!("{id}.svg")))?;
