@@ -1028,3 +1028,53 @@ fn report(ours: &[Run], theirs: &[Run], load_before: &str, load_after: &str) -> 
         ],
     })
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn reads_cpu_seconds_and_names_from_proc() {
+        let (name, seconds) = cpu_of(Path::new("/proc/self")).unwrap();
+        assert!(!name.is_empty());
+        assert!(seconds >= 0.0);
+        assert!(cpu_of(Path::new("/proc/no-such-pid")).is_none());
+    }
+
+    #[test]
+    fn answers_count_only_2xx_with_the_first_body() {
+        let answer = |status, body: &'static str| {
+            Ok(crate::client::Answer {
+                status,
+                replayed: false,
+                body: Bytes::from_static(body.as_bytes()),
+            })
+        };
+        let mut answers = Answers::default();
+        answers.add(&answer(200, "executed k #1"), Some("executed k #1"));
+        answers.add(&answer(200, "executed k #2"), Some("executed k #1"));
+        answers.add(&answer(409, "executed k #1"), Some("executed k #1"));
+        answers.add(&Err(anyhow::anyhow!("reset")), Some("executed k #1"));
+        assert_eq!(answers.with_first_response, 1);
+        assert_eq!(answers.answers, 4);
+        assert_eq!(answers.share_pct(), 25.0);
+        let statuses: Vec<_> = answers
+            .statuses
+            .iter()
+            .map(|(s, n)| (s.as_str(), *n))
+            .collect();
+        assert_eq!(statuses, [("200", 2), ("409", 1), ("error", 1)]);
+    }
+
+    #[test]
+    fn the_shipped_configuration_is_read_from_envoy_yaml() {
+        let yaml = Path::new(env!("CARGO_MANIFEST_DIR")).join("../envoy/envoy.yaml");
+        let config: serde_json::Value =
+            serde_json::from_str(&shipped_plugin_config(&yaml).unwrap()).unwrap();
+        let payments = config["rules"]
+            .as_array()
+            .and_then(|rules| rules.iter().find(|r| r["name"] == "payments"))
+            .unwrap();
+        assert_eq!(payments["mode"], "idempotency");
+    }
+}
