@@ -45,10 +45,13 @@ const RUNS: usize = 3;
 /// Keys the replay load cycles over (each completed once before the load).
 const REPLAY_KEYS: u64 = 64;
 /// In-flight duplicates: rounds per run, duplicates per round, and when they follow the
-/// first call.
+/// first call: the first `DUPLICATES_AFTER` into it, then one every `DUPLICATE_STAGGER`, so
+/// their arrivals spread over the call (a poller's wait depends on where in its interval
+/// the answer lands).
 const DUPLICATE_ROUNDS: usize = 20;
 const DUPLICATES: usize = 4;
-const DUPLICATES_AFTER: Duration = Duration::from_millis(20);
+const DUPLICATES_AFTER: Duration = Duration::from_millis(10);
+const DUPLICATE_STAGGER: Duration = Duration::from_millis(20);
 /// Identical requests released at once in the storm.
 const STORM_REQUESTS: usize = 200;
 /// The backend's work on the calls of the duplicate and storm scenarios.
@@ -223,7 +226,9 @@ impl PeerProcess {
             "# written by idemgate-bench: the settings are in the environment\n",
         )?;
         let addr = std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?;
-        let child = Command::new(binary)
+        // Absolute: the working directory changes (and `--target` is relative by default).
+        let binary = std::path::absolute(binary)?;
+        let child = Command::new(&binary)
             .current_dir(run_dir)
             .env("SERVER_ADDR", addr.to_string())
             .env("REDIS_URL", redis.url())
@@ -560,9 +565,17 @@ fn in_flight_duplicates(
             let first = connections.next().context("no connection")?;
             let first = tokio::spawn(timed_call(first, target.path, key.clone()));
             tokio::time::sleep(DUPLICATES_AFTER).await;
-            let copies: Vec<_> = connections
-                .map(|c| tokio::spawn(timed_call(c, target.path, key.clone())))
-                .collect();
+            let mut copies = Vec::new();
+            for (i, connection) in connections.enumerate() {
+                if i > 0 {
+                    tokio::time::sleep(DUPLICATE_STAGGER).await;
+                }
+                copies.push(tokio::spawn(timed_call(
+                    connection,
+                    target.path,
+                    key.clone(),
+                )));
+            }
             let first = first.await?;
             let mut answers = Vec::new();
             for copy in copies {
@@ -842,9 +855,7 @@ fn report(ours: &[Run], theirs: &[Run], load_before: &str, load_after: &str) -> 
         )?);
     }
     let dup = |f: &str| {
-        format!(
-            "in-flight duplicates ({DUPLICATES} copies {DUPLICATES_AFTER:?} into a {WORK_MS} ms call): {f}"
-        )
+        format!("in-flight duplicates ({DUPLICATES} copies during a {WORK_MS} ms call): {f}")
     };
     figures.extend([
         pair(
@@ -995,8 +1006,9 @@ fn report(ours: &[Run], theirs: &[Run], load_before: &str, load_after: &str) -> 
                 "Scenarios. Fresh keys: `wrk -t{t} -c{c} -d{s}s` with a new `Idempotency-Key` \
                  per request, so every request is claimed, executed and stored. In-flight \
                  duplicates: {DUPLICATE_ROUNDS} rounds per run, each a call the backend works \
-                 {WORK_MS} ms on, and {DUPLICATES} copies on their own connections \
-                 {DUPLICATES_AFTER:?} later; the gap is each copy's answer after the first \
+                 {WORK_MS} ms on, and {DUPLICATES} copies on their own connections, \
+                 the first {DUPLICATES_AFTER:?} into it and one every {DUPLICATE_STAGGER:?} \
+                 after, so they land at different points of a poll interval; the gap is each copy's answer after the first \
                  call's answer. Storm: {STORM_REQUESTS} identical calls ({WORK_MS} ms of work) \
                  released at once, each on its own connection. Replays: {REPLAY_KEYS} keys \
                  completed once, then wrk cycling over them for {s} s. The backend counts \
