@@ -6,6 +6,7 @@ mod chart;
 mod client;
 mod gateway_load;
 mod groups;
+mod peer;
 mod plugin_cost;
 mod queue_handoff;
 mod report;
@@ -38,7 +39,8 @@ struct Cli {
 enum Command {
     /// Run groups (all when none is named) and write the report.
     Run {
-        /// Groups to run: plugin, host, sidecar, queue, storm, e2e (all when none is named).
+        /// Groups to run: plugin, host, sidecar, queue, storm, e2e (all when none is named),
+        /// and peer (idemgate beside idempotent-proxy-server; only when named).
         groups: Vec<String>,
         /// The workspace's target directory (modules and binaries).
         #[arg(long, default_value = "target")]

@@ -98,7 +98,8 @@ committed figures were taken), so read them as ratios to their same-run baseline
 Groups: `plugin` (cost per request in the VM, compile, VM start, memory, size), `host` (the \
 gateway with and without a filter), `sidecar` (claim+complete against raw Redis), `queue` \
 (hand-off between callers queued on one resource), `storm` (1,000 identical requests at once), \
-`e2e` (wrk through the gateway). A correctness check that fails (e.g. more than one backend \
+`e2e` (wrk through the gateway), and, only when named, `peer` (idemgate beside \
+`idempotent-proxy-server` from crates.io, which it installs first). A correctness check that fails (e.g. more than one backend \
 execution in the storm) makes the command exit non-zero; a missed performance goal does not.
 ";
 

@@ -29,9 +29,8 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 use tokio::runtime::Handle;
 
-/// Name prefix of the sidecar runtime's threads (a thread name is at most 15 bytes on Linux),
-/// which tells its CPU time apart from the bench client's.
-pub const SIDECAR_THREADS: &str = "idemgate-sc";
+/// Name prefix of the sidecar runtime's threads, here and in the rig's in-process sidecar.
+pub use idemgate_rig::sidecar::SIDECAR_THREADS;
 
 /// h2c connections a run uses at most (Envoy: one per worker thread).
 const CONNECTIONS: usize = 4;

@@ -41,11 +41,32 @@ pub struct WrkRun {
     pub non_2xx: u64,
 }
 
-/// Keys are `<nonce>-<wrk thread>-<n>`: unique within a run, and across runs by the nonce
-/// (the sidecar keeps completed keys for replay).
-fn mutating_script(nonce: &str) -> String {
+/// Which `Idempotency-Key` each request of a mutating script carries.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Keys {
+    /// `<nonce>-<wrk thread>-<n>`: unique within a run, and across runs by the nonce (the
+    /// sidecar keeps completed keys for replay).
+    Fresh,
+    /// `<nonce>-<n mod count>`: every thread cycles over the same `count` keys, so once they
+    /// have completed every request is a replay.
+    Cycle(u64),
+}
+
+impl Keys {
+    /// The key `Keys::Cycle` gives its `i`-th key, for callers that complete them first.
+    pub fn cycled(nonce: &str, i: u64) -> String {
+        format!("{nonce}-{i}")
+    }
+}
+
+/// A POST to `path` with an `Idempotency-Key` chosen by `keys`.
+fn mutating_script(nonce: &str, path: &str, keys: Keys) -> String {
+    let key = match keys {
+        Keys::Fresh => format!(r#""{nonce}-" .. thread_id .. "-" .. counter"#),
+        Keys::Cycle(count) => format!(r#""{nonce}-" .. (counter % {count})"#),
+    };
     format!(
-        r#"-- written by idemgate-bench: one Idempotency-Key per request
+        r#"-- written by idemgate-bench: the Idempotency-Key of each request
 local next_thread = 0
 function setup(thread)
   thread:set("thread_id", next_thread)
@@ -54,8 +75,8 @@ end
 counter = 0
 function request()
   counter = counter + 1
-  local key = "{nonce}-" .. thread_id .. "-" .. counter
-  return wrk.format("POST", "/payments",
+  local key = {key}
+  return wrk.format("POST", "{path}",
     {{["idempotency-key"] = key, ["x-user-id"] = "wrk", ["content-type"] = "application/json"}},
     '{{"amount":1}}')
 end
@@ -65,21 +86,39 @@ end
 
 /// Runs wrk against `address`; `scratch` holds the Lua script.
 pub fn run(address: SocketAddr, mix: Mix, nonce: &str, scratch: &Path) -> Result<WrkRun> {
+    match mix {
+        Mix::Get => wrk(command(), &format!("http://{address}/items/1")),
+        Mix::Mutating => mutating(address, "/payments", Keys::Fresh, nonce, scratch),
+    }
+}
+
+/// Runs wrk sending `POST path` with the keys `keys` gives; `scratch` holds the Lua script.
+pub fn mutating(
+    address: SocketAddr,
+    path: &str,
+    keys: Keys,
+    nonce: &str,
+    scratch: &Path,
+) -> Result<WrkRun> {
+    let script = scratch.join(format!("idemgate-bench-{nonce}.lua"));
+    std::fs::write(&script, mutating_script(nonce, path, keys))?;
+    let mut command = command();
+    command.arg("-s").arg(script);
+    wrk(command, &format!("http://{address}/"))
+}
+
+/// wrk with the load's threads, connections, duration and latency report.
+fn command() -> Command {
     let mut command = Command::new("wrk");
     command
         .arg(format!("-t{THREADS}"))
         .arg(format!("-c{CONNECTIONS}"))
         .arg(format!("-d{SECONDS}s"))
         .arg("--latency");
-    let url = match mix {
-        Mix::Get => format!("http://{address}/items/1"),
-        Mix::Mutating => {
-            let script = scratch.join(format!("idemgate-bench-{nonce}.lua"));
-            std::fs::write(&script, mutating_script(nonce))?;
-            command.arg("-s").arg(script);
-            format!("http://{address}/")
-        }
-    };
+    command
+}
+
+fn wrk(mut command: Command, url: &str) -> Result<WrkRun> {
     let output = command
         .arg(url)
         .output()
@@ -176,6 +215,14 @@ Transfer/sec:      1.51MB
 
     #[test]
     fn keys_carry_the_nonce() {
-        assert!(mutating_script("abc").contains(r#""abc-" .. thread_id"#));
+        let fresh = mutating_script("abc", "/payments", Keys::Fresh);
+        assert!(fresh.contains(r#""abc-" .. thread_id"#), "{fresh}");
+        assert!(
+            fresh.contains(r#"wrk.format("POST", "/payments""#),
+            "{fresh}"
+        );
+        let cycled = mutating_script("abc", "/URL_X", Keys::Cycle(8));
+        assert!(cycled.contains(r#""abc-" .. (counter % 8)"#), "{cycled}");
+        assert_eq!(Keys::cycled("abc", 3), "abc-3");
     }
 }

@@ -19,7 +19,9 @@ commands:
   demo    build everything and play the duplicate-call scenarios, directly and through
           idemgate (sidecar on its memory store, or Redis when REDIS_URL is set)
   bench   [group...]  measure idemgate against same-run baselines and write BENCHMARKS.md
-          (groups: plugin, host, sidecar, queue, storm, e2e; all when none is named)
+          (groups: plugin, host, sidecar, queue, storm, e2e; all when none is named; and
+          peer, only when named: idemgate beside idempotent-proxy-server, installed once
+          from crates.io at a pinned version under target/peer)
   wasm    build the filter to target/idemgate.wasm (and the host-test fixtures)
   test    the whole test suite: fmt, clippy (native and wasm32), docs (warnings denied),
           Envoy config schema checks, alerting rules (promtool), unit tests, wasm build,

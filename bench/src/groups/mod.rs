@@ -17,8 +17,10 @@ mod queue;
 mod sidecar;
 mod storm;
 
-/// Group ids in report order (each is the module of that name).
-const GROUPS: [&str; 6] = ["plugin", "host", "sidecar", "queue", "storm", "e2e"];
+/// Group ids in report order (each is the module of that name, `peer` aside).
+const GROUPS: [&str; 7] = ["plugin", "host", "sidecar", "queue", "storm", "e2e", "peer"];
+/// Groups run only when named: `peer` installs its baseline product first.
+const ON_REQUEST: [&str; 1] = ["peer"];
 
 pub fn run(wanted: &[String], target: &Path, out: &Path) -> Result<()> {
     for name in wanted {
@@ -43,7 +45,8 @@ pub fn run(wanted: &[String], target: &Path, out: &Path) -> Result<()> {
     };
     let mut failed = Vec::new();
     for id in GROUPS {
-        if !wanted.is_empty() && !wanted.iter().any(|w| w == id) {
+        let named = wanted.iter().any(|w| w == id);
+        if (!wanted.is_empty() || ON_REQUEST.contains(&id)) && !named {
             continue;
         }
         println!("== group {id}");
@@ -54,6 +57,7 @@ pub fn run(wanted: &[String], target: &Path, out: &Path) -> Result<()> {
             "queue" => queue::group(&modules)?,
             "storm" => storm::group(&modules)?,
             "e2e" => e2e::group(&modules)?,
+            "peer" => crate::peer::group(target, &modules.envoy_yaml, &modules.idemgate)?,
             _ => unreachable!("GROUPS lists every group"),
         };
         chart::ratios(&group, &dir.join(format!("{id}.svg")))?;
