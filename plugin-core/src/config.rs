@@ -142,11 +142,47 @@ const DEFAULT_REPLAYED_HEADERS: [&str; 6] = [
 const FORBIDDEN_REPLAYED: [&str; 4] = ["set-cookie", "date", "retry-after", "content-length"];
 const MAX_KEY_LENGTH: usize = 255;
 
-/// Parses and validates the plugin configuration bytes.
+/// Parses and validates the plugin configuration bytes; the first error found (what
+/// [`parse_all`] lists first), which is what the filter reports on configure.
 pub fn parse(bytes: &[u8]) -> Result<Config, ConfigError> {
-    let doc: Value =
-        serde_json::from_slice(bytes).map_err(|e| err("configuration", e.to_string()))?;
-    let top = Section::of(
+    parse_all(bytes).map_err(|errors| {
+        errors
+            .into_iter()
+            .next()
+            .unwrap_or_else(|| err("configuration", "invalid"))
+    })
+}
+
+/// Parses and validates the plugin configuration bytes, collecting every error it can find
+/// in document order: each top-level field, each rule and each rate limit is checked on its
+/// own, and an object's first unknown field is reported alongside its other fields' errors.
+/// Within one part (a rule's `key`, the `sidecar`), checking stops at the part's first error.
+/// Checks across parts run only when the parts they read were valid: `tick` against the
+/// rules' leases needs every rule, `failure_mode: "local"` needs a valid `local`, and
+/// duplicate rule names are compared among the valid rules.
+pub fn parse_all(bytes: &[u8]) -> Result<Config, Vec<ConfigError>> {
+    let mut errors = Errors(Vec::new());
+    match compile(bytes, &mut errors) {
+        Some(config) if errors.0.is_empty() => Ok(config),
+        _ => Err(errors.0),
+    }
+}
+
+/// The errors found so far, for the parts that are checked independently.
+struct Errors(Vec<ConfigError>);
+
+impl Errors {
+    /// The value of a part, or `None` with its error recorded.
+    fn take<T>(&mut self, part: Result<T, ConfigError>) -> Option<T> {
+        part.map_err(|e| self.0.push(e)).ok()
+    }
+}
+
+/// The document's parts, each with its errors in `errors`; `None` when a part is missing.
+fn compile(bytes: &[u8], errors: &mut Errors) -> Option<Config> {
+    let doc: Value = errors
+        .take(serde_json::from_slice(bytes).map_err(|e| err("configuration", e.to_string())))?;
+    let (top, unknown) = errors.take(Section::with_unknown(
         &doc,
         String::new(),
         &[
@@ -162,24 +198,110 @@ pub fn parse(bytes: &[u8]) -> Result<Config, ConfigError> {
             "release_attempts",
             "rules",
         ],
-    )?;
-    let sidecar = match top.section(
-        "sidecar",
-        &["cluster", "authority", "timeout", "token", "token_env"],
-    )? {
-        Some(s) => compile_sidecar(&s)?,
-        None => return Err(err("sidecar", "missing field")),
-    };
-    let failure_mode = match top.choice("failure_mode", &["closed", "open", "local"])? {
-        Some(1) => FailureMode::Open,
-        Some(2) => FailureMode::Local,
-        _ => FailureMode::Closed,
-    };
+    ))?;
+    errors.0.extend(unknown);
+    let sidecar = errors.take(
+        top.section(
+            "sidecar",
+            &["cluster", "authority", "timeout", "token", "token_env"],
+        )
+        .and_then(|s| match s {
+            Some(s) => compile_sidecar(&s),
+            None => Err(err("sidecar", "missing field")),
+        }),
+    );
+    let failure_mode = errors.take(
+        top.choice("failure_mode", &["closed", "open", "local"])
+            .map(|choice| match choice {
+                Some(1) => FailureMode::Open,
+                Some(2) => FailureMode::Local,
+                _ => FailureMode::Closed,
+            }),
+    );
+    let breaker = errors.take(compile_breaker(&top));
+    let local = errors.take(compile_local(&top));
+    if let (Some(FailureMode::Local), Some(local)) = (failure_mode, &local)
+        && !local.enabled
+    {
+        errors.0.push(err(
+            "failure_mode",
+            "\"local\" needs the local tier (local.enabled)",
+        ));
+    }
+    // A wrong flag reads as unset for the rules, which are still checked.
+    let allow_stop = errors
+        .take(top.bool("allow_on_headers_stop_iteration"))
+        .flatten()
+        .unwrap_or(false);
+    let shadow = errors.take(top.bool("shadow")).flatten().unwrap_or(false);
+    let fencing_header = errors.take(
+        top.str("fencing_header")
+            .and_then(|name| header_name(name.unwrap_or("x-fencing-token"), "fencing_header")),
+    );
+    let degraded_header = errors
+        .take(top.str("degraded_header").and_then(|name| {
+            header_name(name.unwrap_or("x-idemgate-degraded"), "degraded_header")
+        }));
+    let tick_ms = errors.take(top.duration("tick", 1_000));
+    let release_attempts = errors.take(
+        top.u32("release_attempts")
+            .and_then(|n| bounded(n.unwrap_or(3), 1, 10, "release_attempts")),
+    );
+    let raw_rules = errors.take(top.array("rules").and_then(|rules| match rules {
+        Some(rules) if !rules.is_empty() => Ok(rules),
+        _ => Err(err("rules", "at least one rule is required")),
+    }))?;
+    let mut rules = Vec::with_capacity(raw_rules.len());
+    for (i, raw) in raw_rules.iter().enumerate() {
+        let rule = compile_rule(raw, i, allow_stop, shadow, errors);
+        let Some(rule) = errors.take(rule) else {
+            continue;
+        };
+        if rules.iter().any(|r: &Arc<Rule>| r.name == rule.name) {
+            errors
+                .0
+                .push(err(&format!("rules[{i}].name"), "duplicate rule name"));
+        }
+        rules.push(Arc::new(rule));
+    }
+    let shortest_lease = rules
+        .iter()
+        .map(|r| r.lease_ms)
+        .min()
+        .unwrap_or(DEFAULT_LEASE_MS);
+    if let Some(tick_ms) = tick_ms
+        && rules.len() == raw_rules.len()
+        && tick_ms >= shortest_lease / 2
+    {
+        errors.0.push(err(
+            "tick",
+            "must be shorter than half of every rule's lease (renewals run on the tick)",
+        ));
+    }
+    Some(Config {
+        sidecar: sidecar?,
+        failure_mode: failure_mode?,
+        shadow,
+        breaker: breaker?,
+        local: local?,
+        allow_on_headers_stop_iteration: allow_stop,
+        fencing_header: fencing_header?,
+        degraded_header: degraded_header?,
+        tick_ms: tick_ms?,
+        release_attempts: release_attempts?,
+        rules,
+    })
+}
+
+fn compile_breaker(top: &Section<'_>) -> Result<BreakerConfig, ConfigError> {
     let breaker = top.optional_section("breaker", &["failures", "cooldown"])?;
-    let breaker = BreakerConfig {
+    Ok(BreakerConfig {
         failures: positive_u32(breaker.u32("failures")?.unwrap_or(5), "breaker.failures")?,
         cooldown_ms: breaker.duration("cooldown", 5_000)?,
-    };
+    })
+}
+
+fn compile_local(top: &Section<'_>) -> Result<LocalConfig, ConfigError> {
     let local = top.optional_section(
         "local",
         &[
@@ -200,67 +322,7 @@ pub fn parse(bytes: &[u8]) -> Result<Config, ConfigError> {
     if local.max_response_bytes > Limits::default().max_body {
         return Err(err("local.max_response_bytes", "must not exceed 1048576"));
     }
-    if failure_mode == FailureMode::Local && !local.enabled {
-        return Err(err(
-            "failure_mode",
-            "\"local\" needs the local tier (local.enabled)",
-        ));
-    }
-    let allow_stop = top
-        .bool("allow_on_headers_stop_iteration")?
-        .unwrap_or(false);
-    let shadow = top.bool("shadow")?.unwrap_or(false);
-    let fencing_header = header_name(
-        top.str("fencing_header")?.unwrap_or("x-fencing-token"),
-        "fencing_header",
-    )?;
-    let degraded_header = header_name(
-        top.str("degraded_header")?.unwrap_or("x-idemgate-degraded"),
-        "degraded_header",
-    )?;
-    let tick_ms = top.duration("tick", 1_000)?;
-    let release_attempts = bounded(
-        top.u32("release_attempts")?.unwrap_or(3),
-        1,
-        10,
-        "release_attempts",
-    )?;
-    let raw_rules = top.array("rules")?.unwrap_or_default();
-    if raw_rules.is_empty() {
-        return Err(err("rules", "at least one rule is required"));
-    }
-    let mut rules = Vec::with_capacity(raw_rules.len());
-    for (i, raw) in raw_rules.iter().enumerate() {
-        let rule = compile_rule(raw, i, allow_stop, shadow)?;
-        if rules.iter().any(|r: &Arc<Rule>| r.name == rule.name) {
-            return Err(err(&format!("rules[{i}].name"), "duplicate rule name"));
-        }
-        rules.push(Arc::new(rule));
-    }
-    let shortest_lease = rules
-        .iter()
-        .map(|r| r.lease_ms)
-        .min()
-        .unwrap_or(DEFAULT_LEASE_MS);
-    if tick_ms >= shortest_lease / 2 {
-        return Err(err(
-            "tick",
-            "must be shorter than half of every rule's lease (renewals run on the tick)",
-        ));
-    }
-    Ok(Config {
-        sidecar,
-        failure_mode,
-        shadow,
-        breaker,
-        local,
-        allow_on_headers_stop_iteration: allow_stop,
-        fencing_header,
-        degraded_header,
-        tick_ms,
-        release_attempts,
-        rules,
-    })
+    Ok(local)
 }
 
 fn positive_u32(v: u32, path: &str) -> Result<u32, ConfigError> {
@@ -336,8 +398,9 @@ fn compile_rule(
     i: usize,
     allow_stop: bool,
     shadow: bool,
+    errors: &mut Errors,
 ) -> Result<Rule, ConfigError> {
-    let r = Section::of(
+    let (r, unknown) = Section::with_unknown(
         raw,
         format!("rules[{i}]"),
         &[
@@ -356,6 +419,7 @@ fn compile_rule(
             "rate",
         ],
     )?;
+    errors.0.extend(unknown);
     let name = r.string("name")?.unwrap_or_else(|| r.path.clone());
     let mode = match r.choice("mode", &["idempotency", "lock"])? {
         Some(1) => Mode::Lock,
@@ -444,7 +508,7 @@ fn compile_rule(
         ],
     )?)?;
     let rate = match r.section("rate", &["limits", "tier", "expose", "shadow"])? {
-        Some(rate) => Some(compile_rate(&rate, shadow)?),
+        Some(rate) => Some(compile_rate(&rate, shadow, errors)?),
         None => None,
     };
     Ok(Rule {
@@ -463,7 +527,12 @@ fn compile_rule(
     })
 }
 
-fn compile_rate(r: &Section<'_>, shadow: bool) -> Result<RateSpec, ConfigError> {
+/// A rule's rate limits; each limit's error goes to `errors` and the limit is left out.
+fn compile_rate(
+    r: &Section<'_>,
+    shadow: bool,
+    errors: &mut Errors,
+) -> Result<RateSpec, ConfigError> {
     let raw_limits = r.array("limits")?.unwrap_or_default();
     if raw_limits.is_empty() || raw_limits.len() > idemgate_wire::MAX_CHECKS {
         return Err(err(&r.at("limits"), "must hold 1 to 4 limits"));
@@ -471,41 +540,8 @@ fn compile_rate(r: &Section<'_>, shadow: bool) -> Result<RateSpec, ConfigError> 
     let limits_at = r.at("limits");
     let mut limits = Vec::with_capacity(raw_limits.len());
     for (j, raw) in raw_limits.iter().enumerate() {
-        let limit = Section::of(
-            raw,
-            format!("{limits_at}[{j}]"),
-            &["by", "requests", "per", "burst"],
-        )?;
-        let by = match limit.choice("by", &["scope", "key", "scope_and_key"])? {
-            Some(0) => LimitBy::Scope,
-            Some(1) => LimitBy::Key,
-            Some(_) => LimitBy::ScopeAndKey,
-            None => return Err(err(&limit.at("by"), "missing field")),
-        };
-        let requests = match limit.u32("requests")? {
-            None => return Err(err(&limit.at("requests"), "missing field")),
-            Some(0) => return Err(err(&limit.at("requests"), "must be greater than zero")),
-            Some(n) => n,
-        };
-        if !limit.has("per") {
-            return Err(err(&limit.at("per"), "missing field"));
-        }
-        let per_ms = limit.duration("per", 1)?;
-        let interval_us = per_ms.saturating_mul(1_000) / u64::from(requests);
-        if interval_us == 0 {
-            return Err(err(
-                &limit.at("requests"),
-                "more than one request per microsecond cannot be limited",
-            ));
-        }
-        let rate = idemgate_wire::Rate {
-            interval_us,
-            burst: limit.u32("burst")?.unwrap_or(requests),
-        };
-        if let Err(e) = rate.check() {
-            return Err(err(&limit.at("burst"), e.reason));
-        }
-        limits.push(Limit { by, rate });
+        let limit = compile_limit(raw, format!("{limits_at}[{j}]"));
+        limits.extend(errors.take(limit));
     }
     Ok(RateSpec {
         limits,
@@ -517,6 +553,40 @@ fn compile_rate(r: &Section<'_>, shadow: bool) -> Result<RateSpec, ConfigError> 
         expose: r.bool("expose")?.unwrap_or(false),
         shadow: r.bool("shadow")?.unwrap_or(shadow),
     })
+}
+
+fn compile_limit(raw: &Value, at: String) -> Result<Limit, ConfigError> {
+    let limit = Section::of(raw, at, &["by", "requests", "per", "burst"])?;
+    let by = match limit.choice("by", &["scope", "key", "scope_and_key"])? {
+        Some(0) => LimitBy::Scope,
+        Some(1) => LimitBy::Key,
+        Some(_) => LimitBy::ScopeAndKey,
+        None => return Err(err(&limit.at("by"), "missing field")),
+    };
+    let requests = match limit.u32("requests")? {
+        None => return Err(err(&limit.at("requests"), "missing field")),
+        Some(0) => return Err(err(&limit.at("requests"), "must be greater than zero")),
+        Some(n) => n,
+    };
+    if !limit.has("per") {
+        return Err(err(&limit.at("per"), "missing field"));
+    }
+    let per_ms = limit.duration("per", 1)?;
+    let interval_us = per_ms.saturating_mul(1_000) / u64::from(requests);
+    if interval_us == 0 {
+        return Err(err(
+            &limit.at("requests"),
+            "more than one request per microsecond cannot be limited",
+        ));
+    }
+    let rate = idemgate_wire::Rate {
+        interval_us,
+        burst: limit.u32("burst")?.unwrap_or(requests),
+    };
+    if let Err(e) = rate.check() {
+        return Err(err(&limit.at("burst"), e.reason));
+    }
+    Ok(Limit { by, rate })
 }
 
 fn compile_match(m: &Section<'_>) -> Result<Matcher, ConfigError> {
@@ -810,6 +880,76 @@ mod tests {
 
     fn error_of(json: &str) -> String {
         parse(json.as_bytes()).unwrap_err().to_string()
+    }
+
+    #[test]
+    fn every_independent_error_is_reported_with_its_path() {
+        let json = r#"{
+            "sidecar": {"cluster": "c", "timeout": "soon"},
+            "colour": "blue",
+            "local": {"probes": 99},
+            "rules": [
+                {"name": "a", "mode": "sometimes", "lease": "10x"},
+                {"name": "b"},
+                {"name": "c", "key": {"max_length": 300}, "extra": 1},
+                {"name": "d", "rate": {"limits": [
+                    {"by": "key", "requests": 1, "per": "1s"},
+                    {"by": "nobody", "requests": 1, "per": "1s"},
+                    {"by": "key", "requests": 0, "per": "1s"}
+                ]}}
+            ]
+        }"#;
+        let errors: Vec<String> = parse_all(json.as_bytes())
+            .unwrap_err()
+            .iter()
+            .map(|e| e.path.clone())
+            .collect();
+        assert_eq!(
+            errors,
+            [
+                "configuration",
+                "sidecar.timeout",
+                "local.probes",
+                "rules[0].mode",
+                "rules[2]",
+                "rules[2].key.max_length",
+                "rules[3].rate.limits[1].by",
+                "rules[3].rate.limits[2].requests",
+            ]
+        );
+        // The filter reports the first of them, as before.
+        assert_eq!(
+            error_of(json),
+            "configuration: unknown field `colour`, expected one of `sidecar`, `failure_mode`, \
+             `shadow`, `breaker`, `local`, `allow_on_headers_stop_iteration`, `fencing_header`, \
+             `degraded_header`, `tick`, `release_attempts`, `rules`"
+        );
+        // Valid parts of a broken document stay quiet; a valid document has no errors.
+        assert!(parse_all(MINIMAL.as_bytes()).is_ok());
+    }
+
+    #[test]
+    fn cross_part_checks_run_on_valid_parts() {
+        // A tick too long for a valid rule's lease is reported next to another rule's error
+        // only when every rule is valid (the shortest lease is unknown otherwise).
+        let tick = r#"{"sidecar":{"cluster":"c"},"tick":"10s","rules":[{"lease":"4s"}]}"#;
+        assert_eq!(parse_all(tick.as_bytes()).unwrap_err()[0].path, "tick");
+        let broken =
+            r#"{"sidecar":{"cluster":"c"},"tick":"10s","rules":[{"lease":"4s"},{"mode":1}]}"#;
+        let paths: Vec<String> = parse_all(broken.as_bytes())
+            .unwrap_err()
+            .into_iter()
+            .map(|e| e.path)
+            .collect();
+        assert_eq!(paths, ["rules[1].mode"]);
+        // Duplicate names among valid rules, next to a missing sidecar.
+        let duplicate = r#"{"rules":[{"name":"x"},{"name":"x"}]}"#;
+        let paths: Vec<String> = parse_all(duplicate.as_bytes())
+            .unwrap_err()
+            .into_iter()
+            .map(|e| e.path)
+            .collect();
+        assert_eq!(paths, ["sidecar", "rules[1].name"]);
     }
 
     #[test]

@@ -47,6 +47,18 @@ impl<'a> Section<'a> {
         path: String,
         known: &[&str],
     ) -> Result<Section<'a>, ConfigError> {
+        let (section, unknown) = Section::with_unknown(value, path, known)?;
+        unknown.map_or(Ok(section), Err)
+    }
+
+    /// `value` as an object, and the error for its first field not in `known` if it has one.
+    /// The section reads its known fields either way (getters never see the unknown one), so
+    /// a caller collecting every error goes on with the other fields.
+    pub(super) fn with_unknown(
+        value: &'a Value,
+        path: String,
+        known: &[&str],
+    ) -> Result<(Section<'a>, Option<ConfigError>), ConfigError> {
         let name = if path.is_empty() {
             "configuration"
         } else {
@@ -58,19 +70,25 @@ impl<'a> Section<'a> {
                 format!("expected an object, got {}", kind(value)),
             ));
         };
-        if let Some(unknown) = fields.keys().find(|k| !known.contains(&k.as_str())) {
-            return Err(err(
-                name,
-                format!(
-                    "unknown field `{unknown}`, expected one of {}",
-                    quoted(known)
-                ),
-            ));
-        }
-        Ok(Section {
-            path,
-            fields: Some(fields),
-        })
+        let unknown = fields
+            .keys()
+            .find(|k| !known.contains(&k.as_str()))
+            .map(|unknown| {
+                err(
+                    name,
+                    format!(
+                        "unknown field `{unknown}`, expected one of {}",
+                        quoted(known)
+                    ),
+                )
+            });
+        Ok((
+            Section {
+                path,
+                fields: Some(fields),
+            },
+            unknown,
+        ))
     }
 
     /// A section that is not in the document: every field reads as absent (defaults apply).
