@@ -208,29 +208,39 @@ fn envoy_filter(typed: &Value, at: &str, label: &str, found: &mut Vec<Found>) {
     });
 }
 
-/// The filter's verdict on one configuration: its own parser (the one that runs inside
-/// Envoy, natively), then the token variable's wiring where the document shows it.
-pub fn check(found: &Found) -> Result<idemgate_core::Config, idemgate_core::ConfigError> {
-    let bytes = found
-        .json
-        .as_ref()
-        .map_err(|message| idemgate_core::ConfigError {
+/// The filter's verdict on one configuration: every error its own parser (the one that runs
+/// inside Envoy, natively) finds, then the token variable's wiring where the document shows
+/// it. The wiring is checked only on a configuration the parser accepts: it reads the parsed
+/// `sidecar.token_env`.
+pub fn check(found: &Found) -> Result<idemgate_core::Config, Vec<idemgate_core::ConfigError>> {
+    let bytes = found.json.as_ref().map_err(|message| {
+        vec![idemgate_core::ConfigError {
             path: "configuration".to_owned(),
             message: message.clone(),
-        })?;
-    let config = idemgate_core::config::parse(bytes)?;
+        }]
+    })?;
+    let config = idemgate_core::config::parse_all(bytes)?;
     if let (Some(variable), Some(passed)) = (&config.sidecar.token_env, &found.environment)
         && !passed.contains(variable)
     {
-        return Err(idemgate_core::ConfigError {
+        return Err(vec![idemgate_core::ConfigError {
             path: "sidecar.token_env".to_owned(),
             message: format!(
                 "the VM environment variable {variable} is not passed into the filter's VM \
                  (passed: {passed:?}); the filter would refuse this configuration"
             ),
-        });
+        }]);
     }
     Ok(config)
+}
+
+/// One [`describe`] line per error.
+pub fn describe_all(found: &Found, errors: &[idemgate_core::ConfigError]) -> String {
+    errors
+        .iter()
+        .map(|e| describe(found, e))
+        .collect::<Vec<_>>()
+        .join("\n")
 }
 
 /// `document: path.field: message`, the path joined from where the configuration sits and

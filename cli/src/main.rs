@@ -123,7 +123,11 @@ fn run(cli: Cli) -> Result<ExitCode> {
             for f in &found {
                 match extract::check(f) {
                     Ok(c) => configs.push(c),
-                    Err(e) => bail!("{}: {}", config.display(), extract::describe(f, &e)),
+                    Err(errors) => bail!(
+                        "{}: {}",
+                        config.display(),
+                        extract::describe_all(f, &errors)
+                    ),
                 }
             }
             let Some(parsed) = configs
@@ -160,7 +164,7 @@ fn print(value: serde_json::Value) -> Result<ExitCode> {
     Ok(ExitCode::SUCCESS)
 }
 
-/// Checks every file; prints one line per configuration and per problem.
+/// Checks every file; prints one line per valid configuration and one per error found.
 fn check(files: &[PathBuf]) -> ExitCode {
     let mut failed = false;
     for file in files {
@@ -197,9 +201,11 @@ fn check(files: &[PathBuf]) -> ExitCode {
                     };
                     println!("{name}: {at}valid ({} rule(s))", config.rules.len());
                 }
-                Err(e) => {
+                Err(errors) => {
                     failed = true;
-                    println!("{name}: {}", extract::describe(f, &e));
+                    for e in &errors {
+                        println!("{name}: {}", extract::describe(f, e));
+                    }
                 }
             }
         }

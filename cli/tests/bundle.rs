@@ -130,7 +130,7 @@ impl Rendered {
         let found = extract::configurations(&self.text).unwrap();
         assert_eq!(found.len(), 1, "one idemgate plugin per overlay");
         extract::check(&found[0])
-            .unwrap_or_else(|e| panic!("{}", extract::describe(&found[0], &e)));
+            .unwrap_or_else(|e| panic!("{}", extract::describe_all(&found[0], &e)));
         let json = found[0].json.clone().unwrap();
         (
             serde_json::from_slice(&json).unwrap(),

@@ -85,6 +85,39 @@ fn every_configuration_in_every_document_is_checked_with_its_path() {
 }
 
 #[test]
+fn every_error_of_a_configuration_is_reported() {
+    let (ok, out) = check(
+        "broken.yaml",
+        r#"
+apiVersion: extensions.istio.io/v1alpha1
+kind: WasmPlugin
+metadata: { name: idemgate }
+spec:
+  url: oci://registry/idemgate-filter:1
+  pluginConfig:
+    sidecar: { cluster: c, timeout: soon }
+    colour: blue
+    rules:
+    - { name: a, mode: sometimes }
+    - { name: b }
+    - { name: c, key: { max_length: 300 } }
+"#,
+    );
+    assert!(!ok, "{out}");
+    let lines: Vec<&str> = out.lines().collect();
+    assert_eq!(
+        lines,
+        [
+            "broken.yaml: WasmPlugin/idemgate: spec.pluginConfig: unknown field `colour`, expected one of `sidecar`, `failure_mode`, `shadow`, `breaker`, `local`, `allow_on_headers_stop_iteration`, `fencing_header`, `degraded_header`, `tick`, `release_attempts`, `rules`",
+            "broken.yaml: WasmPlugin/idemgate: spec.pluginConfig.sidecar.timeout: `soon` is not a duration like \"250ms\", \"30s\", \"5m\" or \"24h\"",
+            "broken.yaml: WasmPlugin/idemgate: spec.pluginConfig.rules[0].mode: `sometimes` is not one of `idempotency`, `lock`",
+            "broken.yaml: WasmPlugin/idemgate: spec.pluginConfig.rules[2].key.max_length: must be in 1..=255",
+        ],
+        "{out}"
+    );
+}
+
+#[test]
 fn raw_json_passes_and_files_without_a_configuration_fail() {
     let (ok, out) = check(
         "raw.json",
