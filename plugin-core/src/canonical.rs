@@ -138,7 +138,6 @@ fn sub_delim_or_colon_at(b: u8) -> bool {
 
 #[cfg(test)]
 mod tests {
-    #![allow(clippy::unwrap_used, clippy::indexing_slicing)]
     use super::*;
     use alloc::string::String;
 

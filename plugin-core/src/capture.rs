@@ -135,7 +135,6 @@ fn content_type_allowed(policy: &ResponsePolicy, raw: &[u8]) -> bool {
 
 #[cfg(test)]
 mod tests {
-    #![allow(clippy::unwrap_used, clippy::indexing_slicing, clippy::panic)]
     use super::*;
     use alloc::vec;
 

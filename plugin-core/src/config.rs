@@ -63,7 +63,6 @@ fn valid_token(token: &str) -> bool {
 
 #[cfg(test)]
 mod token_env_tests {
-    #![allow(clippy::unwrap_used)]
     use super::*;
 
     fn sidecar(fields: &str) -> Result<Config, ConfigError> {
@@ -873,7 +872,6 @@ fn compile_response(r: &Section<'_>) -> Result<ResponsePolicy, ConfigError> {
 
 #[cfg(test)]
 mod tests {
-    #![allow(clippy::unwrap_used, clippy::indexing_slicing)]
     use super::*;
 
     pub(crate) const MINIMAL: &str = r#"{"sidecar":{"cluster":"idemgate"},"rules":[{}]}"#;

@@ -46,7 +46,6 @@ impl Fingerprint {
 
 #[cfg(test)]
 mod tests {
-    #![allow(clippy::unwrap_used)]
     use super::*;
     use crate::testing::Req;
     use alloc::vec;

@@ -150,7 +150,6 @@ pub fn scoped(rule: &Rule, head: &RequestHead, req: &dyn RequestView, key: &[u8]
 
 #[cfg(test)]
 mod tests {
-    #![allow(clippy::unwrap_used, clippy::indexing_slicing)]
     use super::*;
     use crate::testing::Req;
 

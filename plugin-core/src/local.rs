@@ -355,7 +355,6 @@ fn decode(bytes: &[u8]) -> Option<Entry> {
 
 #[cfg(test)]
 pub(crate) mod tests {
-    #![allow(clippy::unwrap_used, clippy::indexing_slicing, clippy::panic)]
     use super::*;
     use crate::testing::MemStore;
     use alloc::vec;

@@ -204,7 +204,6 @@ pub(crate) fn replay(response: &StoredResponse, body: &[u8]) -> Reply {
 
 #[cfg(test)]
 mod tests {
-    #![allow(clippy::unwrap_used, clippy::expect_used, clippy::indexing_slicing)]
     use super::*;
 
     /// One refusal of each kind, in the README's order.

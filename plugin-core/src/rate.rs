@@ -250,7 +250,6 @@ pub(crate) fn global_verdict(checks: &[Check], results: &[RateResult]) -> Option
 
 #[cfg(test)]
 mod tests {
-    #![allow(clippy::unwrap_used, clippy::indexing_slicing)]
     use super::*;
     use crate::spec::Tier;
     use crate::testing::{MemStore, Req};

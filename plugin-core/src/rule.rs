@@ -143,7 +143,6 @@ fn host_matches(host: &str, authority: &[u8]) -> bool {
 
 #[cfg(test)]
 mod tests {
-    #![allow(clippy::unwrap_used, clippy::indexing_slicing)]
     use super::*;
     use crate::testing::Req;
 

@@ -1,7 +1,11 @@
 //! Test doubles for the ports: a request, Envoy-like shared data and a metrics recorder. The
 //! crate's unit tests use them, and so does `fuzz/` (through the `testing` feature).
 
-#![allow(clippy::unwrap_used, clippy::indexing_slicing)]
+#![allow(
+    clippy::unwrap_used,
+    clippy::indexing_slicing,
+    reason = "test doubles (built for fuzz/ too, outside cfg(test)): a broken double should fail loudly"
+)]
 
 use alloc::string::{String, ToString};
 use alloc::vec::Vec;

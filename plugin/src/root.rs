@@ -60,7 +60,7 @@ impl Context for Root {
         }
         let answer = host::as_answer(status, &body);
         match call {
-            Call::Claim(stream) => settle_claim(&mut vm, stream, answer),
+            Call::Decision(stream) => settle_decision(&mut vm, stream, answer),
             Call::Renew(stream) => {
                 vm.with_flow(stream, |config, flow, env| {
                     flow.on_renew_answer(config, answer, env)
@@ -220,15 +220,15 @@ fn vm_number() -> u32 {
     (host::now_ms() & 0xffff_ffff) as u32
 }
 
-/// Sends the claims and releases the streams queued since the last wake-up.
+/// Sends the decision callouts and releases the streams queued since the last wake-up.
 fn dispatch_queued(vm: &mut Vm, config: &Config) {
     vm.kicked = false;
-    for (stream, callout) in std::mem::take(&mut vm.claims) {
+    for (stream, callout) in std::mem::take(&mut vm.decisions) {
         match dispatch(config, &callout) {
             Some(token) => {
-                vm.calls.insert(token, Call::Claim(stream));
+                vm.calls.insert(token, Call::Decision(stream));
             }
-            None => settle_claim(vm, stream, Answer::Failed),
+            None => settle_decision(vm, stream, Answer::Failed),
         }
     }
     let releases = std::mem::take(&mut vm.releases);
@@ -283,8 +283,9 @@ fn dispatch(config: &Config, callout: &Callout) -> Option<u32> {
     }
 }
 
-/// Applies a claim's answer to its flow and, if the stream is still paused, to the stream.
-fn settle_claim(vm: &mut Vm, stream: u32, answer: Answer<'_>) {
+/// Applies a decision's answer (to a claim or a rate check) to its flow and, if the stream is
+/// still paused, to the stream.
+fn settle_decision(vm: &mut Vm, stream: u32, answer: Answer<'_>) {
     settle(vm, stream, &mut |config, flow, env| {
         Some(flow.on_decision(config, answer, env))
     });
@@ -340,7 +341,7 @@ fn settle(
         }
         ForStream::Apply(Action::Respond(reply)) => host::send_reply(&reply),
         // The rate check passed: the key's claim goes out next.
-        ForStream::Apply(Action::Decide(callout)) => vm.queue_claim(stream, callout),
+        ForStream::Apply(Action::Decide(callout)) => vm.queue_decision(stream, callout),
         ForStream::Apply(Action::Pause) => {}
     }
 }

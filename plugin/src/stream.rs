@@ -34,7 +34,7 @@ impl Stream {
             }
             Action::Pause => Next::Pause,
             Action::Decide(callout) => {
-                vm.queue_claim(self.id, callout);
+                vm.queue_decision(self.id, callout);
                 Next::Pause
             }
             Action::Respond(reply) => {
@@ -91,10 +91,10 @@ impl Context for Stream {
         let Some((awaiting_answer, release)) = ended else {
             return true;
         };
-        let undispatched = vm.claims.iter().position(|(id, _)| *id == self.id);
+        let undispatched = vm.decisions.iter().position(|(id, _)| *id == self.id);
         if let Some(i) = undispatched {
             // Never sent: nobody at the sidecar holds anything for it (nor a place to leave).
-            vm.claims.remove(i);
+            vm.decisions.remove(i);
         } else if let Some(release) = release {
             vm.queue_release(self.id, release);
         }

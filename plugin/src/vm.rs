@@ -14,7 +14,8 @@ pub(crate) type SharedVm = Rc<RefCell<Vm>>;
 
 /// What a dispatched callout was for; its answer is routed by token.
 pub(crate) enum Call {
-    Claim(u32),
+    /// A decision callout of a stream: its claim, or its rate checks.
+    Decision(u32),
     Renew(u32),
     Release(PendingRelease),
 }
@@ -35,8 +36,9 @@ pub(crate) struct Vm {
     /// Live requests (and abandoned ones whose claim answer is still due), by stream id.
     /// Ordered maps: no hashing cost, and few entries per worker.
     pub(crate) flows: BTreeMap<u32, Flow>,
-    /// Claims the root dispatches when next woken, by stream id.
-    pub(crate) claims: Vec<(u32, Callout)>,
+    /// Decision callouts (claims and rate checks) the root dispatches when next woken, by
+    /// stream id.
+    pub(crate) decisions: Vec<(u32, Callout)>,
     pub(crate) releases: Vec<PendingRelease>,
     /// Releases whose callout failed: sent again on the next regular tick, a natural backoff.
     pub(crate) retries: Vec<PendingRelease>,
@@ -142,8 +144,8 @@ impl Vm {
         self.kick();
     }
 
-    pub(crate) fn queue_claim(&mut self, context_id: u32, callout: Callout) {
-        self.claims.push((context_id, callout));
+    pub(crate) fn queue_decision(&mut self, context_id: u32, callout: Callout) {
+        self.decisions.push((context_id, callout));
         self.kick();
     }
 

@@ -2,13 +2,6 @@
 //! key, and a request that reads two ways (encoded separator, repeated identity or key) is
 //! refused with a 400 problem rather than guessed at.
 
-#![allow(
-    clippy::unwrap_used,
-    clippy::expect_used,
-    clippy::indexing_slicing,
-    clippy::panic
-)]
-
 use super::*;
 use crate::breaker::Breaker;
 use crate::testing::{MemStore, Recorder, Req};

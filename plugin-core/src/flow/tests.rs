@@ -1,12 +1,5 @@
 //! The decision matrix: every path a request can take through [`Flow`].
 
-#![allow(
-    clippy::unwrap_used,
-    clippy::expect_used,
-    clippy::indexing_slicing,
-    clippy::panic
-)]
-
 use super::*;
 use crate::breaker::Breaker;
 use crate::problem::types;
