@@ -4,6 +4,7 @@
 mod callgrind;
 mod chart;
 mod client;
+mod cpu;
 mod gateway_load;
 mod groups;
 mod peer;

@@ -15,6 +15,7 @@
 //! on its own runtime threads, so its CPU time is told apart from the gateway's.
 
 use crate::client::Connection;
+use crate::cpu::{cpu_of, pid_cpu, redis_commands, threads_cpu};
 use crate::report::{Check, Figure, Goal, Group};
 use crate::sidecar_load::SIDECAR_THREADS;
 use crate::stack::{BackendSpec, GatewaySpec, Stack};
@@ -258,56 +259,6 @@ impl Drop for PeerProcess {
         let _ = self.child.kill();
         let _ = self.child.wait();
     }
-}
-
-/// CPU seconds (user + system) in `/proc/<path>/stat` (`self`, a pid, `self/task/<tid>`),
-/// with the name of the process or thread.
-fn cpu_of(path: &Path) -> Option<(String, f64)> {
-    let stat = std::fs::read_to_string(path.join("stat")).ok()?;
-    // Fields 14 and 15 in clock ticks of 1/100 s; the name in field 2 may hold spaces, so
-    // count from the closing parenthesis.
-    let (head, rest) = stat.rsplit_once(')')?;
-    let name = head.split_once('(')?.1.to_owned();
-    let mut fields = rest.split_whitespace().skip(11);
-    let user: f64 = fields.next()?.parse().ok()?;
-    let system: f64 = fields.next()?.parse().ok()?;
-    Some((name, (user + system) / 100.0))
-}
-
-/// CPU seconds of this process's threads whose names start with `prefix`.
-fn threads_cpu(prefix: &str) -> f64 {
-    let Ok(tasks) = std::fs::read_dir("/proc/self/task") else {
-        return 0.0;
-    };
-    tasks
-        .filter_map(|task| cpu_of(&task.ok()?.path()))
-        .filter(|(name, _)| name.starts_with(prefix))
-        .map(|(_, seconds)| seconds)
-        .sum()
-}
-
-fn pid_cpu(pid: u32) -> Result<f64> {
-    cpu_of(&PathBuf::from(format!("/proc/{pid}")))
-        .map(|(_, s)| s)
-        .with_context(|| format!("reading /proc/{pid}/stat"))
-}
-
-/// Commands `redis` has run so far (`INFO commandstats`, each call inside a script counted),
-/// less the `INFO` calls that read it.
-fn redis_commands(redis: &RedisServer) -> Result<f64> {
-    let stats = redis.cli(&["INFO", "commandstats"])?;
-    Ok(stats
-        .lines()
-        .filter(|l| l.starts_with("cmdstat_") && !l.starts_with("cmdstat_info:"))
-        .filter_map(|l| {
-            l.split_once("calls=")?
-                .1
-                .split(',')
-                .next()?
-                .parse::<f64>()
-                .ok()
-        })
-        .sum())
 }
 
 fn redis_pid(redis: &RedisServer) -> Result<u32> {
@@ -952,14 +903,7 @@ fn report(ours: &[Run], theirs: &[Run], load_before: &str, load_after: &str) -> 
     };
     let statuses = |runs: &[Run], of: fn(&Run) -> &Answers| {
         runs.iter()
-            .map(|r| {
-                of(r)
-                    .statuses
-                    .iter()
-                    .map(|(status, n)| format!("{n}× {status}"))
-                    .collect::<Vec<_>>()
-                    .join(", ")
-            })
+            .map(|r| crate::storm::status_counts(&of(r).statuses))
             .collect::<Vec<_>>()
             .join("; ")
     };

@@ -12,6 +12,7 @@
 //! Redis ran per round trip: on a CPU-bound machine that split, not the wall clock, says
 //! where a ratio comes from.
 
+use crate::cpu::{cpu_of, redis_commands, threads_cpu};
 use crate::stats::{Summary, percentile};
 use anyhow::{Context, Result, bail};
 use bytes::Bytes;
@@ -25,6 +26,7 @@ use idemgate_wire::{
 };
 use std::future::Future;
 use std::net::SocketAddr;
+use std::path::Path;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 use tokio::runtime::Handle;
@@ -139,31 +141,10 @@ pub struct CpuSplit {
 
 /// CPU seconds used so far: (this process, its sidecar threads, Redis).
 fn cpu_seconds(redis: &RedisServer) -> Result<(f64, f64, f64)> {
-    // utime + stime (fields 14 and 15 of /proc/<pid>/stat; the name in field 2 may hold
-    // spaces, so count from the closing parenthesis) in clock ticks of 1/100 s.
-    let ticks = |stat: &str| -> Option<(String, f64)> {
-        let (head, rest) = stat.rsplit_once(')')?;
-        let name = head.split_once('(')?.1.to_owned();
-        let mut fields = rest.split_whitespace().skip(11);
-        let user: f64 = fields.next()?.parse().ok()?;
-        let system: f64 = fields.next()?.parse().ok()?;
-        Some((name, (user + system) / 100.0))
-    };
-    let process = ticks(&std::fs::read_to_string("/proc/self/stat")?)
+    let process = cpu_of(Path::new("/proc/self"))
         .context("cannot parse /proc/self/stat")?
         .1;
-    let mut sidecar = 0.0;
-    for task in std::fs::read_dir("/proc/self/task")? {
-        // Threads come and go (blocking pool): a vanished one is simply not counted.
-        let Ok(stat) = std::fs::read_to_string(task?.path().join("stat")) else {
-            continue;
-        };
-        if let Some((name, seconds)) = ticks(&stat)
-            && name.starts_with(SIDECAR_THREADS)
-        {
-            sidecar += seconds;
-        }
-    }
+    let sidecar = threads_cpu(SIDECAR_THREADS);
     let info = redis.cli(&["INFO", "cpu"])?;
     let redis_seconds = info
         .lines()
@@ -174,24 +155,6 @@ fn cpu_seconds(redis: &RedisServer) -> Result<(f64, f64, f64)> {
         .filter_map(|v| v.trim().parse::<f64>().ok())
         .sum();
     Ok((process, sidecar, redis_seconds))
-}
-
-/// Commands `redis` has executed so far, each call inside a script counted as well
-/// (`INFO commandstats`), less the `INFO` calls that read it.
-fn redis_commands(redis: &RedisServer) -> Result<f64> {
-    let stats = redis.cli(&["INFO", "commandstats"])?;
-    Ok(stats
-        .lines()
-        .filter(|l| l.starts_with("cmdstat_") && !l.starts_with("cmdstat_info:"))
-        .filter_map(|l| {
-            l.split_once("calls=")?
-                .1
-                .split(',')
-                .next()?
-                .parse::<f64>()
-                .ok()
-        })
-        .sum())
 }
 
 /// Runs `op(worker, i)` from `concurrency` workers for `seconds`, accounting CPU time and

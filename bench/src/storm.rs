@@ -121,6 +121,15 @@ pub fn run(stack: &Stack, key: &str) -> Result<StormRun> {
     })
 }
 
+/// Answers by status, as the reports print them: `183× 429, 17× 200`.
+pub fn status_counts(statuses: &BTreeMap<String, u64>) -> String {
+    statuses
+        .iter()
+        .map(|(status, n)| format!("{n}× {status}"))
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -81,13 +81,7 @@ pub fn group(modules: &Modules) -> Result<Group> {
     ];
     let answers = |runs: &[StormRun]| {
         runs.iter()
-            .map(|r| {
-                r.statuses
-                    .iter()
-                    .map(|(status, n)| format!("{n}× {status}"))
-                    .collect::<Vec<_>>()
-                    .join(", ")
-            })
+            .map(|r| crate::storm::status_counts(&r.statuses))
             .collect::<Vec<_>>()
             .join("; ")
     };
