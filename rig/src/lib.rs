@@ -75,6 +75,9 @@ enum Launch {
     Processes { bin_dir: PathBuf, log_dir: PathBuf },
 }
 
+/// A change to the sidecar's configuration, made before it starts.
+type TuneSidecar = Box<dyn FnOnce(&mut SidecarConfig)>;
+
 /// What a [`Rig`] runs; [`RigBuilder::start`] starts it.
 pub struct RigBuilder {
     launch: Launch,
@@ -82,7 +85,7 @@ pub struct RigBuilder {
     upstream: Upstream,
     fault_proxies: bool,
     gateway: Option<Shipped>,
-    tune_sidecar: Option<Box<dyn FnOnce(&mut SidecarConfig)>>,
+    tune_sidecar: Option<TuneSidecar>,
     cancelled: Option<Arc<AtomicBool>>,
 }
 
@@ -384,8 +387,11 @@ impl Rig {
     fn wait_ready(&mut self, cancelled: Option<&AtomicBool>) -> Result<()> {
         let deadline = Instant::now() + READY_WITHIN;
         let mut processes = self.processes();
-        for i in 0..processes.len() {
-            let (name, addr) = (processes[i].0.name(), processes[i].1);
+        let waits: Vec<(&'static str, SocketAddr)> = processes
+            .iter()
+            .map(|(child, addr)| (child.name(), *addr))
+            .collect();
+        for (name, addr) in waits {
             while TcpStream::connect(addr).is_err() {
                 if cancelled.is_some_and(|flag| flag.load(Ordering::Acquire)) {
                     bail!("the start was cancelled");

@@ -13,7 +13,7 @@ use std::net::{SocketAddr, TcpStream};
 use std::path::PathBuf;
 use std::sync::atomic::AtomicBool;
 use std::sync::{Arc, Mutex, OnceLock};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 /// The tests count this process's children: one at a time.
 static ONE_AT_A_TIME: Mutex<()> = Mutex::new(());
@@ -164,13 +164,11 @@ fn a_failed_start_reaps_what_it_started() {
 #[test]
 fn a_cancelled_start_gives_up_and_reaps_what_it_started() {
     let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
-    let started = Instant::now();
     let err = processes("rig-cancel")
         .cancelled_by(Arc::new(AtomicBool::new(true)))
         .start()
         .err()
         .expect("a cancelled start fails");
     assert!(format!("{err:#}").contains("cancelled"), "{err:#}");
-    assert!(started.elapsed() < Duration::from_secs(20));
     assert_eq!(running_rig_children(), Vec::<u32>::new());
 }
