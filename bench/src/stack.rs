@@ -3,10 +3,10 @@
 //! ports, filter module and plugin configuration replaced. What ships is what is measured:
 //! the listener, route timeout and the sidecar cluster (h2c, circuit breakers) are the file's.
 
-use anyhow::Result;
+use anyhow::{Context, Result};
 use idemgate_rig::Rig;
 use idemgate_rig::backend::{Backend, Timings};
-use idemgate_rig::gateway::{LiveGateway, Shipped, shipped};
+use idemgate_rig::gateway::{Shipped, shipped};
 use idemgate_sidecar::StoreConfig;
 use std::net::SocketAddr;
 use std::path::Path;
@@ -69,7 +69,6 @@ pub struct GatewaySpec<'a> {
 
 /// A running stack; dropping it stops the gateway, the sidecar and the demo backend.
 pub struct Stack {
-    gateway: LiveGateway,
     rig: Rig,
     /// The demo backend's ground truth, when the stack runs the demo backend.
     pub backend: Option<Arc<Backend>>,
@@ -91,37 +90,34 @@ impl Stack {
         backend: BackendSpec,
         spec: &GatewaySpec<'_>,
     ) -> Result<Stack> {
-        let rig = Rig::builder().store(store);
-        let rig = match backend {
-            BackendSpec::Demo => rig.demo_backend(Timings::default()),
-            BackendSpec::At(addr) => rig.backend_at(addr),
-        }
-        .start()?;
-        let gateway = rig.shipped(
-            &Shipped::default()
+        let rig = Rig::builder().store(store).gateway(
+            Shipped::default()
                 .envoy_yaml(spec.envoy_yaml)
                 .module(spec.module)
                 .plugin(spec.plugin_config.clone())
                 .workers(spec.workers)
                 .quiet(),
-        )?;
+        );
+        let rig = match backend {
+            BackendSpec::Demo => rig.demo_backend(Timings::default()),
+            BackendSpec::At(addr) => rig.backend_at(addr),
+        }
+        .start()?;
         Ok(Stack {
             backend: rig.backend().cloned(),
-            gateway_addr: gateway.addr(),
+            gateway_addr: rig.gateway_addr().context("the rig runs a gateway")?,
             sidecar_addr: rig.sidecar_addr(),
-            gateway,
             rig,
         })
     }
 
     /// A counter of the filter's metrics (0 when never incremented).
     pub fn plugin_counter(&self, name: &str) -> i64 {
-        self.gateway.counter(name)
+        self.rig.live_gateway().map_or(0, |g| g.counter(name))
     }
 
     /// Stops the gateway, then the sidecar, reporting how the sidecar ended.
     pub fn stop(self) -> Result<()> {
-        self.gateway.shutdown();
         self.rig.stop()
     }
 }

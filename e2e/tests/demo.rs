@@ -12,35 +12,10 @@ use std::sync::OnceLock;
 use std::sync::mpsc::{Receiver, RecvTimeoutError};
 use std::time::{Duration, Instant};
 
-fn workspace_root() -> PathBuf {
-    idemgate_host::target_dir().join("..")
-}
-
 /// The directory with the demo's binaries, built for this test's profile.
 fn bin_dir() -> &'static PathBuf {
     static BUILT: OnceLock<PathBuf> = OnceLock::new();
-    BUILT.get_or_init(|| {
-        // Tests run from target/<profile>/deps/.
-        let exe = std::env::current_exe().expect("test binary path");
-        let dir = exe
-            .parent()
-            .and_then(|deps| deps.parent())
-            .expect("target/<profile>")
-            .to_path_buf();
-        let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
-        let mut build = Command::new(cargo);
-        build
-            .args(["build", "--bins"])
-            .args(["-p", "idemgate-demo", "-p", "idemgate-sidecar"])
-            .args(["-p", "idemgate-host"])
-            .current_dir(workspace_root());
-        if dir.ends_with("release") {
-            build.arg("--release");
-        }
-        let status = build.status().expect("cargo runs");
-        assert!(status.success(), "building the demo's binaries: {status}");
-        dir
-    })
+    BUILT.get_or_init(|| idemgate_rig::child::built_binaries().expect("the demo's binaries build"))
 }
 
 /// The demo binary running with its output collected line by line.
@@ -61,7 +36,7 @@ impl Demo {
             .arg("--wasm")
             .arg(idemgate_host::target_dir().join("idemgate.wasm"))
             .arg("--envoy-config")
-            .arg(workspace_root().join("envoy/envoy.yaml"))
+            .arg(idemgate_rig::gateway::shipped_envoy_yaml())
             .arg("--log-dir")
             .arg(idemgate_host::target_dir().join("tmp").join(log_dir))
             .stdin(Stdio::null())

@@ -10,9 +10,10 @@ use idemgate_host::{LogLevel, Metric};
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
+use std::process::Command;
 
 /// The names `envoy/envoy.yaml` gives its listener, its admin endpoint and its two clusters:
-/// what the rig points at free ports (in process) or passes as `--set-port` (processes).
+/// what the rig points at free ports (in process) or passes as `--set-port` (as a process).
 pub mod shipped {
     pub const LISTENER: &str = "ingress";
     pub const ADMIN: &str = "admin";
@@ -208,5 +209,58 @@ impl Shipped {
             },
             shipped::LISTENER,
         )
+    }
+
+    /// The `idemgate-gateway` process (in `bin_dir`) that runs it, as [`Shipped::start`]
+    /// would in this process: the backend cluster at `backend`, the sidecar cluster at
+    /// `sidecar`, the listener on port `listener` and the admin endpoint on `admin`. The
+    /// binary takes no plugin configuration and always serves its admin endpoint: a
+    /// replaced plugin configuration or [`Shipped::quiet`] is an error here, not ignored.
+    pub fn command(
+        &self,
+        bin_dir: &Path,
+        backend: SocketAddr,
+        sidecar: SocketAddr,
+        listener: u16,
+        admin: u16,
+    ) -> Result<Command> {
+        anyhow::ensure!(
+            self.plugin.is_none(),
+            "a gateway process runs the plugin configuration of its envoy.yaml"
+        );
+        anyhow::ensure!(
+            self.admin,
+            "a gateway process always serves its admin endpoint"
+        );
+        let mut command = Command::new(bin_dir.join("idemgate-gateway"));
+        command
+            .arg("--config")
+            .arg(&self.envoy_yaml)
+            .arg("--wasm-path")
+            .arg(&self.module)
+            .args(["--concurrency", &self.workers.to_string()])
+            .args(["--log-level", log_level_flag(self.log_level)]);
+        for (target, port) in [
+            (shipped::LISTENER, listener),
+            (shipped::ADMIN, admin),
+            (shipped::BACKEND, backend.port()),
+            (shipped::SIDECAR, sidecar.port()),
+        ] {
+            command.args(["--set-port", &format!("{target}={port}")]);
+        }
+        Ok(command)
+    }
+}
+
+/// `idemgate-gateway --log-level`'s name for `level` (`None`: nothing logged).
+fn log_level_flag(level: Option<LogLevel>) -> &'static str {
+    match level {
+        Some(LogLevel::Trace) => "trace",
+        Some(LogLevel::Debug) => "debug",
+        Some(LogLevel::Info) => "info",
+        Some(LogLevel::Warn) => "warn",
+        Some(LogLevel::Error) => "error",
+        Some(LogLevel::Critical) => "critical",
+        None => "off",
     }
 }

@@ -7,31 +7,46 @@
 //!                   └→ [backend proxy] → demo backend
 //! ```
 //!
-//! [`Rig::builder`] starts the parts in this process: the sidecar on its memory store or on a
-//! `redis-server` of its own ([`idemgate_sidecar::testing::RedisServer`]), the demo
-//! [`backend`] (whose counters are the ground truth of what executed) or an upstream already
-//! listening, and — for the fault suite — a [`fault_proxy::FaultProxy`] on every hop.
-//! Gateways are started in front of the rig, as many as a test needs: [`Rig::shipped`] runs
-//! the shipped `envoy/envoy.yaml` with its ports pointed at the rig;
+//! [`Rig::builder`] describes the stack once: the sidecar on its memory store, on a
+//! `redis-server` of its own ([`idemgate_sidecar::testing::RedisServer`]) or on a Redis given;
+//! the demo [`backend`] (whose counters are the ground truth of what executed) or an upstream
+//! already listening; for the fault suite a [`fault_proxy::FaultProxy`] on every hop; and,
+//! if asked, a gateway running the shipped `envoy/envoy.yaml` ([`RigBuilder::gateway`]).
+//! [`RigBuilder::start`] chooses the ports, starts the parts, waits until each is ready and
+//! hands back a [`Rig`] that stops them all (on [`Rig::stop`], on drop, on a failed start).
+//!
+//! The parts run in this process (tests and benchmarks: the sidecar and the backend on
+//! runtimes of their own, so a test can kill the sidecar as a crash would), or — with
+//! [`RigBuilder::as_processes`], for the demo — as child processes of the built binaries,
+//! each logging to a file of its own and killed and reaped however the rig ends ([`child`]).
+//! More gateways can be started in front of a rig, as many as a test needs: [`Rig::shipped`]
+//! runs the shipped file with its ports pointed at the rig;
 //! [`gateway::LiveGateway::from_bootstrap`] runs one rendered by
-//! `idemgate_host::gateway::bootstrap` at [`Rig::sidecar_hop`] and [`Rig::backend_hop`]. [`processes`] runs the same stack as child
-//! processes, for the demo.
+//! `idemgate_host::gateway::bootstrap` at [`Rig::sidecar_hop`] and [`Rig::backend_hop`].
 
 pub mod backend;
+pub mod child;
 pub mod fault_proxy;
 pub mod gateway;
-pub mod processes;
 pub mod sidecar;
 
 use crate::backend::{Backend, Stats, Timings};
+use crate::child::ChildProcess;
 use crate::fault_proxy::FaultProxy;
 use crate::gateway::{LiveGateway, Shipped};
 use crate::sidecar::InProcessSidecar;
-use anyhow::{Context, Result};
+use anyhow::{Context, Result, bail};
 use idemgate_sidecar::testing::RedisServer;
-use idemgate_sidecar::{Config as SidecarConfig, StoreConfig};
-use std::net::SocketAddr;
+use idemgate_sidecar::{Config as SidecarConfig, RedisTopology, StoreConfig};
+use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::path::{Path, PathBuf};
+use std::process::Command;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant};
+
+/// How long a part started as a process may take to accept connections.
+const READY_WITHIN: Duration = Duration::from_secs(30);
 
 /// Where the sidecar keeps its state.
 #[derive(Debug, Clone)]
@@ -51,12 +66,27 @@ enum Upstream {
     At(SocketAddr),
 }
 
+/// How the rig runs the sidecar, the demo backend and its gateway.
+#[derive(Debug, Clone)]
+enum Launch {
+    /// In this process, each on a runtime (or worker threads) of its own.
+    InProcess,
+    /// As child processes of the binaries in `bin_dir`, logging to `log_dir`.
+    Processes { bin_dir: PathBuf, log_dir: PathBuf },
+}
+
+/// A change to the sidecar's configuration, made before it starts.
+type TuneSidecar = Box<dyn FnOnce(&mut SidecarConfig)>;
+
 /// What a [`Rig`] runs; [`RigBuilder::start`] starts it.
 pub struct RigBuilder {
+    launch: Launch,
     store: Store,
     upstream: Upstream,
     fault_proxies: bool,
-    tune_sidecar: Box<dyn FnOnce(&mut SidecarConfig)>,
+    gateway: Option<Shipped>,
+    tune_sidecar: Option<TuneSidecar>,
+    cancelled: Option<Arc<AtomicBool>>,
 }
 
 impl RigBuilder {
@@ -73,7 +103,7 @@ impl RigBuilder {
         self
     }
 
-    /// The demo backend in this process, working for `timings`.
+    /// The demo backend, working for `timings`.
     pub fn demo_backend(mut self, timings: Timings) -> Self {
         self.upstream = Upstream::Demo(timings);
         self
@@ -92,12 +122,45 @@ impl RigBuilder {
         self
     }
 
-    /// Changes the sidecar's configuration (timeouts, token) before it starts.
+    /// Changes the sidecar's configuration (timeouts, token) before it starts; in this
+    /// process only (a sidecar process is configured by its store and address).
     pub fn sidecar(mut self, tune: impl FnOnce(&mut SidecarConfig) + 'static) -> Self {
-        self.tune_sidecar = Box::new(tune);
+        self.tune_sidecar = Some(Box::new(tune));
         self
     }
 
+    /// The rig's own gateway, running `shipped` with its ports pointed at the rig (the
+    /// listener and admin on free ports); started last, in the rig's launch mode.
+    pub fn gateway(mut self, shipped: Shipped) -> Self {
+        self.gateway = Some(shipped);
+        self
+    }
+
+    /// Runs the sidecar, the demo backend and the gateway as child processes of
+    /// `idemgate-sidecar`, `idemgate-demo-backend` and `idemgate-gateway` in `bin_dir`, each
+    /// logging to `<log_dir>/<part>.log`. Each child dies with the thread that started it
+    /// (`PR_SET_PDEATHSIG` on Linux): start the rig on a thread that outlives it.
+    pub fn as_processes(
+        mut self,
+        bin_dir: impl Into<PathBuf>,
+        log_dir: impl Into<PathBuf>,
+    ) -> Self {
+        self.launch = Launch::Processes {
+            bin_dir: bin_dir.into(),
+            log_dir: log_dir.into(),
+        };
+        self
+    }
+
+    /// A start still waiting for its processes gives up once `flag` is set (the demo sets
+    /// it on SIGINT and SIGTERM), stopping what it started.
+    pub fn cancelled_by(mut self, flag: Arc<AtomicBool>) -> Self {
+        self.cancelled = Some(flag);
+        self
+    }
+
+    /// Chooses the ports, starts every part, and returns once each accepts connections. A
+    /// start that fails (or is cancelled) stops what it had started.
     pub fn start(self) -> Result<Rig> {
         let redis = match self.store {
             Store::OwnRedis => Some(
@@ -122,62 +185,227 @@ impl RigBuilder {
             _ => None,
         };
         let mut sidecar_config = SidecarConfig::loopback(store);
-        (self.tune_sidecar)(&mut sidecar_config);
-        let sidecar = InProcessSidecar::start(sidecar_config.clone())?;
-        // Restarts bind the same address.
-        sidecar_config.listen = sidecar.addr();
-        let sidecar_proxy = self
+        if let Some(tune) = self.tune_sidecar {
+            if matches!(self.launch, Launch::Processes { .. }) {
+                bail!("a sidecar process takes no tuned configuration");
+            }
+            tune(&mut sidecar_config);
+        }
+        let mut rig = Rig {
+            launch: self.launch,
+            gateway: None,
+            gateway_addr: None,
+            gateway_admin: None,
+            sidecar: None,
+            sidecar_config,
+            sidecar_proxy: None,
+            demo: None,
+            upstream: None,
+            backend_proxy: None,
+            redis_proxy,
+            redis,
+        };
+        // From here on a failure drops `rig`, which stops what it holds.
+        rig.start_sidecar(false)?;
+        rig.sidecar_proxy = self
             .fault_proxies
-            .then(|| FaultProxy::start(sidecar.addr()))
+            .then(|| FaultProxy::start(rig.sidecar_addr()))
             .transpose()
             .context("the sidecar proxy")?;
-        let demo = match self.upstream {
-            Upstream::Demo(timings) => Some(DemoBackend::start(timings)?),
-            Upstream::None | Upstream::At(_) => None,
+        rig.upstream = match self.upstream {
+            Upstream::None => None,
+            Upstream::At(addr) => Some(addr),
+            Upstream::Demo(timings) => {
+                let (part, addr) = rig.start_demo_backend(timings)?;
+                rig.demo = Some(part);
+                Some(addr)
+            }
         };
-        let upstream = match (&demo, self.upstream) {
-            (Some(demo), _) => Some(demo.addr()),
-            (None, Upstream::At(addr)) => Some(addr),
-            (None, _) => None,
-        };
-        let backend_proxy = match (upstream, self.fault_proxies) {
+        rig.backend_proxy = match (rig.upstream, self.fault_proxies) {
             (Some(addr), true) => Some(FaultProxy::start(addr).context("the backend proxy")?),
             _ => None,
         };
-        Ok(Rig {
-            redis,
-            redis_proxy,
-            sidecar_config,
-            sidecar: Some(sidecar),
-            sidecar_proxy,
-            demo,
-            upstream,
-            backend_proxy,
-        })
+        if let Some(shipped) = &self.gateway {
+            rig.start_gateway(shipped)?;
+        }
+        rig.wait_ready(self.cancelled.as_deref())?;
+        Ok(rig)
     }
 }
 
-/// The running parts; dropping the rig stops them (gateways are dropped by their owners).
+/// The sidecar, in this process or as a child.
+enum SidecarPart {
+    InProcess(InProcessSidecar),
+    Process(ChildProcess),
+}
+
+/// The demo backend, in this process or as a child.
+enum BackendPart {
+    InProcess(DemoBackend),
+    Process(ChildProcess),
+}
+
+/// The rig's own gateway, in this process or as a child.
+enum GatewayPart {
+    InProcess(LiveGateway),
+    Process(ChildProcess),
+}
+
+/// The running parts; stopping or dropping the rig stops them (the rig's gateway first,
+/// Redis last: fields drop in this order). Gateways started with [`Rig::shipped`] are
+/// stopped by their owners.
 pub struct Rig {
-    redis: Option<RedisServer>,
-    redis_proxy: Option<FaultProxy>,
+    launch: Launch,
+    gateway: Option<GatewayPart>,
+    gateway_addr: Option<SocketAddr>,
+    gateway_admin: Option<SocketAddr>,
+    sidecar: Option<SidecarPart>,
     sidecar_config: SidecarConfig,
-    sidecar: Option<InProcessSidecar>,
     sidecar_proxy: Option<FaultProxy>,
-    demo: Option<DemoBackend>,
+    demo: Option<BackendPart>,
     upstream: Option<SocketAddr>,
     backend_proxy: Option<FaultProxy>,
+    redis_proxy: Option<FaultProxy>,
+    redis: Option<RedisServer>,
 }
 
 impl Rig {
-    /// A rig with the sidecar on its memory store and no backend, until told otherwise.
+    /// A rig in this process with the sidecar on its memory store and no backend, until
+    /// told otherwise.
     pub fn builder() -> RigBuilder {
         RigBuilder {
+            launch: Launch::InProcess,
             store: Store::Memory,
             upstream: Upstream::None,
             fault_proxies: false,
-            tune_sidecar: Box::new(|_| {}),
+            gateway: None,
+            tune_sidecar: None,
+            cancelled: None,
         }
+    }
+
+    /// Starts the sidecar on `sidecar_config`: in this process on a port of its own (the
+    /// same port again once it has one), or as a process on a free port (`restart`: the
+    /// same port, its log appended to).
+    fn start_sidecar(&mut self, restart: bool) -> Result<()> {
+        let part = match &self.launch {
+            Launch::InProcess if restart => {
+                SidecarPart::InProcess(InProcessSidecar::start_on(&self.sidecar_config)?)
+            }
+            Launch::InProcess => {
+                let sidecar = InProcessSidecar::start(self.sidecar_config.clone())?;
+                // Restarts bind the same address.
+                self.sidecar_config.listen = sidecar.addr();
+                SidecarPart::InProcess(sidecar)
+            }
+            Launch::Processes { bin_dir, log_dir } => {
+                if !restart {
+                    self.sidecar_config.listen = free_port()?;
+                }
+                let command = sidecar_command(bin_dir, &self.sidecar_config)?;
+                SidecarPart::Process(ChildProcess::spawn("sidecar", command, log_dir, restart)?)
+            }
+        };
+        self.sidecar = Some(part);
+        Ok(())
+    }
+
+    fn start_demo_backend(&self, timings: Timings) -> Result<(BackendPart, SocketAddr)> {
+        Ok(match &self.launch {
+            Launch::InProcess => {
+                let demo = DemoBackend::start(timings)?;
+                let addr = demo.addr();
+                (BackendPart::InProcess(demo), addr)
+            }
+            Launch::Processes { bin_dir, log_dir } => {
+                let addr = free_port()?;
+                let ms = |d: Duration| d.as_millis().to_string();
+                let mut command = Command::new(bin_dir.join("idemgate-demo-backend"));
+                command
+                    .args(["--listen", &addr.to_string()])
+                    .args(["--bot-spawn-ms", &ms(timings.bot_spawn)])
+                    .args(["--attach-ms", &ms(timings.attach)])
+                    .args(["--payment-ms", &ms(timings.payment)]);
+                let child = ChildProcess::spawn("demo backend", command, log_dir, false)?;
+                (BackendPart::Process(child), addr)
+            }
+        })
+    }
+
+    fn start_gateway(&mut self, shipped: &Shipped) -> Result<()> {
+        let backend = self
+            .backend_hop()
+            .context("the rig's gateway needs a backend")?;
+        let sidecar = self.sidecar_hop();
+        let part = match &self.launch {
+            Launch::InProcess => {
+                let gateway = self.shipped(shipped)?;
+                self.gateway_addr = Some(gateway.addr());
+                self.gateway_admin = gateway.gateway().admin_address();
+                GatewayPart::InProcess(gateway)
+            }
+            Launch::Processes { bin_dir, log_dir } => {
+                let (listener, admin) = (free_port()?, free_port()?);
+                let command =
+                    shipped.command(bin_dir, backend, sidecar, listener.port(), admin.port())?;
+                self.gateway_addr = Some(listener);
+                self.gateway_admin = Some(admin);
+                GatewayPart::Process(ChildProcess::spawn("gateway", command, log_dir, false)?)
+            }
+        };
+        self.gateway = Some(part);
+        Ok(())
+    }
+
+    /// The rig's child processes, with the address each serves on.
+    fn processes(&mut self) -> Vec<(&mut ChildProcess, SocketAddr)> {
+        let mut processes = Vec::new();
+        if let (Some(BackendPart::Process(child)), Some(addr)) = (&mut self.demo, self.upstream) {
+            processes.push((child, addr));
+        }
+        if let Some(SidecarPart::Process(child)) = &mut self.sidecar {
+            processes.push((child, self.sidecar_config.listen));
+        }
+        if let (Some(GatewayPart::Process(child)), Some(addr)) =
+            (&mut self.gateway, self.gateway_addr)
+        {
+            processes.push((child, addr));
+        }
+        processes
+    }
+
+    /// The process ids of the rig's child processes (none in this process's launch mode).
+    pub fn process_ids(&mut self) -> Vec<u32> {
+        self.processes()
+            .into_iter()
+            .filter_map(|(child, _)| child.id())
+            .collect()
+    }
+
+    /// Waits (bounded) until every child process accepts connections, failing early if one
+    /// exits or `cancelled` is set. Parts in this process are ready once started.
+    fn wait_ready(&mut self, cancelled: Option<&AtomicBool>) -> Result<()> {
+        let deadline = Instant::now() + READY_WITHIN;
+        let mut processes = self.processes();
+        let waits: Vec<(&'static str, SocketAddr)> = processes
+            .iter()
+            .map(|(child, addr)| (child.name(), *addr))
+            .collect();
+        for (name, addr) in waits {
+            while TcpStream::connect(addr).is_err() {
+                if cancelled.is_some_and(|flag| flag.load(Ordering::Acquire)) {
+                    bail!("the start was cancelled");
+                }
+                for (child, _) in &mut processes {
+                    child.check_running()?;
+                }
+                if Instant::now() > deadline {
+                    bail!("the {name} did not listen on {addr} within {READY_WITHIN:?}");
+                }
+                std::thread::sleep(Duration::from_millis(50));
+            }
+        }
+        Ok(())
     }
 
     /// Where the sidecar itself listens (the same address across restarts).
@@ -192,6 +420,11 @@ impl Rig {
             .map_or(self.sidecar_addr(), FaultProxy::addr)
     }
 
+    /// Where the backend itself listens; `None` for a rig without a backend.
+    pub fn backend_addr(&self) -> Option<SocketAddr> {
+        self.upstream
+    }
+
     /// Where gateways send upstream calls: the backend's proxy, when the rig has fault
     /// proxies. `None` for a rig without a backend.
     pub fn backend_hop(&self) -> Option<SocketAddr> {
@@ -201,13 +434,35 @@ impl Rig {
         }
     }
 
-    /// The demo backend's ground truth, when the rig runs it.
-    pub fn backend(&self) -> Option<&Arc<Backend>> {
-        self.demo.as_ref().map(DemoBackend::backend)
+    /// Where clients reach the rig's own gateway ([`RigBuilder::gateway`]).
+    pub fn gateway_addr(&self) -> Option<SocketAddr> {
+        self.gateway_addr
     }
 
-    /// What the demo backend executed so far; `None` when the rig does not run it (never
-    /// an empty record a test could mistake for "nothing ran").
+    /// The rig's own gateway's admin endpoint (`/stats`).
+    pub fn gateway_admin(&self) -> Option<SocketAddr> {
+        self.gateway_admin
+    }
+
+    /// The rig's own gateway, when it runs in this process (its metrics and logs).
+    pub fn live_gateway(&self) -> Option<&LiveGateway> {
+        match &self.gateway {
+            Some(GatewayPart::InProcess(gateway)) => Some(gateway),
+            Some(GatewayPart::Process(_)) | None => None,
+        }
+    }
+
+    /// The demo backend's ground truth, when it runs in this process (a backend process
+    /// serves it on `GET /stats`).
+    pub fn backend(&self) -> Option<&Arc<Backend>> {
+        match &self.demo {
+            Some(BackendPart::InProcess(demo)) => Some(demo.backend()),
+            Some(BackendPart::Process(_)) | None => None,
+        }
+    }
+
+    /// What the demo backend executed so far; `None` when it does not run in this process
+    /// (never an empty record a test could mistake for "nothing ran").
     pub fn stats(&self) -> Option<Stats> {
         self.backend().map(|b| b.stats())
     }
@@ -238,10 +493,12 @@ impl Rig {
         &self.sidecar_config
     }
 
-    /// Kills the sidecar as a crash would (see [`InProcessSidecar::kill`]).
+    /// Kills the sidecar as a crash would (see [`InProcessSidecar::kill`]; a process is
+    /// sent SIGKILL and reaped).
     pub fn kill_sidecar(&mut self) -> Result<()> {
         match self.sidecar.take() {
-            Some(sidecar) => sidecar.kill(),
+            Some(SidecarPart::InProcess(sidecar)) => sidecar.kill(),
+            Some(SidecarPart::Process(mut child)) => child.stop().map(drop),
             None => Ok(()),
         }
     }
@@ -250,11 +507,11 @@ impl Rig {
     /// one first, if any).
     pub fn restart_sidecar(&mut self) -> Result<()> {
         self.kill_sidecar()?;
-        self.sidecar = Some(InProcessSidecar::start_on(&self.sidecar_config)?);
-        Ok(())
+        self.start_sidecar(true)?;
+        self.wait_ready(None)
     }
 
-    /// Another sidecar on the same store, on a port of its own.
+    /// Another sidecar in this process on the same store, on a port of its own.
     pub fn another_sidecar(&self) -> Result<InProcessSidecar> {
         InProcessSidecar::start(SidecarConfig {
             listen: SocketAddr::from(([127, 0, 0, 1], 0)),
@@ -269,19 +526,71 @@ impl Rig {
         Ok(())
     }
 
-    /// A gateway running `envoy/envoy.yaml`, as `shipped` changes it, pointed at the rig.
+    /// A gateway in this process running `envoy/envoy.yaml`, as `shipped` changes it,
+    /// pointed at the rig.
     pub fn shipped(&self, shipped: &Shipped) -> Result<LiveGateway> {
         let backend = self.backend_hop().context("the rig has no backend")?;
         shipped.start(backend, self.sidecar_hop())
     }
 
-    /// Stops the sidecar gracefully, reporting how it ended; the rest stops on drop.
+    /// Stops every part — the gateway, then the sidecar (gracefully in this process,
+    /// reporting how it ended), then the backend — and reaps every child process; the
+    /// first failure is returned once all are stopped.
     pub fn stop(mut self) -> Result<()> {
-        match self.sidecar.take() {
-            Some(sidecar) => sidecar.shutdown(),
+        let gateway = match self.gateway.take() {
+            Some(GatewayPart::InProcess(gateway)) => {
+                gateway.shutdown();
+                Ok(())
+            }
+            Some(GatewayPart::Process(mut child)) => child.stop().map(drop),
             None => Ok(()),
+        };
+        let sidecar = match self.sidecar.take() {
+            Some(SidecarPart::InProcess(sidecar)) => sidecar.shutdown(),
+            Some(SidecarPart::Process(mut child)) => child.stop().map(drop),
+            None => Ok(()),
+        };
+        let backend = match self.demo.take() {
+            Some(BackendPart::Process(mut child)) => child.stop().map(drop),
+            Some(BackendPart::InProcess(_)) | None => Ok(()),
+        };
+        gateway.and(sidecar).and(backend)
+    }
+}
+
+/// A loopback port nobody listens on right now, for a process to bind. Another process could
+/// take it before ours binds; on a loopback-only test machine that race is rare and fails
+/// loudly (the child exits on its bind error, and the start reports it).
+fn free_port() -> Result<SocketAddr> {
+    Ok(TcpListener::bind("127.0.0.1:0")?.local_addr()?)
+}
+
+/// The `idemgate-sidecar` process (in `bin_dir`) for `config`: its address and store, the
+/// rest at the binary's defaults.
+fn sidecar_command(bin_dir: &Path, config: &SidecarConfig) -> Result<Command> {
+    let mut command = Command::new(bin_dir.join("idemgate-sidecar"));
+    command
+        .args(["--listen", &config.listen.to_string()])
+        // The flags below say which store; an inherited variable must not.
+        .env_remove("REDIS_URL");
+    if let StoreConfig::Redis(redis) = &config.store {
+        if redis.tls != Default::default() {
+            bail!("a sidecar process reads its Redis TLS material from files: not supported");
+        }
+        command
+            .args(["--redis-url", &redis.urls.join(",")])
+            .args(["--redis-prefix", &redis.prefix]);
+        match &redis.topology {
+            RedisTopology::Standalone => {}
+            RedisTopology::Cluster => {
+                command.arg("--redis-cluster");
+            }
+            RedisTopology::Sentinel { master } => {
+                command.args(["--redis-sentinel-master", master]);
+            }
         }
     }
+    Ok(command)
 }
 
 /// The demo backend serving on a free loopback port, on a runtime of its own.

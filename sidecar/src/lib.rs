@@ -26,6 +26,7 @@
 
 pub mod check;
 pub mod config;
+mod hints;
 mod http;
 mod locks;
 mod metrics;

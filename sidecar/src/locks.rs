@@ -9,10 +9,11 @@
 //! notification. Each wake-up is one atomic claim step that also reports "granted to you".
 
 use crate::config::Config;
+use crate::hints::Hints;
 use crate::metrics::{Metrics, StoreVerb};
 use crate::store::{
-    ClaimArgs, ClaimReply, ClaimStep, Grant, LeaveStep, QueueArgs, Store, StoreError, Stored,
-    millis, now_us,
+    ClaimArgs, ClaimReply, ClaimStep, Grant, LeaveStep, QueueArgs, Release, Store, StoreError,
+    Stored, millis, now_us,
 };
 use crate::telemetry::{self, timed_store_call};
 use bytes::Bytes;
@@ -52,6 +53,8 @@ pub(crate) struct Locks<S> {
     config: Arc<Config>,
     metrics: Arc<Metrics>,
     shutdown: watch::Receiver<bool>,
+    /// What holdings take, for the wait hints of busy and queue-full answers.
+    hints: Hints,
 }
 
 /// Takes a waiter out of the queue if its claim ends without an answer (the connection
@@ -107,6 +110,7 @@ impl<S: Store> Locks<S> {
             config,
             metrics,
             shutdown,
+            hints: Hints::default(),
         }
     }
 
@@ -140,7 +144,7 @@ impl<S: Store> Locks<S> {
         };
         let Some(policy) = req.wait else {
             let reply = self.step(&args).await?;
-            return Ok(self.answer(&owner, reply.step, None, None));
+            return Ok(self.answer(req, &owner, reply.step, None, None));
         };
         let longest = Duration::from_millis(policy.longest_budget()).min(self.config.max_wait);
         args.queue = Some(QueueArgs {
@@ -175,6 +179,7 @@ impl<S: Store> Locks<S> {
                     guard.disarm();
                     let wait = queued.map(|(_, span)| (started, span));
                     return Ok(self.answer(
+                        req,
                         &owner,
                         step,
                         wait.as_ref().map(|w| w.0),
@@ -201,7 +206,7 @@ impl<S: Store> Locks<S> {
                 )
                 .await?;
                 guard.disarm();
-                return Ok(self.give_up(&owner, step, started, queued.map(|(_, span)| span)));
+                return Ok(self.give_up(req, &owner, step, started, queued.map(|(_, span)| span)));
             }
             let mut nap = self.config.recheck;
             if position == 0 {
@@ -238,6 +243,7 @@ impl<S: Store> Locks<S> {
 
     fn give_up(
         &self,
+        req: &ClaimRequest,
         owner: &str,
         step: LeaveStep,
         started: Instant,
@@ -245,7 +251,7 @@ impl<S: Store> Locks<S> {
     ) -> (ClaimOutcome, Bytes) {
         match step {
             LeaveStep::Granted(grant) => {
-                self.answer(owner, ClaimStep::Granted(grant), Some(started), wait)
+                self.answer(req, owner, ClaimStep::Granted(grant), Some(started), wait)
             }
             LeaveStep::Left {
                 retry_after_ms,
@@ -264,10 +270,11 @@ impl<S: Store> Locks<S> {
         }
     }
 
-    /// The protocol answer for a final claim step; `queued_since` (and the `wait` span) are
-    /// set when it waited.
+    /// The protocol answer for a final claim step of `req`; `queued_since` (and the `wait`
+    /// span) are set when it waited.
     fn answer(
         &self,
+        req: &ClaimRequest,
         owner: &str,
         step: ClaimStep,
         queued_since: Option<Instant>,
@@ -309,10 +316,17 @@ impl<S: Store> Locks<S> {
             ClaimStep::Busy {
                 retry_after_ms,
                 queue_len,
+                holder,
             } => (
                 "busy",
                 ClaimOutcome::Busy {
-                    retry_after_ms: retry_after_ms.max(1),
+                    retry_after_ms: self.hints.wait_ms(
+                        &req.key,
+                        req.mode,
+                        holder,
+                        retry_after_ms,
+                        queue_len,
+                    ),
                     queue_len,
                     waited: false,
                 },
@@ -321,10 +335,17 @@ impl<S: Store> Locks<S> {
             ClaimStep::QueueFull {
                 retry_after_ms,
                 queue_len,
+                holder,
             } => (
                 "queue_full",
                 ClaimOutcome::QueueFull {
-                    retry_after_ms: retry_after_ms.max(1),
+                    retry_after_ms: self.hints.wait_ms(
+                        &req.key,
+                        req.mode,
+                        holder,
+                        retry_after_ms,
+                        queue_len,
+                    ),
                     queue_len,
                 },
                 Bytes::new(),
@@ -361,6 +382,14 @@ impl<S: Store> Locks<S> {
         (outcome, payload)
     }
 
+    /// Learns how long `key`'s holding took, if `release` ended one.
+    fn released(&self, key: &str, release: Release) -> OwnerOutcome {
+        if let Release::Released { held_ms, lease_ms } = release {
+            self.hints.learn(key, held_ms, lease_ms);
+        }
+        release.outcome()
+    }
+
     fn owner_answer(&self, op: &str, outcome: OwnerOutcome) -> OwnerOutcome {
         telemetry::outcome(match outcome {
             OwnerOutcome::Released => "released",
@@ -387,7 +416,7 @@ impl<S: Store> Locks<S> {
             self.store.complete(&req.key, &req.owner, retention, stored),
         )
         .await?;
-        Ok(self.owner_answer("complete", outcome))
+        Ok(self.owner_answer("complete", self.released(&req.key, outcome)))
     }
 
     /// Gives up a named queued place (`/v1/leave`).
@@ -415,7 +444,7 @@ impl<S: Store> Locks<S> {
             self.store.abort(&req.key, &req.owner),
         )
         .await?;
-        Ok(self.owner_answer("abort", outcome))
+        Ok(self.owner_answer("abort", self.released(&req.key, outcome)))
     }
 
     pub(crate) async fn renew(&self, req: &RenewRequest) -> Result<OwnerOutcome, LockError> {

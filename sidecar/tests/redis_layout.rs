@@ -70,25 +70,51 @@ async fn an_expired_lease_is_decided_by_its_deadline() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_idle_record_lives_the_fence_ttl_and_fences_still_rise_after_it() {
+    // A fence TTL far above the lease-based floor (the lease plus a second), and both far
+    // above how long a loaded machine takes between two commands: the bounds below cannot
+    // be missed by slowness, only by a wrong TTL.
+    const FENCE_TTL_MS: i64 = 120_000;
+    const LEASE_MS: u64 = 30_000;
+    let lease_floor = i64::try_from(LEASE_MS).unwrap() + 1000;
     let h = Harness::start_with(crate::util::Backend::Redis, |c| {
-        c.fence_ttl = Duration::from_millis(1500);
+        c.fence_ttl = Duration::from_millis(FENCE_TTL_MS.unsigned_abs());
     })
     .await;
     let redis = h.redis.as_ref().unwrap();
     let key = "k-idle";
-    let (owner, fence) = granted(&h.client.claim(&claim_req(key, Mode::Lock, 100)).await.0);
+    let (owner, fence) = granted(
+        &h.client
+            .claim(&claim_req(key, Mode::Lock, LEASE_MS))
+            .await
+            .0,
+    );
+    // The grant set the record's expiry to the fence TTL (not the lease floor, not none).
     let ttl = int(redis, &["PTTL", &record(key)]);
-    assert!((1..=1500).contains(&ttl), "{ttl}");
+    assert!((lease_floor + 1..=FENCE_TTL_MS).contains(&ttl), "{ttl}");
     assert_eq!(
         h.client.complete(key, &owner, 1000, None).await,
         OwnerOutcome::Released
     );
+    // Idle now: the release keeps that expiry (it neither drops nor extends it).
+    let idle = int(redis, &["PTTL", &record(key)]);
+    assert!(
+        (lease_floor + 1..=ttl).contains(&idle),
+        "{idle} after {ttl}"
+    );
+    // Its expiry, brought forward: what the fence TTL passing does, without waiting for it.
+    assert_eq!(int(redis, &["PEXPIRE", &record(key), "1"]), 1);
     let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
     while int(redis, &["EXISTS", &record(key)]) == 1 {
         assert!(tokio::time::Instant::now() < deadline, "the record stays");
-        tokio::time::sleep(Duration::from_millis(100)).await;
+        tokio::time::sleep(Duration::from_millis(10)).await;
     }
-    let (_, next) = granted(&h.client.claim(&claim_req(key, Mode::Lock, 100)).await.0);
+    // The record and its fence are gone; the clock floor still puts the next fence above.
+    let (_, next) = granted(
+        &h.client
+            .claim(&claim_req(key, Mode::Lock, LEASE_MS))
+            .await
+            .0,
+    );
     assert!(next > fence);
 }
 

@@ -20,6 +20,7 @@ store_suite!(
     a_named_waiter_that_leaves_frees_its_place_at_once,
     a_leave_after_the_hand_off_keeps_the_grant,
     fingerprint_mismatch_is_reported,
+    busy_and_queue_full_hint_what_holdings_take_not_the_lease_left,
 );
 
 async fn one_of_a_thousand_concurrent_claims_is_granted(backend: Backend) {
@@ -438,4 +439,79 @@ async fn a_leave_after_the_hand_off_keeps_the_grant(backend: Backend) {
     );
     assert_eq!(h.client.abort(key, &owner).await, OwnerOutcome::Released);
     granted(&h.client.claim(&claim_req(key, Mode::Lock, 1000)).await.0);
+}
+
+/// The `retry_after_ms` of a busy (409) or queue-full (429) answer is learnt from how long
+/// holdings of the key — or, for a key not seen yet, of keys under the same lease — took,
+/// not the holder's whole lease left (30 s here, for holdings of well under a second).
+async fn busy_and_queue_full_hint_what_holdings_take_not_the_lease_left(backend: Backend) {
+    const LEASE_MS: u64 = 30_000;
+    // Far below the lease left (what the hint was before it learnt), far above a
+    // 50 ms holding on a loaded machine.
+    const HONEST_MS: u64 = 10_000;
+    let h = Harness::start(backend).await;
+    let hint = |outcome: &ClaimOutcome| match outcome {
+        ClaimOutcome::Busy {
+            retry_after_ms,
+            waited: false,
+            ..
+        }
+        | ClaimOutcome::QueueFull { retry_after_ms, .. } => *retry_after_ms,
+        other => panic!("expected busy or queue full, got {other:?}"),
+    };
+
+    // Unknown so far: the lease left.
+    let (owner, _) = granted(
+        &h.client
+            .claim(&claim_req("k-hint", Mode::Lock, LEASE_MS))
+            .await
+            .0,
+    );
+    let first = hint(
+        &h.client
+            .claim(&claim_req("k-hint", Mode::Lock, LEASE_MS))
+            .await
+            .0,
+    );
+    assert!(first > HONEST_MS, "nothing learnt yet: {first} ms");
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    assert_eq!(
+        h.client.complete("k-hint", &owner, 1000, None).await,
+        OwnerOutcome::Released
+    );
+
+    // The next holder of the key: busy and queue full hint what the last holding took.
+    let (owner, _) = granted(
+        &h.client
+            .claim(&claim_req("k-hint", Mode::Lock, LEASE_MS))
+            .await
+            .0,
+    );
+    let busy = hint(
+        &h.client
+            .claim(&claim_req("k-hint", Mode::Lock, LEASE_MS))
+            .await
+            .0,
+    );
+    assert!((1..HONEST_MS).contains(&busy), "busy: {busy} ms");
+    let full = waiting(claim_req("k-hint", Mode::Lock, LEASE_MS), 10_000, 0);
+    let full = hint(&h.client.claim(&full).await.0);
+    assert!((1..HONEST_MS).contains(&full), "queue full: {full} ms");
+    assert_eq!(
+        h.client.abort("k-hint", &owner).await,
+        OwnerOutcome::Released
+    );
+
+    // A fresh idempotency key under the same lease: learnt from the others.
+    let fresh = claim_req("k-hint-fresh", Mode::Idempotency, LEASE_MS);
+    let (owner, _) = granted(&h.client.claim(&fresh).await.0);
+    let duplicate = hint(&h.client.claim(&fresh).await.0);
+    assert!(
+        (1..HONEST_MS).contains(&duplicate),
+        "fresh key: {duplicate} ms"
+    );
+    assert_eq!(
+        h.client.complete("k-hint-fresh", &owner, 1000, None).await,
+        OwnerOutcome::Released
+    );
 }

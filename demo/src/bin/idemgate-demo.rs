@@ -3,12 +3,17 @@
 //! through idemgate still damaged it. Every process it starts is stopped when it ends, on
 //! SIGINT (Ctrl-C) and on SIGTERM.
 
-use anyhow::{Result, bail};
+use anyhow::{Context, Result, bail};
 use clap::Parser;
 use idemgate_demo::scenarios::{self, Run, Scenario};
-use idemgate_rig::processes::{Stack, StackConfig};
+use idemgate_rig::Rig;
+use idemgate_rig::backend::Timings;
+use idemgate_rig::gateway::Shipped;
+use idemgate_sidecar::{RedisConfig, RedisTls, RedisTopology, StoreConfig};
 use std::path::PathBuf;
 use std::process::ExitCode;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 #[derive(Parser)]
@@ -30,19 +35,14 @@ struct Args {
     log_dir: PathBuf,
 }
 
-/// The runtime is single-threaded on purpose: children are spawned on the main thread, and
-/// `PR_SET_PDEATHSIG` ties them to the thread that spawned them (see `stack`).
+/// The rig is started and stopped on the main thread on purpose: its children are tied to
+/// the thread that spawned them (`PR_SET_PDEATHSIG`), and the main thread lives as long as
+/// the demo. The runtime's one worker takes the signals meanwhile, so a start still waiting
+/// for its processes can be cut short.
 fn main() -> ExitCode {
     let args = Args::parse();
-    let config = StackConfig {
-        bin_dir: args.bin_dir,
-        wasm: args.wasm,
-        envoy_config: args.envoy_config,
-        redis_url: args.redis_url,
-        workers: args.workers,
-        log_dir: args.log_dir,
-    };
-    let runtime = match tokio::runtime::Builder::new_current_thread()
+    let runtime = match tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
         .enable_all()
         .build()
     {
@@ -52,7 +52,7 @@ fn main() -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
-    match runtime.block_on(run(&config)) {
+    match runtime.block_on(run(&args)) {
         Ok(Finished::Played) => ExitCode::SUCCESS,
         Ok(Finished::Interrupted(signal)) => {
             eprintln!("interrupted by {signal}: stopped everything the demo started");
@@ -119,38 +119,95 @@ impl Signals {
     }
 }
 
-async fn run(config: &StackConfig) -> Result<Finished> {
+/// The rig the demo plays on: the demo backend, the sidecar and the gateway running
+/// `envoy/envoy.yaml`, as child processes of the built binaries.
+fn rig(args: &Args, cancelled: Arc<AtomicBool>) -> Result<Rig> {
+    let rig = Rig::builder()
+        .as_processes(&args.bin_dir, &args.log_dir)
+        .demo_backend(Timings::default())
+        .gateway(
+            Shipped::default()
+                .envoy_yaml(&args.envoy_config)
+                .module(&args.wasm)
+                .workers(args.workers),
+        )
+        .cancelled_by(cancelled);
+    match &args.redis_url {
+        Some(urls) => rig.store(StoreConfig::Redis(RedisConfig {
+            urls: urls.split(',').map(|url| url.trim().to_owned()).collect(),
+            topology: RedisTopology::Standalone,
+            prefix: "idemgate".to_owned(),
+            tls: RedisTls::default(),
+        })),
+        None => rig,
+    }
+    .start()
+}
+
+/// Where the demo sends its calls.
+struct Urls {
+    gateway: String,
+    backend: String,
+    gateway_admin: String,
+}
+
+async fn run(args: &Args) -> Result<Finished> {
     let mut signals = Signals::install()?;
+    let cancelled = Arc::new(AtomicBool::new(false));
+    let (signalled, mut signal) = tokio::sync::oneshot::channel();
+    let flag = Arc::clone(&cancelled);
+    tokio::spawn(async move {
+        let signal = signals.recv().await;
+        // Sent before the flag is set: a start that saw the flag finds the signal.
+        let _ = signalled.send(signal);
+        flag.store(true, Ordering::Release);
+    });
     println!(
         "starting the demo backend, the sidecar ({}) and the gateway ({} workers)...",
-        if config.redis_url.is_some() {
+        if args.redis_url.is_some() {
             "Redis store"
         } else {
             "memory store"
         },
-        config.workers
+        args.workers
     );
-    // A start cut short drops the half-built stack, which kills what it had started.
-    let stack = tokio::select! {
-        stack = Stack::start(config) => stack?,
-        signal = signals.recv() => return Ok(Finished::Interrupted(signal)),
+    // Blocks this thread (see `main`); a start cut short stops what it had started.
+    let rig = match rig(args, cancelled) {
+        Ok(rig) => rig,
+        Err(err) => {
+            return match signal.try_recv() {
+                Ok(signal) => Ok(Finished::Interrupted(signal)),
+                Err(_) => Err(err),
+            };
+        }
+    };
+    let http = |addr: Option<std::net::SocketAddr>, what| {
+        addr.map(|a| format!("http://{a}")).context(what)
+    };
+    let urls = Urls {
+        gateway: http(rig.gateway_addr(), "the rig's gateway")?,
+        backend: http(rig.backend_addr(), "the rig's backend")?,
+        gateway_admin: http(rig.gateway_admin(), "the gateway's admin")?,
     };
     println!(
-        "  gateway {}  backend {}  sidecar {}  (logs in {})\n",
-        stack.gateway,
-        stack.backend,
-        stack.sidecar,
-        config.log_dir.display()
+        "  gateway {}  backend {}  sidecar http://{}  (logs in {})\n",
+        urls.gateway,
+        urls.backend,
+        rig.sidecar_addr(),
+        args.log_dir.display()
     );
     let outcome = tokio::select! {
-        played = play_all(&stack) => played.map(|()| Finished::Played),
-        signal = signals.recv() => Ok(Finished::Interrupted(signal)),
+        biased;
+        signal = &mut signal => Ok(Finished::Interrupted(signal?)),
+        played = play_all(&urls) => played.map(|()| Finished::Played),
     };
-    stack.stop().await;
-    outcome
+    let stopped = rig.stop();
+    let outcome = outcome?;
+    stopped?;
+    Ok(outcome)
 }
 
-async fn play_all(stack: &Stack) -> Result<()> {
+async fn play_all(stack: &Urls) -> Result<()> {
     let client = reqwest::Client::new();
     let max_call = Duration::from_secs(30);
     let run_id = std::process::id();
@@ -211,7 +268,7 @@ struct Row {
 }
 
 /// The gateway's count of queued requests (its admin `/stats`), on the idemgate path.
-async fn queued(client: &reqwest::Client, stack: &Stack, label: &str) -> Result<Option<u64>> {
+async fn queued(client: &reqwest::Client, stack: &Urls, label: &str) -> Result<Option<u64>> {
     if label != GUARDED {
         return Ok(None);
     }

@@ -6,8 +6,8 @@
 //! ever reissuing a fence. State does not survive a restart: that is what Redis is for.
 
 use super::{
-    ClaimArgs, ClaimReply, ClaimStep, CompletedInfo, Grant, HolderInfo, KeyInfo, KeyState,
-    LeaveStep, RateStore, Store, StoreResult, Stored, millis, now_us,
+    ClaimArgs, ClaimReply, ClaimStep, CompletedInfo, Grant, HolderInfo, Holding, KeyInfo, KeyState,
+    LeaveStep, RateStore, Release, Store, StoreResult, Stored, millis, now_us,
 };
 use crate::waiters::Waiters;
 use idemgate_wire::{GcraStep, Mode, OwnerOutcome, Rate};
@@ -55,6 +55,16 @@ struct Holder {
     grant: Grant,
     granted_at: Instant,
     until: Instant,
+}
+
+impl Holder {
+    /// Its holding, ended `now`.
+    fn released(&self, now: Instant) -> Release {
+        Release::Released {
+            held_ms: millis(now.saturating_duration_since(self.granted_at)),
+            lease_ms: self.grant.lease_ms,
+        }
+    }
 }
 
 struct Waiter {
@@ -224,10 +234,21 @@ impl Ctx<'_> {
     fn busy_or_queue(&self, st: &mut Entry, args: &ClaimArgs<'_>) -> ClaimStep {
         let ttl = st.holder_ttl(self.now);
         let len = u32::try_from(st.queue.len()).unwrap_or(u32::MAX);
+        let holder = st.holder.as_ref().map_or(
+            Holding {
+                age_ms: 0,
+                lease_ms: ttl,
+            },
+            |h| Holding {
+                age_ms: millis(self.now.saturating_duration_since(h.granted_at)),
+                lease_ms: h.grant.lease_ms,
+            },
+        );
         let Some(queue) = args.queue else {
             return ClaimStep::Busy {
                 retry_after_ms: ttl,
                 queue_len: len,
+                holder,
             };
         };
         let position = match st.position(args.owner) {
@@ -236,6 +257,7 @@ impl Ctx<'_> {
                 return ClaimStep::QueueFull {
                     retry_after_ms: ttl,
                     queue_len: len,
+                    holder,
                 };
             }
             None => {
@@ -369,11 +391,12 @@ impl Store for MemoryStore {
         owner: &str,
         retention: Duration,
         response: Option<Stored>,
-    ) -> StoreResult<OwnerOutcome> {
+    ) -> StoreResult<Release> {
         Ok(self.with_key(key, |ctx, st, _| {
             let Some(holder) = st.holder.take_if(|h| h.owner == owner) else {
-                return OwnerOutcome::Stale;
+                return Release::Stale;
             };
+            let released = holder.released(ctx.now);
             match response {
                 Some(stored) => {
                     st.held = false;
@@ -389,17 +412,19 @@ impl Store for MemoryStore {
                 }
                 None => ctx.release(st),
             }
-            OwnerOutcome::Released
+            released
         }))
     }
 
-    async fn abort(&self, key: &str, owner: &str) -> StoreResult<OwnerOutcome> {
+    async fn abort(&self, key: &str, owner: &str) -> StoreResult<Release> {
         Ok(self.with_key(key, |ctx, st, _| {
-            if st.holder.as_ref().is_some_and(|h| h.owner == owner) {
-                ctx.release(st);
-                OwnerOutcome::Released
-            } else {
-                OwnerOutcome::Stale
+            match st.holder.as_ref().filter(|h| h.owner == owner) {
+                Some(holder) => {
+                    let released = holder.released(ctx.now);
+                    ctx.release(st);
+                    released
+                }
+                None => Release::Stale,
             }
         }))
     }

@@ -108,6 +108,34 @@ pub(crate) struct Grant {
     pub granted_at_us: u64,
 }
 
+/// The holding in progress, as a busy or queue-full answer saw it: what the wait hint
+/// (`crate::hints`) starts from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Holding {
+    /// How long the holder has held the key (store clock).
+    pub age_ms: u64,
+    /// The lease it holds it under.
+    pub lease_ms: u64,
+}
+
+/// What an owner-checked complete or abort did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Release {
+    /// The holding ended, `held_ms` after its grant, under a lease of `lease_ms`.
+    Released { held_ms: u64, lease_ms: u64 },
+    /// The caller no longer owned the key.
+    Stale,
+}
+
+impl Release {
+    pub(crate) fn outcome(self) -> OwnerOutcome {
+        match self {
+            Release::Released { .. } => OwnerOutcome::Released,
+            Release::Stale => OwnerOutcome::Stale,
+        }
+    }
+}
+
 /// A stored response with its body.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) struct Stored {
@@ -121,13 +149,17 @@ pub(crate) enum ClaimStep {
     Granted(Grant),
     Completed(Stored),
     Mismatch,
+    /// Held by `holder` (whose lease ends in `retry_after_ms`), and the caller does not wait.
     Busy {
         retry_after_ms: u64,
         queue_len: u32,
+        holder: Holding,
     },
+    /// Held by `holder` (as `Busy`), and `queue_len` already wait.
     QueueFull {
         retry_after_ms: u64,
         queue_len: u32,
+        holder: Holding,
     },
     /// In the queue at `position` (0 = next); the holder's lease ends in `holder_ttl_ms`.
     Queued {
@@ -232,14 +264,10 @@ pub(crate) trait Store: RateStore + Send + Sync + 'static {
         owner: &str,
         retention: Duration,
         response: Option<Stored>,
-    ) -> impl Future<Output = StoreResult<OwnerOutcome>> + Send;
+    ) -> impl Future<Output = StoreResult<Release>> + Send;
 
     /// Owner-checked release without storing; hands the key to the next waiter.
-    fn abort(
-        &self,
-        key: &str,
-        owner: &str,
-    ) -> impl Future<Output = StoreResult<OwnerOutcome>> + Send;
+    fn abort(&self, key: &str, owner: &str) -> impl Future<Output = StoreResult<Release>> + Send;
 
     /// Owner-checked lease extension to `lease` from now.
     fn renew(

@@ -16,7 +16,7 @@ mod reply;
 mod scripts;
 
 use super::{
-    ClaimArgs, ClaimReply, CompletedInfo, HolderInfo, KeyInfo, KeyState, LeaveStep, Store,
+    ClaimArgs, ClaimReply, CompletedInfo, HolderInfo, KeyInfo, KeyState, LeaveStep, Release, Store,
     StoreError, StoreResult, Stored, millis,
 };
 use crate::config::RedisConfig;
@@ -262,7 +262,7 @@ impl Store for RedisStore {
         owner: &str,
         retention: Duration,
         response: Option<Stored>,
-    ) -> StoreResult<OwnerOutcome> {
+    ) -> StoreResult<Release> {
         let k = self.keys(key);
         let (store, status, headers, body) = match response {
             Some(stored) => (
@@ -283,15 +283,15 @@ impl Store for RedisStore {
             .arg(body.as_ref())
             .arg(self.record_ttl_ms)
             .arg(&self.inbox_prefix);
-        let reply: String = self.run(Op::Script(script, &cmd)).await?;
-        owner_outcome(&reply)
+        let reply: Value = self.run(Op::Script(script, &cmd)).await?;
+        reply::release(&reply)
     }
 
-    async fn abort(&self, key: &str, owner: &str) -> StoreResult<OwnerOutcome> {
+    async fn abort(&self, key: &str, owner: &str) -> StoreResult<Release> {
         let reply = self
             .release_script(&scripts::ABORT, key, Some(owner))
             .await?;
-        owner_outcome(&text(Some(&reply)).unwrap_or_default())
+        reply::release(&reply)
     }
 
     async fn renew(&self, key: &str, owner: &str, lease: Duration) -> StoreResult<OwnerOutcome> {

@@ -1,7 +1,9 @@
 //! Decoding script replies into the store's types. Anything that does not decode is an
 //! [`StoreError::UnexpectedReply`], never a guess.
 
-use crate::store::{ClaimReply, ClaimStep, Grant, StoreError, StoreResult, Stored};
+use crate::store::{
+    ClaimReply, ClaimStep, Grant, Holding, Release, StoreError, StoreResult, Stored,
+};
 use bytes::Bytes;
 use idemgate_wire::{OwnerOutcome, StoredResponse};
 use redis::Value;
@@ -64,10 +66,12 @@ pub(super) fn decode_claim(items: &[Value]) -> StoreResult<ClaimReply> {
         "busy" => ClaimStep::Busy {
             retry_after_ms: number(items.get(2))?,
             queue_len: count(items.get(3))?,
+            holder: holding_at(items, 4)?,
         },
         "queue_full" => ClaimStep::QueueFull {
             retry_after_ms: number(items.get(2))?,
             queue_len: count(items.get(3))?,
+            holder: holding_at(items, 4)?,
         },
         "queued" => ClaimStep::Queued {
             position: count(items.get(2))?,
@@ -81,6 +85,27 @@ pub(super) fn decode_claim(items: &[Value]) -> StoreResult<ClaimReply> {
         step,
         lease_expired,
     })
+}
+
+fn holding_at(items: &[Value], at: usize) -> StoreResult<Holding> {
+    Ok(Holding {
+        age_ms: number(items.get(at))?,
+        lease_ms: number(items.get(at + 1))?,
+    })
+}
+
+/// Complete's and abort's reply: `{'released', held_ms, lease_ms}` or `'stale'`.
+pub(super) fn release(reply: &Value) -> StoreResult<Release> {
+    match reply {
+        Value::Array(items) if text(items.first()).as_deref() == Some("released") => {
+            Ok(Release::Released {
+                held_ms: number(items.get(1))?,
+                lease_ms: number(items.get(2))?,
+            })
+        }
+        other if text(Some(other)).as_deref() == Some("stale") => Ok(Release::Stale),
+        _ => Err(unexpected("release outcome")),
+    }
 }
 
 pub(super) fn owner_outcome(reply: &str) -> StoreResult<OwnerOutcome> {

@@ -90,6 +90,13 @@ local function forget_name(waiters, owner)
   end
 end
 
+-- How long (ms, an integer reply) the holding granted at `since` (µs) has lasted by `now`.
+local function held_ms(since, now)
+  local t = tonumber(since)
+  if not t or t > now then return 0 end
+  return math.floor((now - t) / 1000)
+end
+
 -- When the lease that started at `at` (µs) and lasts `lease` (ms) ends.
 local function lease_end(at, lease)
   return tonumber(at) + tonumber(lease) * 1000
@@ -177,7 +184,8 @@ end
 ///       inbox, waiter name ('' = none), alive window_ms.
 /// Returns `{outcome, lease_expired(0|1), ...}`:
 ///   `completed, status, headers_json, body` | `mismatch` | `granted, fence, lease_ms, since_us`
-///   | `busy, ttl_ms, queue_len` | `queue_full, ttl_ms, queue_len`
+///   | `busy, ttl_ms, queue_len, age_ms, holder_lease_ms`
+///   | `queue_full, ttl_ms, queue_len, age_ms, holder_lease_ms`
 ///   | `queued, position, queue_len, holder_ttl_ms` | `left`.
 ///
 /// Atomic because the stored-response check, the holder check, the queue order and the
@@ -233,10 +241,12 @@ local function leave_queue()
   if queued then dequeue(state, queue, waiters, owner) end
 end
 
-local function busy_or_queue(ttl)
+-- `ttl`: the holder's lease left (ms); `age`, `held_lease`: how long it has held the key
+-- and under which lease (ms), for the wait hint of a busy or queue-full answer.
+local function busy_or_queue(ttl, age, held_lease)
   local len = 0
   if queued then len = redis.call('LLEN', queue) end
-  if wait_ms == 0 then return {'busy', expired, ttl, len} end
+  if wait_ms == 0 then return {'busy', expired, ttl, len, age, held_lease} end
   local pos = false
   if queued then pos = redis.call('LPOS', queue, owner) end
   local alive = int(math.floor(now / 1000) + window)
@@ -246,7 +256,7 @@ local function busy_or_queue(ttl)
       '^([^|]*|%d+|%d+|)%d+(|.*)$')
     if head then redis.call('HSET', waiters, owner, head .. alive .. tail) end
   else
-    if len >= max_queue then return {'queue_full', expired, ttl, len} end
+    if len >= max_queue then return {'queue_full', expired, ttl, len, age, held_lease} end
     redis.call('RPUSH', queue, owner)
     local deadline = math.floor(now / 1000) + wait_ms
     redis.call('HSET', waiters, owner, inbox .. '|' .. int(deadline) .. '|' .. lease .. '|'
@@ -290,7 +300,7 @@ if holder then
     leave_queue()
     return {'mismatch', expired}
   end
-  return busy_or_queue(math.ceil((holder_end - now) / 1000))
+  return busy_or_queue(math.ceil((holder_end - now) / 1000), held_ms(r[7], now), r[3])
 end
 
 -- Free. Whoever is first in line goes first (waiters whose wait ended are skipped).
@@ -300,7 +310,7 @@ if queued then
     local o, f, l = promote(state, queue, waiters, last, kept, now, now_s, record_ttl,
       inbox_prefix)
     if o == owner then return {'granted', expired, f, l, now_s} end
-    if o then return busy_or_queue(l) end
+    if o then return busy_or_queue(l, 0, l) end
     queued = false
   elseif head == owner then
     dequeue(state, queue, waiters, owner)
@@ -390,7 +400,8 @@ return 'released'
 /// KEYS: state, queue, waiters.
 /// ARGV: owner, retention_ms, store ('1'|'0'), status, headers_json, body, record_ttl_ms,
 ///       inbox_prefix.
-/// Returns 'released' | 'stale'.
+/// Returns `{'released', held_ms, lease_ms}` (how long the holding lasted, the lease it ran
+/// under: what the wait hints learn from) | 'stale'.
 ///
 /// Atomic because the owner check, the stored response and the release must be one step:
 /// a holder whose lease just ran out must not overwrite the next holder's state, and no
@@ -401,7 +412,8 @@ pub(crate) static COMPLETE: LazyLock<Script> = LazyLock::new(|| {
         r#"
 local state, queue, waiters = KEYS[1], KEYS[2], KEYS[3]
 local record_ttl, inbox_prefix = tonumber(ARGV[7]), ARGV[8]
-local r = redis.call('HMGET', state, 'owner', 'at', 'lease', 'q', 'fence', 'fp', 'kept')
+local r = redis.call('HMGET', state, 'owner', 'at', 'lease', 'q', 'fence', 'fp', 'kept',
+  'since')
 local now, now_s = clock()
 if r[1] ~= ARGV[1] or lease_end(r[2], r[3]) <= now then return 'stale' end
 local queued = r[4] == '1'
@@ -424,7 +436,7 @@ if ARGV[3] == '1' then
 else
   release(state, queue, waiters, queued, r[5], r[7], now, now_s, record_ttl, inbox_prefix)
 end
-return 'released'
+return {'released', held_ms(r[8], now), r[3]}
 "#
     ))
 });
@@ -432,7 +444,7 @@ return 'released'
 /// Abort: owner-checked release without storing; hands the key to the next waiter.
 ///
 /// KEYS: state, queue, waiters. ARGV: owner, record_ttl_ms, inbox_prefix.
-/// Returns 'released' | 'stale'.
+/// Returns `{'released', held_ms, lease_ms}` (as complete) | 'stale'.
 ///
 /// Atomic for the same reason as complete: check-then-release in two steps could release
 /// the next holder.
@@ -441,11 +453,11 @@ pub(crate) static ABORT: LazyLock<Script> = LazyLock::new(|| {
         prelude!(),
         r#"
 local state, queue, waiters = KEYS[1], KEYS[2], KEYS[3]
-local r = redis.call('HMGET', state, 'owner', 'at', 'lease', 'q', 'fence', 'kept')
+local r = redis.call('HMGET', state, 'owner', 'at', 'lease', 'q', 'fence', 'kept', 'since')
 local now, now_s = clock()
 if r[1] ~= ARGV[1] or lease_end(r[2], r[3]) <= now then return 'stale' end
 release(state, queue, waiters, r[4] == '1', r[5], r[6], now, now_s, tonumber(ARGV[2]), ARGV[3])
-return 'released'
+return {'released', held_ms(r[7], now), r[3]}
 "#
     ))
 });
