@@ -1,9 +1,9 @@
 //! Keys: extracting the client's key (an `Idempotency-Key` as an RFC 8941 sf-string or a bare
-//! token, or a lock-mode resource id), checking it against the rule, and deriving the stored
-//! key — a hex SHA-256 over the length-prefixed scope and key. Raw keys and caller identities
+//! token, a lock-mode resource id, or a field of the JSON body), checking it against the rule,
+//! and deriving the stored key — a hex SHA-256 over the length-prefixed scope and key. Raw keys and caller identities
 //! never leave this module: nothing stores, sends or logs them.
 
-use alloc::string::String;
+use alloc::string::{String, ToString};
 use alloc::vec::Vec;
 
 use crate::canonical::decode;
@@ -11,6 +11,7 @@ use crate::hash::PartHasher;
 use crate::ports::RequestView;
 use crate::rule::RequestHead;
 use crate::spec::{KeySource, Rule};
+use serde_json::Value;
 
 /// Why a request's key was not usable.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -26,6 +27,11 @@ pub enum KeyError {
     RepeatedScope,
     /// The path carries an encoded `/` or `\` (see `RequestHead::encoded_separator`).
     EncodedSeparator,
+    /// `key.body_pointer`: the body is not a JSON document.
+    NotJson,
+    /// `key.body_pointer`: the field is a number that is not an integer (or beyond 64 bits),
+    /// whose text a parser may round: two ids could become one key.
+    NotInteger,
 }
 
 impl KeyError {
@@ -40,24 +46,23 @@ impl KeyError {
             KeyError::EncodedSeparator => {
                 "the path has an encoded / or \\ (%2F, %5C), which servers read differently"
             }
+            KeyError::NotJson => {
+                "this endpoint reads its key from a JSON body, and the body is not JSON"
+            }
+            KeyError::NotInteger => "the key field is a number but not an integer",
         }
     }
 }
 
 /// The raw key bytes of a request, validated against the rule; `Ok(None)` = absent and optional.
+/// A body key is read from an empty body here: the flow reads a non-empty one with
+/// [`from_body`] once it is buffered, after [`check_request`].
 pub fn extract(
     rule: &Rule,
     head: &RequestHead,
     req: &dyn RequestView,
 ) -> Result<Option<Vec<u8>>, KeyError> {
-    if head.encoded_separator {
-        return Err(KeyError::EncodedSeparator);
-    }
-    // Envoy hands the filter only the first value of a header: identity and keys must not
-    // be first-value-only when the backend may read another.
-    if !rule.scope.headers.is_empty() && req.repeated(&rule.scope.headers) {
-        return Err(KeyError::RepeatedScope);
-    }
+    check_request(rule, head, req)?;
     let raw: Option<Vec<u8>> = match &rule.key.source {
         KeySource::Header(h) => {
             if req.repeated(core::slice::from_ref(h)) {
@@ -78,7 +83,64 @@ pub fn extract(
             }
             values.pop()
         }
+        KeySource::BodyPointer { .. } => return from_body(rule, &[]),
     };
+    accept(rule, raw)
+}
+
+/// What makes a guarded request unusable whatever its key: the path or the caller reads two
+/// ways.
+pub(crate) fn check_request(
+    rule: &Rule,
+    head: &RequestHead,
+    req: &dyn RequestView,
+) -> Result<(), KeyError> {
+    if head.encoded_separator {
+        return Err(KeyError::EncodedSeparator);
+    }
+    // Envoy hands the filter only the first value of a header: identity and keys must not
+    // be first-value-only when the backend may read another.
+    if !rule.scope.headers.is_empty() && req.repeated(&rule.scope.headers) {
+        return Err(KeyError::RepeatedScope);
+    }
+    Ok(())
+}
+
+/// The key of a `key.body_pointer` rule from the whole body: a string field's value (escapes
+/// decoded), an integer's decimal digits, `true` or `false`. No body, no such field, or a
+/// `null`, object or array there is a missing key; a member named twice is read as its last
+/// occurrence (as serde_json, Go's encoding/json, Python's json and JavaScript read it).
+pub fn from_body(rule: &Rule, body: &[u8]) -> Result<Option<Vec<u8>>, KeyError> {
+    let KeySource::BodyPointer { pointer, .. } = &rule.key.source else {
+        return accept(rule, None);
+    };
+    let mut doc = match body {
+        [] => Value::Null,
+        _ => serde_json::from_slice(body).map_err(|_| KeyError::NotJson)?,
+    };
+    let raw = match doc.pointer_mut(pointer).map(Value::take) {
+        Some(Value::String(s)) => Some(s.into_bytes()),
+        // Only integers: other numbers have no one spelling (`1e2`, `100.0`), and numbers
+        // past 64 bits are rounded, so distinct ids would share a key.
+        Some(Value::Number(n)) => match (n.as_u64(), n.as_i64()) {
+            (Some(u), _) => Some(u.to_string().into_bytes()),
+            (None, Some(i)) => Some(i.to_string().into_bytes()),
+            (None, None) => return Err(KeyError::NotInteger),
+        },
+        Some(Value::Bool(b)) => Some(if b {
+            b"true".to_vec()
+        } else {
+            b"false".to_vec()
+        }),
+        _ => None,
+    };
+    accept(rule, raw)
+}
+
+/// A raw key as the rule takes it: absent or empty is missing (an error when required),
+/// header keys unquoted, then length and characters checked. The CLI gives it a body key
+/// as the filter read it from the body.
+pub fn accept(rule: &Rule, raw: Option<Vec<u8>>) -> Result<Option<Vec<u8>>, KeyError> {
     let raw = match raw {
         Some(r) if !r.is_empty() => r,
         _ if rule.key.required => return Err(KeyError::Missing),

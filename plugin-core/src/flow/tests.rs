@@ -1028,10 +1028,11 @@ fn body_fingerprint_with_allow_on_headers_stop_iteration() {
         };
         let half = body.len() / 2;
         assert_eq!(
-            gw.with(|c, env| flow.on_request_body(c, half, false, &mut read, env)),
+            gw.with(|c, env| flow.on_request_body(c, &post("k"), half, false, &mut read, env)),
             Action::Pause
         );
-        let action = gw.with(|c, env| flow.on_request_body(c, body.len(), true, &mut read, env));
+        let action =
+            gw.with(|c, env| flow.on_request_body(c, &post("k"), body.len(), true, &mut read, env));
         assert_eq!(
             reads,
             usize::from(!body.is_empty() && body.len() <= 8),
@@ -1316,7 +1317,8 @@ fn local_rate_limit_answers_before_the_body() {
         assert_eq!(action, Action::Pause, "waits for the body to fingerprint");
         let mut flow = flow.unwrap();
         let mut read = |n: usize| Some(vec![b'x'; n]);
-        let action = gw.with(|c, env| flow.on_request_body(c, 4, true, &mut read, env));
+        let action =
+            gw.with(|c, env| flow.on_request_body(c, &user_post(k), 4, true, &mut read, env));
         assert!(matches!(action, Action::Decide(_)), "{action:?}");
     }
     let (_, action) = gw.start_with_eos(&user_post("c"), false);
