@@ -1160,6 +1160,90 @@ mod tests {
     }
 
     #[test]
+    fn body_pointer_keys() {
+        let rules = |top: &str, rule: &str| {
+            parse(
+                format!(r#"{{"sidecar":{{"cluster":"x"}}{top},"rules":[{{{rule}}}]}}"#).as_bytes(),
+            )
+        };
+        const STOP: &str = r#","allow_on_headers_stop_iteration":true"#;
+        let e = rules("", r#""key":{"body_pointer":"/id"}"#).unwrap_err();
+        assert_eq!(e.path, "rules[0].key.body_pointer");
+        assert!(e.to_string().contains("Envoy >= 1.35"), "{e}");
+        for bad in ["id", "", "/a~2", "/a~", "~0"] {
+            let e = rules(STOP, &format!(r#""key":{{"body_pointer":"{bad}"}}"#)).unwrap_err();
+            assert_eq!(e.path, "rules[0].key.body_pointer", "{bad}");
+        }
+        let e = rules(STOP, r#""key":{"body_pointer":"/id","header":"x-id"}"#).unwrap_err();
+        assert_eq!(e.path, "rules[0].key");
+        // Idempotency mode: the body is fingerprinted too, both capped by max_body_bytes.
+        let c = rules(
+            STOP,
+            r#""key":{"body_pointer":"/data/object/id"},"fingerprint":{"max_body_bytes":100}"#,
+        )
+        .unwrap();
+        let r = &c.rules[0];
+        assert_eq!(
+            r.key.source,
+            KeySource::BodyPointer {
+                pointer: "/data/object/id".into(),
+                max_body: 100
+            }
+        );
+        assert_eq!(
+            (r.fingerprint.as_ref().unwrap().max_body, r.body_cap()),
+            (100, 100)
+        );
+        // Without body fingerprints the cap still applies to the key.
+        let c = rules(
+            STOP,
+            r#""key":{"body_pointer":"/id"},"fingerprint":{"body":false,"max_body_bytes":10}"#,
+        )
+        .unwrap();
+        assert_eq!(
+            (
+                c.rules[0].fingerprint.as_ref().unwrap().max_body,
+                c.rules[0].body_cap()
+            ),
+            (0, 10)
+        );
+        // Lock mode takes the cap (and only the cap) from `fingerprint`, with a body key.
+        let c = rules(STOP, r#""mode":"lock","key":{"body_pointer":"/id"}"#).unwrap();
+        assert_eq!(
+            (c.rules[0].fingerprint.is_none(), c.rules[0].body_cap()),
+            (true, 64 * 1024)
+        );
+        let c = rules(
+            STOP,
+            r#""mode":"lock","key":{"body_pointer":"/id"},"fingerprint":{"max_body_bytes":5}"#,
+        )
+        .unwrap();
+        assert_eq!(c.rules[0].body_cap(), 5);
+        let e = rules(
+            STOP,
+            r#""mode":"lock","key":{"body_pointer":"/id"},"fingerprint":{"headers":[]}"#,
+        )
+        .unwrap_err();
+        assert_eq!(e.path, "rules[0].fingerprint");
+        let e = rules(
+            STOP,
+            r#""mode":"lock","key":{"header":"x-id"},"fingerprint":{"max_body_bytes":5}"#,
+        )
+        .unwrap_err();
+        assert_eq!(e.path, "rules[0].fingerprint");
+        // A header key's rule reads no body it does not fingerprint.
+        let e = rules(STOP, r#""fingerprint":{"body":false,"max_body_bytes":5}"#).unwrap_err();
+        assert_eq!(e.path, "rules[0].fingerprint.max_body_bytes");
+        assert_eq!(
+            rules(STOP, r#""fingerprint":{"body":false}"#)
+                .unwrap()
+                .rules[0]
+                .body_cap(),
+            0
+        );
+    }
+
+    #[test]
     fn lock_mode_needs_a_resource_id_from_the_template() {
         let e = error_of(r#"{"sidecar":{"cluster":"x"},"rules":[{"mode":"lock"}]}"#);
         assert!(e.starts_with("rules[0].key: "), "{e}");

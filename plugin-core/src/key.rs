@@ -329,4 +329,129 @@ mod tests {
         r2.name = "other".into();
         assert_ne!(a, scoped(&r2, &head(&alice), &alice, b"k"));
     }
+
+    /// A body-key rule (`allow_on_headers_stop_iteration` set, as the key requires).
+    fn body_rule(key: &str) -> Rule {
+        let rule: alloc::sync::Arc<Rule> = crate::config::parse(
+            alloc::format!(
+                r#"{{"sidecar":{{"cluster":"s"}},"allow_on_headers_stop_iteration":true,"rules":[{{"key":{{{key}}}}}]}}"#
+            )
+            .as_bytes(),
+        )
+        .unwrap()
+        .rules
+        .remove(0);
+        alloc::sync::Arc::unwrap_or_clone(rule)
+    }
+
+    fn body_key(rule: &Rule, body: &str) -> Result<Option<Vec<u8>>, KeyError> {
+        from_body(rule, body.as_bytes())
+    }
+
+    #[test]
+    fn body_keys_are_strings_integers_and_booleans_as_text() {
+        let r = body_rule(r#""body_pointer":"/data/object/id""#);
+        let key = |body: &str| body_key(&r, body).map(|k| k.map(|k| String::from_utf8(k).unwrap()));
+        let some = |k: &str| Ok(Some(k.to_string()));
+        assert_eq!(key(r#"{"data":{"object":{"id":"evt_1"}}}"#), some("evt_1"));
+        // Escapes decoded: the value a backend reads.
+        assert_eq!(
+            key(r#"{"data":{"object":{"id":"ev\u0074_1"}}}"#),
+            some("evt_1")
+        );
+        assert_eq!(key(r#"{"data":{"object":{"id":42}}}"#), some("42"));
+        assert_eq!(key(r#"{"data":{"object":{"id":-7}}}"#), some("-7"));
+        assert_eq!(
+            key(r#"{"data":{"object":{"id":18446744073709551615}}}"#),
+            some("18446744073709551615")
+        );
+        assert_eq!(key(r#"{"data":{"object":{"id":true}}}"#), some("true"));
+        // A member named twice: its last occurrence.
+        assert_eq!(key(r#"{"data":{"object":{"id":"a","id":"b"}}}"#), some("b"));
+        for inexact in [
+            "1.5",
+            "1e2",
+            "100.0",
+            "18446744073709551616",
+            "-9223372036854775809",
+        ] {
+            let body = alloc::format!(r#"{{"data":{{"object":{{"id":{inexact}}}}}}}"#);
+            assert_eq!(key(&body), Err(KeyError::NotInteger), "{inexact}");
+        }
+    }
+
+    #[test]
+    fn pointers_follow_rfc_6901() {
+        let r = body_rule(r#""body_pointer":"/a~1b/m~0n/1""#);
+        assert_eq!(
+            body_key(&r, r#"{"a/b":{"m~n":["x","y"]}}"#)
+                .unwrap()
+                .unwrap(),
+            b"y"
+        );
+        assert_eq!(
+            body_key(&r, r#"{"a/b":{"m~n":{"1":"z"}}}"#)
+                .unwrap()
+                .unwrap(),
+            b"z"
+        );
+        // `01` is no array index.
+        let r = body_rule(r#""body_pointer":"/a/01""#);
+        assert_eq!(body_key(&r, r#"{"a":["x","y"]}"#), Err(KeyError::Missing));
+    }
+
+    #[test]
+    fn absent_or_non_scalar_body_keys_follow_required() {
+        let required = body_rule(r#""body_pointer":"/id""#);
+        let optional = body_rule(r#""body_pointer":"/id","required":false"#);
+        for body in [
+            "",
+            "{}",
+            r#"{"id":null}"#,
+            r#"{"id":{"x":1}}"#,
+            r#"{"id":["x"]}"#,
+            r#"{"id":""}"#,
+            r#"["id"]"#,
+            r#""id""#,
+        ] {
+            assert_eq!(body_key(&required, body), Err(KeyError::Missing), "{body}");
+            assert_eq!(body_key(&optional, body), Ok(None), "{body}");
+        }
+        // Not JSON is refused whether or not the key is required.
+        for body in [
+            "id=1",
+            "{\"id\":\"a\"",
+            "{\"id\":\"a\"} x",
+            " ",
+            "\u{feff}{}",
+        ] {
+            assert_eq!(body_key(&required, body), Err(KeyError::NotJson), "{body}");
+            assert_eq!(body_key(&optional, body), Err(KeyError::NotJson), "{body}");
+        }
+        assert_eq!(
+            from_body(&required, b"{\"id\":\"\xff\"}"),
+            Err(KeyError::NotJson)
+        );
+    }
+
+    #[test]
+    fn body_keys_are_checked_like_other_keys() {
+        let r = body_rule(r#""body_pointer":"/id","max_length":4,"charset":"alphanumeric""#);
+        assert_eq!(body_key(&r, r#"{"id":"abcd"}"#).unwrap().unwrap(), b"abcd");
+        assert_eq!(body_key(&r, r#"{"id":"abcde"}"#), Err(KeyError::TooLong));
+        assert_eq!(body_key(&r, r#"{"id":"a b"}"#), Err(KeyError::BadCharacter));
+        assert_eq!(
+            body_key(&r, r#"{"id":"\u00e9"}"#),
+            Err(KeyError::BadCharacter)
+        );
+        // A quoted string is not unquoted as a header's sf-string would be.
+        let r = body_rule(r#""body_pointer":"/id""#);
+        assert_eq!(
+            body_key(&r, r#"{"id":"\"k\""}"#).unwrap().unwrap(),
+            b"\"k\""
+        );
+        // A request with no body is read as an empty one at request headers.
+        let req = Req::new("POST", "/x");
+        assert_eq!(extract(&r, &head(&req), &req), Err(KeyError::Missing));
+    }
 }
