@@ -206,8 +206,13 @@ impl FilterSpec {
         }
     }
 
-    /// `target/idemgate.wasm` with `configuration`, named as in `envoy/envoy.yaml`.
+    /// `target/idemgate.wasm` with `configuration`, named as in `envoy/envoy.yaml`. Envoy's
+    /// `allow_on_headers_stop_iteration` follows the configuration's declaration of it (the
+    /// plugin cannot read Envoy's flag, and a filter declaring it without Envoy's would wait
+    /// for bodies Envoy holds back); [`FilterSpec::allow_on_headers_stop_iteration`] overrides.
     pub fn idemgate(configuration: &str) -> Self {
+        let declared = serde_json::from_str::<Value>(configuration)
+            .is_ok_and(|c| c["allow_on_headers_stop_iteration"] == true);
         Self::new(
             IDEMGATE,
             IDEMGATE,
@@ -215,6 +220,7 @@ impl FilterSpec {
         )
         .root_id(IDEMGATE)
         .configuration(configuration)
+        .allow_on_headers_stop_iteration(declared)
     }
 
     /// The host-test fixture `target/fixtures/<fixture>.wasm`, in a VM of the same name.
