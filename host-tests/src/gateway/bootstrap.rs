@@ -468,4 +468,24 @@ mod tests {
         assert_eq!(wasm.settings.vm_id, "probe");
         assert!(wasm.settings.configuration.is_empty());
     }
+
+    #[test]
+    fn envoys_flag_follows_the_plugins_declaration_unless_overridden() {
+        let flag = |filter: FilterSpec| {
+            let config = Bootstrap::new(addr(1)).filter(filter).config().unwrap();
+            config.listeners[0]
+                .wasm
+                .as_ref()
+                .unwrap()
+                .settings
+                .allow_on_headers_stop_iteration
+        };
+        let declared = r#"{"allow_on_headers_stop_iteration":true,"rules":[]}"#;
+        assert!(flag(FilterSpec::idemgate(declared)));
+        assert!(!flag(FilterSpec::idemgate(r#"{"rules":[]}"#)));
+        assert!(!flag(FilterSpec::idemgate("not json")));
+        assert!(!flag(
+            FilterSpec::idemgate(declared).allow_on_headers_stop_iteration(false)
+        ));
+    }
 }
