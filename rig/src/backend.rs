@@ -497,9 +497,10 @@ async fn run_webhook(
     if let Some(forced) = forced_status(&headers) {
         return forced;
     }
-    let id = match &event["id"] {
-        serde_json::Value::String(id) => id.clone(),
-        other => other.to_string(),
+    let id = match event.get("id") {
+        Some(serde_json::Value::String(id)) => id.clone(),
+        Some(other) => other.to_string(),
+        None => String::new(),
     };
     let exec = Execution::begin(&backend, format!("event:{id}"), &headers);
     tokio::time::sleep(work_time(&headers, backend.timings.payment)).await;

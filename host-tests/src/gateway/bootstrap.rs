@@ -212,7 +212,7 @@ impl FilterSpec {
     /// for bodies Envoy holds back); [`FilterSpec::allow_on_headers_stop_iteration`] overrides.
     pub fn idemgate(configuration: &str) -> Self {
         let declared = serde_json::from_str::<Value>(configuration)
-            .is_ok_and(|c| c["allow_on_headers_stop_iteration"] == true);
+            .is_ok_and(|c| c.get("allow_on_headers_stop_iteration") == Some(&Value::Bool(true)));
         Self::new(
             IDEMGATE,
             IDEMGATE,
