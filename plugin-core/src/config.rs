@@ -706,8 +706,7 @@ fn compile_key(
             return Err(err(
                 &k.at("body_pointer"),
                 "needs \"allow_on_headers_stop_iteration\": true here and in Envoy's filter \
-                 config (Envoy >= 1.35): without it Envoy holds the body back until the filter \
-                 has decided, and the key is in the body",
+                 config (Envoy >= 1.35), or Envoy holds the body back",
             ));
         }
         // RFC 6901: `/`-prefixed reference tokens, `~` only in the escapes `~0` and `~1`.

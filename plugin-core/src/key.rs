@@ -124,7 +124,8 @@ pub fn from_body(rule: &Rule, body: &[u8]) -> Result<Option<Vec<u8>>, KeyError> 
         // past 64 bits are rounded, so distinct ids would share a key.
         Some(Value::Number(n)) => match (n.as_u64(), n.as_i64()) {
             (Some(u), _) => Some(u.to_string().into_bytes()),
-            (None, Some(i)) => Some(i.to_string().into_bytes()),
+            // Spelled through `u64`'s formatting, which the filter has anyway.
+            (None, Some(i)) => Some(alloc::format!("-{}", i.unsigned_abs()).into_bytes()),
             (None, None) => return Err(KeyError::NotInteger),
         },
         Some(Value::Bool(b)) => Some(if *b {
@@ -153,7 +154,7 @@ fn field<'v>(doc: &'v Value, pointer: &str) -> Option<&'v Value> {
             });
         }
         at = match at {
-            Value::Object(members) => members.get(&token)?,
+            Value::Object(members) => members.get(token.as_str())?,
             // An index is digits without a leading zero; `-` (past the end) is nothing.
             Value::Array(items)
                 if token.bytes().all(|b| b.is_ascii_digit())
