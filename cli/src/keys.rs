@@ -18,7 +18,9 @@ pub struct Call {
     pub headers: BTreeMap<String, String>,
     /// Scope properties by dotted path (`connection.uri_san_peer_certificate`).
     pub properties: BTreeMap<String, String>,
-    /// The key as the client sent it (an RFC 8941 sf-string or a bare token for headers).
+    /// The key as the client sent it (an RFC 8941 sf-string or a bare token for headers; for
+    /// `body_pointer` keys the field's value as the filter reads it: a string's value, an
+    /// integer's digits).
     pub key: String,
 }
 
@@ -67,7 +69,7 @@ pub fn stored_key(config: &Config, call: &Call) -> Result<String> {
                 rule.name
             )
         }
-        (KeySource::Header(_), None) => "/".to_owned(),
+        (KeySource::Header(_) | KeySource::BodyPointer { .. }, None) => "/".to_owned(),
     };
     // Canonicalised as the filter does, so every spelling of the path gives the stored key.
     let head = RequestHead::new(
@@ -80,9 +82,15 @@ pub fn stored_key(config: &Config, call: &Call) -> Result<String> {
         _ => None,
     };
     let view = View(call, key_header);
-    let raw = idemgate_core::key::extract(rule, &head, &view)
-        .map_err(|e| anyhow::anyhow!("the filter would refuse this key: {}", e.detail()))?
-        .context("the call carries no key for this rule")?;
+    let raw = match &rule.key.source {
+        // The field's value as the filter read it from the body.
+        KeySource::BodyPointer { .. } => {
+            idemgate_core::key::accept(rule, Some(call.key.as_bytes().to_vec()))
+        }
+        _ => idemgate_core::key::extract(rule, &head, &view),
+    }
+    .map_err(|e| anyhow::anyhow!("the filter would refuse this key: {}", e.detail()))?
+    .context("the call carries no key for this rule")?;
     Ok(idemgate_core::key::scoped(rule, &head, &view, &raw))
 }
 
@@ -95,4 +103,36 @@ pub fn pairs(items: &[String], what: &str) -> Result<BTreeMap<String, String>> {
             None => bail!("{what} {item:?}: expected NAME=VALUE"),
         })
         .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_body_key_is_the_field_value_the_filter_reads() {
+        let config = idemgate_core::config::parse(
+            br#"{"sidecar":{"cluster":"c"},"allow_on_headers_stop_iteration":true,
+                "rules":[{"name":"hooks","key":{"body_pointer":"/id"}}]}"#,
+        )
+        .unwrap();
+        let call = Call {
+            rule: "hooks".into(),
+            method: "POST".into(),
+            key: "evt_1".into(),
+            ..Call::default()
+        };
+        let rule = &config.rules[0];
+        let head = RequestHead::new(b"POST".to_vec(), b"/webhooks/orders", false);
+        let raw = idemgate_core::key::from_body(rule, br#"{"id":"evt_1","n":2}"#)
+            .unwrap()
+            .unwrap();
+        let filter = idemgate_core::key::scoped(rule, &head, &View(&call, None), &raw);
+        assert_eq!(stored_key(&config, &call).unwrap(), filter);
+        let other = Call {
+            key: "evt_2".into(),
+            ..call.clone()
+        };
+        assert_ne!(stored_key(&config, &other).unwrap(), filter);
+    }
 }

@@ -65,7 +65,8 @@ enum Command {
         /// A scope property as the filter saw it: dotted.path=VALUE (repeatable).
         #[arg(long = "property")]
         property: Vec<String>,
-        /// The key as the client sent it.
+        /// The key as the client sent it (a body_pointer key: the field's value, a string's
+        /// text or an integer's digits).
         #[arg(long)]
         key: String,
     },

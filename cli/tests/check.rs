@@ -78,7 +78,7 @@ fn every_configuration_in_every_document_is_checked_with_its_path() {
         [
             "rendered.yaml: document 2 (WasmPlugin/idemgate): spec.pluginConfig.rules[0].key.max_length: must be in 1..=255",
             "rendered.yaml: document 3 (EnvoyExtensionPolicy/eg): spec.wasm[0].config.sidecar.token_env: the VM environment variable T is not passed into the filter's VM (passed: [\"OTHER\"]); the filter would refuse this configuration",
-            "rendered.yaml: document 4: static_resources.listeners[0].filter_chains[0].filters[0].typed_config.http_filters[0].typed_config.config.configuration.value.rules[0].key: lock mode needs a resource id: header, path_param or query_param",
+            "rendered.yaml: document 4: static_resources.listeners[0].filter_chains[0].filters[0].typed_config.http_filters[0].typed_config.config.configuration.value.rules[0].key: lock mode needs a resource id: header, path_param, query_param or body_pointer",
         ],
         "{out}"
     );

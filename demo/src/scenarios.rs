@@ -167,6 +167,21 @@ pub fn payment_retry(key: &str) -> Scenario {
     }
 }
 
+/// A provider delivers one order event twice at once (its first attempt timed out on its
+/// side) and once more after the first was processed; the event id is in the JSON body.
+pub fn webhook_redelivery(event: &str) -> Scenario {
+    let deliver = |at: u64| {
+        Call::post("/webhooks/orders", at)
+            .header(SEQ_HEADER, at.to_string())
+            .json(serde_json::json!({ "id": event, "type": "order.paid", "order": "ord_7" }))
+    };
+    Scenario {
+        name: "webhook redelivery",
+        what: "one order event delivered 3 times: twice at once, once after",
+        calls: vec![deliver(0), deliver(20), deliver(600)],
+    }
+}
+
 /// `n` concurrent calls on one resource, each working `work_ms` at the backend.
 pub fn burst(agent: &str, n: usize, work_ms: u64) -> Scenario {
     Scenario {

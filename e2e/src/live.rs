@@ -40,16 +40,30 @@ impl Demo {
 
     /// Plays `scenario` through `gateway` (every call bounded) and reads the ground truth.
     pub fn play(&self, gateway: &LiveGateway, scenario: &Scenario) -> Run {
+        self.play_at(&gateway.url(), scenario)
+    }
+
+    /// Plays `scenario` straight to the backend, as the demo's "direct" rows do.
+    pub fn play_direct(&self, scenario: &Scenario) -> Run {
+        self.play_at(&self.url(), scenario)
+    }
+
+    fn play_at(&self, base: &str, scenario: &Scenario) -> Run {
         self.backend
             .runtime()
             .block_on(scenarios::play(
                 &self.client,
-                &gateway.url(),
+                base,
                 &self.url(),
                 scenario,
                 Duration::from_secs(90),
             ))
             .expect("the scenario plays")
+    }
+
+    /// Forgets what the backend executed (its counters start from zero).
+    pub fn reset(&self) {
+        self.backend.backend().reset();
     }
 
     /// Waits (bounded) until the backend started the call labelled `seq` on `resource`.

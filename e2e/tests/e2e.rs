@@ -13,3 +13,4 @@ mod live;
 mod observability;
 mod rate;
 mod scenarios;
+mod webhooks;

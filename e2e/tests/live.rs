@@ -256,7 +256,8 @@ fn scenario_4_a_retried_payment_is_charged_once_and_replayed() {
 }
 
 /// Scenario 4, body fingerprints (Envoy ≥ 1.35 with `allow_on_headers_stop_iteration`, which
-/// the shipped config does not assume): the same key with another body → 422.
+/// the shipped config sets since its webhook rule needs it; set here explicitly, so the test
+/// does not depend on that): the same key with another body → 422.
 #[test]
 fn scenario_4_the_same_key_with_another_body_is_422() {
     let stack = Stack::start();

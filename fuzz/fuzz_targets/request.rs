@@ -1,6 +1,6 @@
 //! One request through the filter's decision state machine with fuzzed headers (the
 //! `Idempotency-Key` sf-string, path, method, scope and fingerprint headers, lock-mode path
-//! and query keys), then a fuzzed sidecar answer to its claim, a renewal answer, a response
+//! and query keys, keys from a fuzzed JSON body in one or two chunks), then a fuzzed sidecar answer to its claim, a renewal answer, a response
 //! and the stream's end. Every step must return an action, never panic; a request the
 //! filter let through must carry a fence only when the sidecar granted one.
 
@@ -18,7 +18,9 @@ const CONFIG: &str = r#"{"sidecar":{"cluster":"s"},"allow_on_headers_stop_iterat
  {"name":"tok","match":{"path_prefix":"/tokens"},"key":{"charset":"token","max_length":16}},
  {"name":"alnum","match":{"path_prefix":"/alnum"},"key":{"charset":"alphanumeric","required":false},"on_conflict":"queue"},
  {"name":"agents","mode":"lock","match":{"path_template":"/agents/{agent_id}/mcp"},"key":{"path_param":"agent_id"},"on_conflict":"queue"},
- {"name":"query","mode":"lock","match":{"path_prefix":"/q"},"key":{"query_param":"id"}}]}"#;
+ {"name":"query","mode":"lock","match":{"path_prefix":"/q"},"key":{"query_param":"id"}},
+ {"name":"hook","match":{"path_prefix":"/webhooks"},"key":{"body_pointer":"/data/id","required":false},"fingerprint":{"body":false,"max_body_bytes":256}},
+ {"name":"lockbody","mode":"lock","match":{"path_prefix":"/lockbody"},"key":{"body_pointer":"/a~1b/0","charset":"token"},"fingerprint":{"max_body_bytes":128}}]}"#;
 
 fn config() -> &'static Config {
     static CONFIG_ONCE: OnceLock<Config> = OnceLock::new();
@@ -36,6 +38,8 @@ struct Input {
     user: Option<Vec<u8>>,
     tenant: Option<Vec<u8>>,
     body: Vec<u8>,
+    /// Where the body's first chunk ends.
+    split: u8,
     end_of_stream: bool,
     claim_status: u16,
     claim_answer: Vec<u8>,
@@ -86,7 +90,14 @@ fuzz_target!(|input: Input| {
     if action == Action::Pause {
         let body = input.body.clone();
         let mut read = |n: usize| body.get(..n).map(<[u8]>::to_vec);
-        action = flow.on_request_body(config, input.body.len(), true, &mut read, &mut env);
+        // The body in two chunks when it has a split: Envoy reports what it buffered so far.
+        let split = usize::from(input.split).min(body.len());
+        if split > 0 && split < body.len() {
+            action = flow.on_request_body(config, &req, split, false, &mut read, &mut env);
+        }
+        if action == Action::Pause {
+            action = flow.on_request_body(config, &req, body.len(), true, &mut read, &mut env);
+        }
     }
     if let Action::Decide(_) = action {
         let answer = Answer::Http {

@@ -434,13 +434,14 @@ fn compile_rule(
             "headers_present",
         ],
     )?)?;
-    let key = compile_key(
+    let mut key = compile_key(
         &r.optional_section(
             "key",
             &[
                 "header",
                 "path_param",
                 "query_param",
+                "body_pointer",
                 "required",
                 "max_length",
                 "charset",
@@ -448,6 +449,7 @@ fn compile_rule(
         )?,
         mode,
         &matcher,
+        allow_stop,
     )?;
     let scope = r.optional_section("scope", &["headers", "properties", "method"])?;
     let mut properties = Vec::new();
@@ -477,7 +479,14 @@ fn compile_rule(
         // A lock protects the resource whatever the method; an idempotency key is per call.
         method: scope.bool("method")?.unwrap_or(mode == Mode::Idempotency),
     };
-    let fingerprint = compile_fingerprint(&r, mode, allow_stop)?;
+    let body_key = match &mut key.source {
+        KeySource::BodyPointer { max_body, .. } => Some(max_body),
+        _ => None,
+    };
+    let (fingerprint, body_cap) = compile_fingerprint(&r, mode, allow_stop, body_key.is_some())?;
+    if let Some(max_body) = body_key {
+        *max_body = body_cap;
+    }
     let conflict = match r.choice("on_conflict", &["reject", "queue"])? {
         Some(1) => Conflict::Queue(compile_queue(&r.optional_section(
             "queue",
@@ -655,19 +664,26 @@ fn path_template(t: &str) -> Result<PathMatch, String> {
     Ok(PathMatch::Template(segments))
 }
 
-fn compile_key(k: &Section<'_>, mode: Mode, matcher: &Matcher) -> Result<KeyRules, ConfigError> {
+fn compile_key(
+    k: &Section<'_>,
+    mode: Mode,
+    matcher: &Matcher,
+    allow_stop: bool,
+) -> Result<KeyRules, ConfigError> {
     let header = k.str("header")?;
     let path_param = k.string("path_param")?;
     let query_param = k.string("query_param")?;
+    let body_pointer = k.string("body_pointer")?;
     let sources = [
         header.is_some(),
         path_param.is_some(),
         query_param.is_some(),
+        body_pointer.is_some(),
     ];
     if sources.iter().filter(|s| **s).count() > 1 {
         return Err(err(
             &k.path,
-            "set only one of header, path_param and query_param",
+            "set only one of header, path_param, query_param and body_pointer",
         ));
     }
     let source = if let Some(h) = header {
@@ -685,12 +701,37 @@ fn compile_key(k: &Section<'_>, mode: Mode, matcher: &Matcher) -> Result<KeyRule
             return Err(err(&k.at("query_param"), "must not be empty"));
         }
         KeySource::QueryParam(q)
+    } else if let Some(pointer) = body_pointer {
+        if !allow_stop {
+            return Err(err(
+                &k.at("body_pointer"),
+                "needs \"allow_on_headers_stop_iteration\": true here and in Envoy's filter \
+                 config (Envoy >= 1.35), or Envoy holds the body back",
+            ));
+        }
+        // RFC 6901: `/`-prefixed reference tokens, `~` only in the escapes `~0` and `~1`.
+        if !pointer.starts_with('/')
+            || !pointer
+                .split('~')
+                .skip(1)
+                .all(|rest| rest.starts_with(['0', '1']))
+        {
+            return Err(err(
+                &k.at("body_pointer"),
+                "must be an RFC 6901 JSON pointer such as /data/object/id (~0 for ~, ~1 for /)",
+            ));
+        }
+        // The cap is `fingerprint.max_body_bytes`, set by `compile_rule`.
+        KeySource::BodyPointer {
+            pointer,
+            max_body: 0,
+        }
     } else if mode == Mode::Idempotency {
         KeySource::Header("idempotency-key".to_string())
     } else {
         return Err(err(
             &k.path,
-            "lock mode needs a resource id: header, path_param or query_param",
+            "lock mode needs a resource id: header, path_param, query_param or body_pointer",
         ));
     };
     let max_length = k.usize("max_length")?.unwrap_or(MAX_KEY_LENGTH);
@@ -709,21 +750,33 @@ fn compile_key(k: &Section<'_>, mode: Mode, matcher: &Matcher) -> Result<KeyRule
     })
 }
 
+/// The rule's fingerprint, and the cap on the body it reads before the claim when the key
+/// comes from the body (`fingerprint.max_body_bytes` caps both; lock mode, which compares
+/// nothing, accepts only that field, and only with a body key).
 fn compile_fingerprint(
     rule: &Section<'_>,
     mode: Mode,
     allow_stop: bool,
-) -> Result<Option<FingerprintSpec>, ConfigError> {
-    if mode == Mode::Lock {
+    body_key: bool,
+) -> Result<(Option<FingerprintSpec>, usize), ConfigError> {
+    let lock = mode == Mode::Lock;
+    if lock && !body_key {
         if rule.has("fingerprint") {
             return Err(err(
                 &rule.at("fingerprint"),
                 "only valid in idempotency mode (lock mode stores nothing to compare)",
             ));
         }
-        return Ok(None);
+        return Ok((None, 0));
     }
-    let f = rule.optional_section("fingerprint", &["headers", "body", "max_body_bytes"])?;
+    let f = rule.optional_section(
+        "fingerprint",
+        if lock {
+            &["max_body_bytes"]
+        } else {
+            &["headers", "body", "max_body_bytes"]
+        },
+    )?;
     let body = f.bool("body")?.unwrap_or(allow_stop);
     if body && !allow_stop {
         return Err(err(
@@ -733,24 +786,29 @@ fn compile_fingerprint(
              fingerprint covers method, path and the chosen headers only",
         ));
     }
-    let cap = f.usize("max_body_bytes")?;
-    let max_body = match (body, cap) {
-        (true, Some(0)) => {
+    let cap = match f.usize("max_body_bytes")? {
+        Some(0) => {
             return Err(err(&f.at("max_body_bytes"), "must be greater than zero"));
         }
-        (true, cap) => cap.unwrap_or(DEFAULT_FINGERPRINT_BODY),
-        (false, Some(_)) => {
+        Some(_) if !body && !body_key => {
             return Err(err(
                 &f.at("max_body_bytes"),
-                "only valid when body is fingerprinted",
+                "only valid when body is fingerprinted or holds the key",
             ));
         }
-        (false, None) => 0,
+        cap => cap.unwrap_or(DEFAULT_FINGERPRINT_BODY),
     };
-    Ok(Some(FingerprintSpec {
-        headers: header_names(&f.strings("headers")?.unwrap_or_default(), &f.at("headers"))?,
-        max_body,
-    }))
+    let body_cap = if body_key { cap } else { 0 };
+    if lock {
+        return Ok((None, body_cap));
+    }
+    Ok((
+        Some(FingerprintSpec {
+            headers: header_names(&f.strings("headers")?.unwrap_or_default(), &f.at("headers"))?,
+            max_body: if body { cap } else { 0 },
+        }),
+        body_cap,
+    ))
 }
 
 fn compile_queue(q: &Section<'_>) -> Result<WaitPolicy, ConfigError> {
@@ -1098,6 +1156,90 @@ mod tests {
         )
         .unwrap();
         assert_eq!(c.rules[0].fingerprint.as_ref().unwrap().max_body, 64 * 1024);
+    }
+
+    #[test]
+    fn body_pointer_keys() {
+        let rules = |top: &str, rule: &str| {
+            parse(
+                format!(r#"{{"sidecar":{{"cluster":"x"}}{top},"rules":[{{{rule}}}]}}"#).as_bytes(),
+            )
+        };
+        const STOP: &str = r#","allow_on_headers_stop_iteration":true"#;
+        let e = rules("", r#""key":{"body_pointer":"/id"}"#).unwrap_err();
+        assert_eq!(e.path, "rules[0].key.body_pointer");
+        assert!(e.to_string().contains("Envoy >= 1.35"), "{e}");
+        for bad in ["id", "", "/a~2", "/a~", "~0"] {
+            let e = rules(STOP, &format!(r#""key":{{"body_pointer":"{bad}"}}"#)).unwrap_err();
+            assert_eq!(e.path, "rules[0].key.body_pointer", "{bad}");
+        }
+        let e = rules(STOP, r#""key":{"body_pointer":"/id","header":"x-id"}"#).unwrap_err();
+        assert_eq!(e.path, "rules[0].key");
+        // Idempotency mode: the body is fingerprinted too, both capped by max_body_bytes.
+        let c = rules(
+            STOP,
+            r#""key":{"body_pointer":"/data/object/id"},"fingerprint":{"max_body_bytes":100}"#,
+        )
+        .unwrap();
+        let r = &c.rules[0];
+        assert_eq!(
+            r.key.source,
+            KeySource::BodyPointer {
+                pointer: "/data/object/id".into(),
+                max_body: 100
+            }
+        );
+        assert_eq!(
+            (r.fingerprint.as_ref().unwrap().max_body, r.body_cap()),
+            (100, 100)
+        );
+        // Without body fingerprints the cap still applies to the key.
+        let c = rules(
+            STOP,
+            r#""key":{"body_pointer":"/id"},"fingerprint":{"body":false,"max_body_bytes":10}"#,
+        )
+        .unwrap();
+        assert_eq!(
+            (
+                c.rules[0].fingerprint.as_ref().unwrap().max_body,
+                c.rules[0].body_cap()
+            ),
+            (0, 10)
+        );
+        // Lock mode takes the cap (and only the cap) from `fingerprint`, with a body key.
+        let c = rules(STOP, r#""mode":"lock","key":{"body_pointer":"/id"}"#).unwrap();
+        assert_eq!(
+            (c.rules[0].fingerprint.is_none(), c.rules[0].body_cap()),
+            (true, 64 * 1024)
+        );
+        let c = rules(
+            STOP,
+            r#""mode":"lock","key":{"body_pointer":"/id"},"fingerprint":{"max_body_bytes":5}"#,
+        )
+        .unwrap();
+        assert_eq!(c.rules[0].body_cap(), 5);
+        let e = rules(
+            STOP,
+            r#""mode":"lock","key":{"body_pointer":"/id"},"fingerprint":{"headers":[]}"#,
+        )
+        .unwrap_err();
+        assert_eq!(e.path, "rules[0].fingerprint");
+        let e = rules(
+            STOP,
+            r#""mode":"lock","key":{"header":"x-id"},"fingerprint":{"max_body_bytes":5}"#,
+        )
+        .unwrap_err();
+        assert_eq!(e.path, "rules[0].fingerprint");
+        // A header key's rule reads no body it does not fingerprint.
+        let e = rules(STOP, r#""fingerprint":{"body":false,"max_body_bytes":5}"#).unwrap_err();
+        assert_eq!(e.path, "rules[0].fingerprint.max_body_bytes");
+        assert_eq!(
+            rules(STOP, r#""fingerprint":{"body":false}"#)
+                .unwrap()
+                .rules[0]
+                .body_cap(),
+            0
+        );
     }
 
     #[test]

@@ -31,7 +31,7 @@ use crate::ports::{Env, RequestView, Telemetry};
 use crate::problem::{self, Refusal, Reply};
 use crate::rate::{self, Check, RateTable, Verdict};
 use crate::rule::{Matched, RequestHead, match_rule};
-use crate::spec::{ClientAbort, Config, Conflict, FailureMode, RateSpec, Rule};
+use crate::spec::{ClientAbort, Config, Conflict, FailureMode, KeySource, RateSpec, Rule};
 
 /// A sidecar request for the root context to dispatch.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -79,6 +79,14 @@ enum Phase {
         /// The most Envoy has buffered so far.
         seen: usize,
         rate_checks: Vec<Check>,
+    },
+    /// Waiting for the whole body to read the key from it (`key.body_pointer`); then as at
+    /// request headers with the key: rate limits, fingerprint, claim.
+    BodyKey {
+        /// What the matcher read at request headers.
+        head: RequestHead,
+        /// The most Envoy has buffered so far.
+        seen: usize,
     },
     /// The rate checks are with the sidecar; the request is paused.
     Rating { sent_ms: u64, checks: Vec<Check> },
@@ -156,6 +164,7 @@ pub struct Flow {
     rule: Arc<Rule>,
     /// Its place in the configuration (per-rule metrics).
     rule_index: usize,
+    /// The stored key; empty until the key is read (from the body: [`Phase::BodyKey`]).
     key: String,
     /// Set once the fingerprint is complete (after [`Phase::Body`]).
     fingerprint: Option<String>,
@@ -189,11 +198,57 @@ impl Flow {
         env: &mut Env<'_>,
     ) -> (Option<Flow>, Action) {
         let Route { index, rule, head } = route;
-        let raw_key = match key::extract(&rule, &head, req) {
+        let body_key = matches!(rule.key.source, KeySource::BodyPointer { .. }) && !end_of_stream;
+        let mut flow = Flow {
+            rule,
+            rule_index: index,
+            key: String::new(),
+            fingerprint: None,
+            phase: Phase::Finished,
+            local: Local::Off,
+            release: None,
+            rate_headers: Vec::new(),
+        };
+        let action = if body_key {
+            match key::check_request(&flow.rule, &head, req) {
+                Ok(()) => {
+                    flow.phase = Phase::BodyKey { head, seen: 0 };
+                    Action::Pause
+                }
+                Err(e) => flow.keyed(config, &head, req, Err(e), None, env),
+            }
+        } else {
+            let raw_key = key::extract(&flow.rule, &head, req);
+            flow.keyed(
+                config,
+                &head,
+                req,
+                raw_key,
+                end_of_stream.then_some(&[]),
+                env,
+            )
+        };
+        // Nothing to track without a key (passed, refused), unless it waits in the body.
+        let tracked = !flow.key.is_empty() || flow.holds_request();
+        (tracked.then_some(flow), action)
+    }
+
+    /// Once the key is read (`raw_key`): the stored key, the local rate limits, the
+    /// fingerprint (`body`: the whole body when it is already read), then the decision.
+    fn keyed(
+        &mut self,
+        config: &Config,
+        head: &RequestHead,
+        req: &dyn RequestView,
+        raw_key: Result<Option<Vec<u8>>, KeyError>,
+        body: Option<&[u8]>,
+        env: &mut Env<'_>,
+    ) -> Action {
+        let raw_key = match raw_key {
             Ok(Some(k)) => k,
             Ok(None) => {
                 env.telemetry.count(Counter::Bypassed);
-                return (None, Action::pass());
+                return Action::pass();
             }
             Err(e) => {
                 env.telemetry.count(match e {
@@ -201,39 +256,29 @@ impl Flow {
                     KeyError::RepeatedScope | KeyError::EncodedSeparator => Counter::Ambiguous,
                     _ => Counter::InvalidKey,
                 });
-                let action = if config.shadow {
+                return if config.shadow {
                     env.telemetry.count(Counter::ShadowWouldBlock);
                     Action::pass()
                 } else {
                     Action::Respond(Refusal::of_key(e).reply())
                 };
-                return (None, action);
             }
         };
-        let key = key::scoped(&rule, &head, req, &raw_key);
+        let rule = Arc::clone(&self.rule);
+        self.key = key::scoped(&rule, head, req, &raw_key);
         let rate_checks = rule
             .rate
             .as_ref()
             .map(|spec| rate::checks(&rule, spec, req, Some(&raw_key)))
             .unwrap_or_default();
-        let mut flow = Flow {
-            rule: Arc::clone(&rule),
-            rule_index: index,
-            key,
-            fingerprint: None,
-            phase: Phase::Finished,
-            local: Local::Off,
-            release: None,
-            rate_headers: Vec::new(),
-        };
         // The local tier's limits are checked before the body is buffered or hashed: a
         // limited request is answered at once and costs no fingerprint.
         let global_checks = match &rule.rate {
             Some(spec) if !rate_checks.is_empty() => {
                 if spec.tier.local()
-                    && let Some(limited) = flow.rate_local(spec, &rate_checks, config, env)
+                    && let Some(limited) = self.rate_local(spec, &rate_checks, config, env)
                 {
-                    return (Some(flow), limited);
+                    return limited;
                 }
                 if spec.tier.global() {
                     rate_checks
@@ -244,64 +289,51 @@ impl Flow {
             _ => Vec::new(),
         };
         if let Some(spec) = &rule.fingerprint {
-            let fp = Fingerprint::start(spec, &head, req);
+            let fp = Fingerprint::start(spec, head, req);
             if spec.max_body == 0 {
-                flow.fingerprint = Some(fp.finish());
-            } else if end_of_stream {
-                flow.fingerprint = Some(fp.body(&[]).finish());
+                self.fingerprint = Some(fp.finish());
+            } else if let Some(body) = body {
+                self.fingerprint = Some(fp.body(body).finish());
             } else {
-                flow.phase = Phase::Body {
+                self.phase = Phase::Body {
                     fingerprint: fp,
                     seen: 0,
                     rate_checks: global_checks,
                 };
-                return (Some(flow), Action::Pause);
+                return Action::Pause;
             }
         }
-        let action = flow.decide(config, global_checks, env);
-        (Some(flow), action)
+        self.decide(config, global_checks, env)
     }
 
-    /// A request body callback while the fingerprint waits for the body. `buffered` is what
-    /// Envoy has buffered so far; `read` returns the whole buffer (called at end of stream).
+    /// A request body callback while the flow waits for the body (to fingerprint it, or to
+    /// read the key from it). `buffered` is what Envoy has buffered so far; `read` returns
+    /// the whole buffer (called at end of stream); `req` is the request's headers.
     pub fn on_request_body(
         &mut self,
         config: &Config,
+        req: &dyn RequestView,
         buffered: usize,
         end_of_stream: bool,
         read: &mut dyn FnMut(usize) -> Option<Vec<u8>>,
         env: &mut Env<'_>,
     ) -> Action {
-        let (fingerprint, seen, rate_checks) = match mem::replace(&mut self.phase, Phase::Finished)
-        {
-            Phase::Body {
-                fingerprint,
-                seen,
-                rate_checks,
-            } => (fingerprint, seen.max(buffered), rate_checks),
-            other => {
-                // Body callbacks while a decision is out happen only with
-                // allow_on_headers_stop_iteration; Continue here would release the held
-                // headers.
-                self.phase = other;
-                return if self.holds_request() {
-                    Action::Pause
-                } else {
-                    Action::pass()
-                };
+        let held = self.holds_request();
+        let seen = match &mut self.phase {
+            Phase::Body { seen, .. } | Phase::BodyKey { seen, .. } => {
+                *seen = buffered.max(*seen);
+                *seen
             }
+            // Body callbacks while a decision is out happen only with
+            // allow_on_headers_stop_iteration; Continue here would release the held headers.
+            _ if held => return Action::Pause,
+            _ => return Action::pass(),
         };
-        let cap = self.rule.fingerprint.as_ref().map_or(0, |f| f.max_body);
-        if seen > cap {
+        if seen > self.rule.body_cap() {
             env.telemetry.count(Counter::TooLarge);
             return self.refuse(config, env, Refusal::TooLarge);
         }
         if !end_of_stream {
-            self.phase = Phase::Body {
-                fingerprint,
-                seen,
-                rate_checks,
-            };
             return Action::Pause;
         }
         let body = if seen == 0 {
@@ -314,8 +346,21 @@ impl Flow {
             // guessing would let a different body replay this one. Fail like a sidecar outage.
             return self.refuse(config, env, unavailable(config));
         };
-        self.fingerprint = Some(fingerprint.body(&body).finish());
-        self.decide(config, rate_checks, env)
+        match mem::replace(&mut self.phase, Phase::Finished) {
+            Phase::Body {
+                fingerprint,
+                rate_checks,
+                ..
+            } => {
+                self.fingerprint = Some(fingerprint.body(&body).finish());
+                self.decide(config, rate_checks, env)
+            }
+            Phase::BodyKey { head, .. } => {
+                let raw_key = key::from_body(&self.rule, &body);
+                self.keyed(config, &head, req, raw_key, Some(&body), env)
+            }
+            _ => Action::pass(),
+        }
     }
 
     /// Whether the request is still held (body being hashed or a decision out): the glue
@@ -324,6 +369,7 @@ impl Flow {
         matches!(
             self.phase,
             Phase::Body { .. }
+                | Phase::BodyKey { .. }
                 | Phase::Rating { .. }
                 | Phase::Claiming(_)
                 | Phase::Abandoned { .. }
@@ -1067,7 +1113,7 @@ impl Flow {
                 }
                 false
             }
-            other @ (Phase::Body { .. } | Phase::Finished) => {
+            other @ (Phase::Body { .. } | Phase::BodyKey { .. } | Phase::Finished) => {
                 self.phase = other;
                 false
             }

@@ -1,9 +1,9 @@
 //! Keys: extracting the client's key (an `Idempotency-Key` as an RFC 8941 sf-string or a bare
-//! token, or a lock-mode resource id), checking it against the rule, and deriving the stored
-//! key — a hex SHA-256 over the length-prefixed scope and key. Raw keys and caller identities
+//! token, a lock-mode resource id, or a field of the JSON body), checking it against the rule,
+//! and deriving the stored key — a hex SHA-256 over the length-prefixed scope and key. Raw keys and caller identities
 //! never leave this module: nothing stores, sends or logs them.
 
-use alloc::string::String;
+use alloc::string::{String, ToString};
 use alloc::vec::Vec;
 
 use crate::canonical::decode;
@@ -11,6 +11,7 @@ use crate::hash::PartHasher;
 use crate::ports::RequestView;
 use crate::rule::RequestHead;
 use crate::spec::{KeySource, Rule};
+use serde_json::Value;
 
 /// Why a request's key was not usable.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -26,6 +27,11 @@ pub enum KeyError {
     RepeatedScope,
     /// The path carries an encoded `/` or `\` (see `RequestHead::encoded_separator`).
     EncodedSeparator,
+    /// `key.body_pointer`: the body is not a JSON document.
+    NotJson,
+    /// `key.body_pointer`: the field is a number that is not an integer (or beyond 64 bits),
+    /// whose text a parser may round: two ids could become one key.
+    NotInteger,
 }
 
 impl KeyError {
@@ -40,24 +46,23 @@ impl KeyError {
             KeyError::EncodedSeparator => {
                 "the path has an encoded / or \\ (%2F, %5C), which servers read differently"
             }
+            KeyError::NotJson => {
+                "this endpoint reads its key from a JSON body, and the body is not JSON"
+            }
+            KeyError::NotInteger => "the key field is a number but not an integer",
         }
     }
 }
 
 /// The raw key bytes of a request, validated against the rule; `Ok(None)` = absent and optional.
+/// A body key is read from an empty body here: the flow reads a non-empty one with
+/// [`from_body`] once it is buffered, after [`check_request`].
 pub fn extract(
     rule: &Rule,
     head: &RequestHead,
     req: &dyn RequestView,
 ) -> Result<Option<Vec<u8>>, KeyError> {
-    if head.encoded_separator {
-        return Err(KeyError::EncodedSeparator);
-    }
-    // Envoy hands the filter only the first value of a header: identity and keys must not
-    // be first-value-only when the backend may read another.
-    if !rule.scope.headers.is_empty() && req.repeated(&rule.scope.headers) {
-        return Err(KeyError::RepeatedScope);
-    }
+    check_request(rule, head, req)?;
     let raw: Option<Vec<u8>> = match &rule.key.source {
         KeySource::Header(h) => {
             if req.repeated(core::slice::from_ref(h)) {
@@ -78,7 +83,95 @@ pub fn extract(
             }
             values.pop()
         }
+        KeySource::BodyPointer { .. } => return from_body(rule, &[]),
     };
+    accept(rule, raw)
+}
+
+/// What makes a guarded request unusable whatever its key: the path or the caller reads two
+/// ways.
+pub(crate) fn check_request(
+    rule: &Rule,
+    head: &RequestHead,
+    req: &dyn RequestView,
+) -> Result<(), KeyError> {
+    if head.encoded_separator {
+        return Err(KeyError::EncodedSeparator);
+    }
+    // Envoy hands the filter only the first value of a header: identity and keys must not
+    // be first-value-only when the backend may read another.
+    if !rule.scope.headers.is_empty() && req.repeated(&rule.scope.headers) {
+        return Err(KeyError::RepeatedScope);
+    }
+    Ok(())
+}
+
+/// The key of a `key.body_pointer` rule from the whole body: a string field's value (escapes
+/// decoded), an integer's decimal digits, `true` or `false`. No body, no such field, or a
+/// `null`, object or array there is a missing key; a member named twice is read as its last
+/// occurrence (as serde_json, Go's encoding/json, Python's json and JavaScript read it).
+pub fn from_body(rule: &Rule, body: &[u8]) -> Result<Option<Vec<u8>>, KeyError> {
+    let KeySource::BodyPointer { pointer, .. } = &rule.key.source else {
+        return accept(rule, None);
+    };
+    let doc = match body {
+        [] => Value::Null,
+        _ => serde_json::from_slice(body).map_err(|_| KeyError::NotJson)?,
+    };
+    let raw = match field(&doc, pointer) {
+        Some(Value::String(s)) => Some(s.as_bytes().to_vec()),
+        // Only integers: other numbers have no one spelling (`1e2`, `100.0`), and numbers
+        // past 64 bits are rounded, so distinct ids would share a key.
+        Some(Value::Number(n)) => match (n.as_u64(), n.as_i64()) {
+            (Some(u), _) => Some(u.to_string().into_bytes()),
+            // Spelled through `u64`'s formatting, which the filter has anyway.
+            (None, Some(i)) => Some(alloc::format!("-{}", i.unsigned_abs()).into_bytes()),
+            (None, None) => return Err(KeyError::NotInteger),
+        },
+        Some(Value::Bool(b)) => Some(if *b {
+            b"true".to_vec()
+        } else {
+            b"false".to_vec()
+        }),
+        _ => None,
+    };
+    accept(rule, raw)
+}
+
+/// The value an RFC 6901 pointer (validated by the configuration) refers to. Written out
+/// rather than `Value::pointer`, whose unescaping by `str::replace` costs the filter more.
+fn field<'v>(doc: &'v Value, pointer: &str) -> Option<&'v Value> {
+    let mut at = doc;
+    for escaped in pointer.split('/').skip(1) {
+        let mut token = String::with_capacity(escaped.len());
+        let mut chars = escaped.chars();
+        while let Some(c) = chars.next() {
+            token.push(match c {
+                // The escape's second character is consumed by the guard: `~1` or `~0`.
+                '~' if chars.next() == Some('1') => '/',
+                '~' => '~',
+                c => c,
+            });
+        }
+        at = match at {
+            Value::Object(members) => members.get(token.as_str())?,
+            // An index is digits without a leading zero; `-` (past the end) is nothing.
+            Value::Array(items)
+                if token.bytes().all(|b| b.is_ascii_digit())
+                    && (token == "0" || !token.starts_with('0')) =>
+            {
+                items.get(token.parse::<usize>().ok()?)?
+            }
+            _ => return None,
+        };
+    }
+    Some(at)
+}
+
+/// A raw key as the rule takes it: absent or empty is missing (an error when required),
+/// header keys unquoted, then length and characters checked. The CLI gives it a body key
+/// as the filter read it from the body.
+pub fn accept(rule: &Rule, raw: Option<Vec<u8>>) -> Result<Option<Vec<u8>>, KeyError> {
     let raw = match raw {
         Some(r) if !r.is_empty() => r,
         _ if rule.key.required => return Err(KeyError::Missing),
@@ -266,5 +359,132 @@ mod tests {
         let mut r2 = r.clone();
         r2.name = "other".into();
         assert_ne!(a, scoped(&r2, &head(&alice), &alice, b"k"));
+    }
+
+    /// A body-key rule (`allow_on_headers_stop_iteration` set, as the key requires).
+    fn body_rule(key: &str) -> Rule {
+        let rule: alloc::sync::Arc<Rule> = crate::config::parse(
+            alloc::format!(
+                r#"{{"sidecar":{{"cluster":"s"}},"allow_on_headers_stop_iteration":true,"rules":[{{"key":{{{key}}}}}]}}"#
+            )
+            .as_bytes(),
+        )
+        .unwrap()
+        .rules
+        .remove(0);
+        alloc::sync::Arc::unwrap_or_clone(rule)
+    }
+
+    fn body_key(rule: &Rule, body: &str) -> Result<Option<Vec<u8>>, KeyError> {
+        from_body(rule, body.as_bytes())
+    }
+
+    #[test]
+    fn body_keys_are_strings_integers_and_booleans_as_text() {
+        let r = body_rule(r#""body_pointer":"/data/object/id""#);
+        let key = |body: &str| body_key(&r, body).map(|k| k.map(|k| String::from_utf8(k).unwrap()));
+        let some = |k: &str| Ok(Some(k.to_string()));
+        assert_eq!(key(r#"{"data":{"object":{"id":"evt_1"}}}"#), some("evt_1"));
+        // Escapes decoded: the value a backend reads.
+        assert_eq!(
+            key(r#"{"data":{"object":{"id":"ev\u0074_1"}}}"#),
+            some("evt_1")
+        );
+        assert_eq!(key(r#"{"data":{"object":{"id":42}}}"#), some("42"));
+        assert_eq!(key(r#"{"data":{"object":{"id":-7}}}"#), some("-7"));
+        assert_eq!(
+            key(r#"{"data":{"object":{"id":18446744073709551615}}}"#),
+            some("18446744073709551615")
+        );
+        assert_eq!(key(r#"{"data":{"object":{"id":true}}}"#), some("true"));
+        // A member named twice: its last occurrence.
+        assert_eq!(key(r#"{"data":{"object":{"id":"a","id":"b"}}}"#), some("b"));
+        for inexact in [
+            "1.5",
+            "1e2",
+            "100.0",
+            "18446744073709551616",
+            "-9223372036854775809",
+        ] {
+            let body = alloc::format!(r#"{{"data":{{"object":{{"id":{inexact}}}}}}}"#);
+            assert_eq!(key(&body), Err(KeyError::NotInteger), "{inexact}");
+        }
+    }
+
+    #[test]
+    fn pointers_follow_rfc_6901() {
+        let r = body_rule(r#""body_pointer":"/a~1b/m~0n/1""#);
+        assert_eq!(
+            body_key(&r, r#"{"a/b":{"m~n":["x","y"]}}"#)
+                .unwrap()
+                .unwrap(),
+            b"y"
+        );
+        assert_eq!(
+            body_key(&r, r#"{"a/b":{"m~n":{"1":"z"}}}"#)
+                .unwrap()
+                .unwrap(),
+            b"z"
+        );
+        // `01`, `+1` and `-` are no array indices.
+        for index in ["01", "+1", "-", "1x"] {
+            let r = body_rule(&alloc::format!(r#""body_pointer":"/a/{index}""#));
+            assert_eq!(body_key(&r, r#"{"a":["x","y"]}"#), Err(KeyError::Missing));
+        }
+    }
+
+    #[test]
+    fn absent_or_non_scalar_body_keys_follow_required() {
+        let required = body_rule(r#""body_pointer":"/id""#);
+        let optional = body_rule(r#""body_pointer":"/id","required":false"#);
+        for body in [
+            "",
+            "{}",
+            r#"{"id":null}"#,
+            r#"{"id":{"x":1}}"#,
+            r#"{"id":["x"]}"#,
+            r#"{"id":""}"#,
+            r#"["id"]"#,
+            r#""id""#,
+        ] {
+            assert_eq!(body_key(&required, body), Err(KeyError::Missing), "{body}");
+            assert_eq!(body_key(&optional, body), Ok(None), "{body}");
+        }
+        // Not JSON is refused whether or not the key is required.
+        for body in [
+            "id=1",
+            "{\"id\":\"a\"",
+            "{\"id\":\"a\"} x",
+            " ",
+            "\u{feff}{}",
+        ] {
+            assert_eq!(body_key(&required, body), Err(KeyError::NotJson), "{body}");
+            assert_eq!(body_key(&optional, body), Err(KeyError::NotJson), "{body}");
+        }
+        assert_eq!(
+            from_body(&required, b"{\"id\":\"\xff\"}"),
+            Err(KeyError::NotJson)
+        );
+    }
+
+    #[test]
+    fn body_keys_are_checked_like_other_keys() {
+        let r = body_rule(r#""body_pointer":"/id","max_length":4,"charset":"alphanumeric""#);
+        assert_eq!(body_key(&r, r#"{"id":"abcd"}"#).unwrap().unwrap(), b"abcd");
+        assert_eq!(body_key(&r, r#"{"id":"abcde"}"#), Err(KeyError::TooLong));
+        assert_eq!(body_key(&r, r#"{"id":"a b"}"#), Err(KeyError::BadCharacter));
+        assert_eq!(
+            body_key(&r, r#"{"id":"\u00e9"}"#),
+            Err(KeyError::BadCharacter)
+        );
+        // A quoted string is not unquoted as a header's sf-string would be.
+        let r = body_rule(r#""body_pointer":"/id""#);
+        assert_eq!(
+            body_key(&r, r#"{"id":"\"k\""}"#).unwrap().unwrap(),
+            b"\"k\""
+        );
+        // A request with no body is read as an empty one at request headers.
+        let req = Req::new("POST", "/x");
+        assert_eq!(extract(&r, &head(&req), &req), Err(KeyError::Missing));
     }
 }

@@ -15,6 +15,7 @@ pub(crate) mod types {
     pub(crate) const MISSING_KEY: &str = "urn:idemgate:problem:missing-key";
     pub(crate) const INVALID_KEY: &str = "urn:idemgate:problem:invalid-key";
     pub(crate) const AMBIGUOUS: &str = "urn:idemgate:problem:ambiguous-request";
+    pub(crate) const NOT_JSON: &str = "urn:idemgate:problem:not-json";
     pub(crate) const IN_PROGRESS: &str = "urn:idemgate:problem:in-progress";
     pub(crate) const MISMATCH: &str = "urn:idemgate:problem:key-reused";
     pub(crate) const QUEUE_FULL: &str = "urn:idemgate:problem:queue-full";
@@ -49,6 +50,9 @@ pub(crate) enum Refusal {
     /// 400: the path or the caller's identity reads two ways (an encoded separator, a
     /// repeated scope header).
     Ambiguous(KeyError),
+    /// 400: the rule reads its key from a JSON body (`key.body_pointer`) and the body is not
+    /// JSON.
+    NotJson,
     /// 409: an earlier request with the key still runs (`on_conflict: reject`).
     InProgress { retry_after_ms: u64 },
     /// 413: the body is larger than the rule fingerprints.
@@ -75,6 +79,7 @@ impl Refusal {
         match e {
             KeyError::Missing => Refusal::MissingKey,
             KeyError::RepeatedScope | KeyError::EncodedSeparator => Refusal::Ambiguous(e),
+            KeyError::NotJson => Refusal::NotJson,
             _ => Refusal::InvalidKey(e),
         }
     }
@@ -104,6 +109,14 @@ impl Refusal {
                 types::AMBIGUOUS,
                 "Ambiguous request",
                 e.detail(),
+                None,
+                "idemgate_bad_key",
+            ),
+            Refusal::NotJson => (
+                400,
+                types::NOT_JSON,
+                "Request body is not JSON",
+                KeyError::NotJson.detail(),
                 None,
                 "idemgate_bad_key",
             ),
@@ -212,6 +225,7 @@ mod tests {
             Refusal::MissingKey,
             Refusal::InvalidKey(KeyError::Malformed),
             Refusal::Ambiguous(KeyError::EncodedSeparator),
+            Refusal::NotJson,
             Refusal::InProgress {
                 retry_after_ms: 1_500
             },
@@ -238,13 +252,14 @@ mod tests {
                 Refusal::MissingKey => 0,
                 Refusal::InvalidKey(_) => 1,
                 Refusal::Ambiguous(_) => 2,
-                Refusal::InProgress { .. } => 3,
-                Refusal::TooLarge => 4,
-                Refusal::Mismatch => 5,
-                Refusal::QueueFull { .. } => 6,
-                Refusal::RateLimited { .. } => 7,
-                Refusal::WaitExpired { .. } => 8,
-                Refusal::Unavailable { .. } => 9,
+                Refusal::NotJson => 3,
+                Refusal::InProgress { .. } => 4,
+                Refusal::TooLarge => 5,
+                Refusal::Mismatch => 6,
+                Refusal::QueueFull { .. } => 7,
+                Refusal::RateLimited { .. } => 8,
+                Refusal::WaitExpired { .. } => 9,
+                Refusal::Unavailable { .. } => 10,
             })
             .collect();
         assert_eq!(places, (0..every.len()).collect::<Vec<_>>());
@@ -315,6 +330,12 @@ mod tests {
                 "",
                 "idemgate_bad_key",
                 r#"{"type":"urn:idemgate:problem:ambiguous-request","title":"Ambiguous request","status":400,"detail":"the path has an encoded / or \\ (%2F, %5C), which servers read differently"}"#,
+            ),
+            (
+                400,
+                "",
+                "idemgate_bad_key",
+                r#"{"type":"urn:idemgate:problem:not-json","title":"Request body is not JSON","status":400,"detail":"this endpoint reads its key from a JSON body, and the body is not JSON"}"#,
             ),
             (
                 409,

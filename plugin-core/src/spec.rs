@@ -83,6 +83,17 @@ pub struct Rule {
     pub rate: Option<RateSpec>,
 }
 
+impl Rule {
+    /// The most request body the filter buffers before it claims (0: it reads no body): the
+    /// body fingerprint's and the body key's cap, one `fingerprint.max_body_bytes`.
+    pub(crate) fn body_cap(&self) -> usize {
+        match &self.key.source {
+            KeySource::BodyPointer { max_body, .. } => *max_body,
+            _ => self.fingerprint.as_ref().map_or(0, |f| f.max_body),
+        }
+    }
+}
+
 // === which requests a rule takes ===
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -160,6 +171,12 @@ pub enum KeySource {
     Header(String),
     PathParam(String),
     QueryParam(String),
+    /// `key.body_pointer`: a field of the JSON body (an RFC 6901 pointer, validated), read
+    /// once the whole body is buffered, at most `max_body` bytes of it.
+    BodyPointer {
+        pointer: String,
+        max_body: usize,
+    },
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]

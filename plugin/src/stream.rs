@@ -69,7 +69,14 @@ impl Stream {
         let action = vm.with_flow(self.id, |config, flow, env| {
             flow.holds_request().then(|| {
                 let mut read = |n| host::body(BufferType::HttpRequestBody, n);
-                flow.on_request_body(config, buffered, end_of_stream, &mut read, env)
+                flow.on_request_body(
+                    config,
+                    &RequestHeaders,
+                    buffered,
+                    end_of_stream,
+                    &mut read,
+                    env,
+                )
             })
         });
         match action.flatten() {

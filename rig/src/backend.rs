@@ -9,6 +9,9 @@
 //!   it back with the tool appended: concurrent calls overwrite each other (lost updates).
 //! - `POST /payments` (`{"amount": n}`) charges once per call; the `Idempotency-Key` header is
 //!   only recorded, to count double charges.
+//! - `POST /webhooks/orders` (`{"id": "evt_…", "type": "order.paid"}`) is a provider's event
+//!   delivery: it ships the order on every delivery (as long as a payment takes), so an event
+//!   delivered twice ships twice.
 //!
 //! Every mutating call honours a fencing token (`x-fencing-token`): a write carrying a token
 //! lower than one already seen for the same resource is refused with 409, the way a store
@@ -75,6 +78,10 @@ pub struct Stats {
     pub charges: u64,
     /// Charges beyond the first for one (caller, Idempotency-Key).
     pub double_charges: u64,
+    /// Webhook deliveries processed (orders shipped).
+    pub webhook_events: u64,
+    /// Deliveries processed for an event id already processed: the duplicate-delivery damage.
+    pub duplicate_events: u64,
     /// Writes refused because their fencing token was older than one already seen.
     pub stale_refused: u64,
     /// Calls a degraded gateway let through unguarded (`x-idemgate-degraded` set: the
@@ -99,6 +106,7 @@ struct Ledger {
     running_bots: BTreeMap<String, u64>,
     agent_versions: BTreeMap<String, u64>,
     charges_per_key: BTreeMap<(String, String), u64>,
+    deliveries_per_event: BTreeMap<String, u64>,
     in_flight: BTreeMap<String, u32>,
     highest_fence: BTreeMap<String, u64>,
 }
@@ -144,6 +152,7 @@ pub fn router(backend: Arc<Backend>) -> Router {
         .route("/bots/{bot}/start", post(start_bot))
         .route("/agents/{agent}/tools", post(attach_tool))
         .route("/payments", post(pay))
+        .route("/webhooks/orders", post(webhook))
         .route("/stats", get(stats))
         .route("/reset", post(reset))
         .with_state(backend)
@@ -465,5 +474,47 @@ async fn run_pay(backend: Arc<Backend>, headers: HeaderMap, payment: Payment) ->
         StatusCode::CREATED,
         Json(serde_json::json!({ "payment": id, "amount": payment.amount, "status": "charged" })),
     )
+        .into_response()
+}
+
+async fn webhook(
+    State(backend): State<Arc<Backend>>,
+    headers: HeaderMap,
+    Json(event): Json<serde_json::Value>,
+) -> Response {
+    detachable(
+        headers.contains_key(DETACH_HEADER),
+        run_webhook(backend, headers, event),
+    )
+    .await
+}
+
+async fn run_webhook(
+    backend: Arc<Backend>,
+    headers: HeaderMap,
+    event: serde_json::Value,
+) -> Response {
+    if let Some(forced) = forced_status(&headers) {
+        return forced;
+    }
+    let id = match event.get("id") {
+        Some(serde_json::Value::String(id)) => id.clone(),
+        Some(other) => other.to_string(),
+        None => String::new(),
+    };
+    let exec = Execution::begin(&backend, format!("event:{id}"), &headers);
+    tokio::time::sleep(work_time(&headers, backend.timings.payment)).await;
+    let mut ledger = backend.ledger();
+    if let Err(stale) = exec.commit(&mut ledger) {
+        return stale.into_response();
+    }
+    ledger.stats.webhook_events += 1;
+    let shipment = ledger.stats.webhook_events;
+    let deliveries = ledger.deliveries_per_event.entry(id.clone()).or_default();
+    *deliveries += 1;
+    if *deliveries > 1 {
+        ledger.stats.duplicate_events += 1;
+    }
+    Json(serde_json::json!({ "event": id, "shipment": shipment, "status": "shipped" }))
         .into_response()
 }

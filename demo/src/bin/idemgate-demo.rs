@@ -215,6 +215,7 @@ async fn play_all(stack: &Urls) -> Result<()> {
         scenarios::attach_tools(&format!("agent-{run_id}")),
         scenarios::double_click(&format!("bot-{run_id}")),
         scenarios::payment_retry(&format!("pay-{run_id}")),
+        scenarios::webhook_redelivery(&format!("evt_{run_id}")),
         scenarios::burst(&format!("burst-{run_id}"), 20, 50),
     ];
     let mut rows = Vec::new();
@@ -290,7 +291,7 @@ async fn queued(client: &reqwest::Client, stack: &Urls, label: &str) -> Result<O
 
 fn damage(run: &Run) -> u64 {
     let b = &run.backend;
-    b.lost_updates + b.duplicate_engines + b.double_charges
+    b.lost_updates + b.duplicate_engines + b.duplicate_events + b.double_charges
 }
 
 fn summary(run: &Run) -> String {
@@ -337,7 +338,7 @@ fn print_table(rows: &[Row]) {
             run.outcomes.len(),
             b.executions,
             b.lost_updates,
-            b.duplicate_engines,
+            b.duplicate_engines + b.duplicate_events,
             b.double_charges,
             run.replays(),
             run.count(409),
@@ -348,7 +349,7 @@ fn print_table(rows: &[Row]) {
         );
     }
     println!(
-        "\nruns = backend executions; lost = lost updates; dup = duplicate engines; \
+        "\nruns = backend executions; lost = lost updates; dup = duplicate engines or events; \
          2x$ = double charges; queued = calls held until their turn"
     );
 }

@@ -206,8 +206,13 @@ impl FilterSpec {
         }
     }
 
-    /// `target/idemgate.wasm` with `configuration`, named as in `envoy/envoy.yaml`.
+    /// `target/idemgate.wasm` with `configuration`, named as in `envoy/envoy.yaml`. Envoy's
+    /// `allow_on_headers_stop_iteration` follows the configuration's declaration of it (the
+    /// plugin cannot read Envoy's flag, and a filter declaring it without Envoy's would wait
+    /// for bodies Envoy holds back); [`FilterSpec::allow_on_headers_stop_iteration`] overrides.
     pub fn idemgate(configuration: &str) -> Self {
+        let declared = serde_json::from_str::<Value>(configuration)
+            .is_ok_and(|c| c.get("allow_on_headers_stop_iteration") == Some(&Value::Bool(true)));
         Self::new(
             IDEMGATE,
             IDEMGATE,
@@ -215,6 +220,7 @@ impl FilterSpec {
         )
         .root_id(IDEMGATE)
         .configuration(configuration)
+        .allow_on_headers_stop_iteration(declared)
     }
 
     /// The host-test fixture `target/fixtures/<fixture>.wasm`, in a VM of the same name.
@@ -461,5 +467,25 @@ mod tests {
         assert!(wasm.code.ends_with("fixtures/probe.wasm"));
         assert_eq!(wasm.settings.vm_id, "probe");
         assert!(wasm.settings.configuration.is_empty());
+    }
+
+    #[test]
+    fn envoys_flag_follows_the_plugins_declaration_unless_overridden() {
+        let flag = |filter: FilterSpec| {
+            let config = Bootstrap::new(addr(1)).filter(filter).config().unwrap();
+            config.listeners[0]
+                .wasm
+                .as_ref()
+                .unwrap()
+                .settings
+                .allow_on_headers_stop_iteration
+        };
+        let declared = r#"{"allow_on_headers_stop_iteration":true,"rules":[]}"#;
+        assert!(flag(FilterSpec::idemgate(declared)));
+        assert!(!flag(FilterSpec::idemgate(r#"{"rules":[]}"#)));
+        assert!(!flag(FilterSpec::idemgate("not json")));
+        assert!(!flag(
+            FilterSpec::idemgate(declared).allow_on_headers_stop_iteration(false)
+        ));
     }
 }

@@ -1028,10 +1028,11 @@ fn body_fingerprint_with_allow_on_headers_stop_iteration() {
         };
         let half = body.len() / 2;
         assert_eq!(
-            gw.with(|c, env| flow.on_request_body(c, half, false, &mut read, env)),
+            gw.with(|c, env| flow.on_request_body(c, &post("k"), half, false, &mut read, env)),
             Action::Pause
         );
-        let action = gw.with(|c, env| flow.on_request_body(c, body.len(), true, &mut read, env));
+        let action =
+            gw.with(|c, env| flow.on_request_body(c, &post("k"), body.len(), true, &mut read, env));
         assert_eq!(
             reads,
             usize::from(!body.is_empty() && body.len() <= 8),
@@ -1316,7 +1317,8 @@ fn local_rate_limit_answers_before_the_body() {
         assert_eq!(action, Action::Pause, "waits for the body to fingerprint");
         let mut flow = flow.unwrap();
         let mut read = |n: usize| Some(vec![b'x'; n]);
-        let action = gw.with(|c, env| flow.on_request_body(c, 4, true, &mut read, env));
+        let action =
+            gw.with(|c, env| flow.on_request_body(c, &user_post(k), 4, true, &mut read, env));
         assert!(matches!(action, Action::Decide(_)), "{action:?}");
     }
     let (_, action) = gw.start_with_eos(&user_post("c"), false);
@@ -1451,4 +1453,210 @@ fn rate_config_errors_name_the_field() {
         let e = crate::config::parse(json.as_bytes()).unwrap_err();
         assert_eq!(e.path, path, "{rate}: {e}");
     }
+}
+
+/// A webhook rule: the key is the delivered event's id, in the JSON body.
+fn webhooks(extra: &str) -> Gateway {
+    Gateway::new(&format!(
+        r#"{{"sidecar":{{"cluster":"s"}},"allow_on_headers_stop_iteration":true,"rules":[{{"match":{{"path_prefix":"/webhooks"}},"scope":{{"headers":["x-user"]}},"key":{{"body_pointer":"/data/id"{extra}}},"fingerprint":{{"max_body_bytes":32}}}}]}}"#
+    ))
+}
+
+fn delivery() -> Req {
+    Req::new("POST", "/webhooks/orders")
+        .with("content-type", "application/json")
+        .with("x-user", "shop-1")
+}
+
+/// Delivers `chunks` as Envoy buffers them (each callback sees all buffered so far); the
+/// body is read once, whole, at its end. Returns the flow and the last action.
+fn deliver(gw: &mut Gateway, req: &Req, chunks: &[&str]) -> (Option<Flow>, Action) {
+    let (flow, action) = gw.start_with_eos(req, chunks.is_empty());
+    let Some(mut flow) = flow else {
+        return (None, action);
+    };
+    if chunks.is_empty() {
+        return (Some(flow), action);
+    }
+    assert_eq!(action, Action::Pause, "the key waits for the body");
+    assert!(flow.holds_request());
+    let body = chunks.concat();
+    let mut reads = Vec::new();
+    let mut action = Action::Pause;
+    let mut buffered = 0;
+    for (i, chunk) in chunks.iter().enumerate() {
+        assert_eq!(action, Action::Pause, "every chunk but the last is held");
+        buffered += chunk.len();
+        let eos = i + 1 == chunks.len();
+        let mut read = |n: usize| {
+            reads.push(n);
+            Some(body.as_bytes()[..n].to_vec())
+        };
+        action = gw.with(|c, env| flow.on_request_body(c, req, buffered, eos, &mut read, env));
+    }
+    assert!(reads.len() <= 1, "read at most once: {reads:?}");
+    (Some(flow), action)
+}
+
+fn claim_of(action: &Action) -> ClaimRequest {
+    let Action::Decide(call) = action else {
+        panic!("expected a claim, got {action:?}")
+    };
+    assert_eq!(call.path, paths::CLAIM);
+    idemgate_wire::decode::<ClaimRequest>(&call.body).unwrap().0
+}
+
+#[test]
+fn a_webhook_key_is_read_from_the_body_in_any_chunks() {
+    let mut gw = webhooks("");
+    let one = r#"{"data":{"id":"evt_1"}}"#;
+    let (_, whole) = deliver(&mut gw, &delivery(), &[one]);
+    let mut gw = webhooks("");
+    let (flow, chunked) = deliver(
+        &mut gw,
+        &delivery(),
+        &[r#"{"da"#, r#"ta":{"id"#, r#"":"evt_1"}}"#],
+    );
+    let (whole, chunked) = (claim_of(&whole), claim_of(&chunked));
+    assert_eq!(whole.key, chunked.key, "chunking does not change the key");
+    assert_eq!(whole.fingerprint, chunked.fingerprint);
+    assert!(
+        flow.unwrap().holds_request(),
+        "paused while the claim is out"
+    );
+    // Another event, and another caller, are other keys; the body is fingerprinted.
+    let mut gw = webhooks("");
+    let other = claim_of(&deliver(&mut gw, &delivery(), &[r#"{"data":{"id":"evt_2"}}"#]).1);
+    assert_ne!(other.key, whole.key);
+    let mut gw = webhooks("");
+    let shop2 = Req::new("POST", "/webhooks/orders").with("x-user", "shop-2");
+    assert_ne!(claim_of(&deliver(&mut gw, &shop2, &[one]).1).key, whole.key);
+    let mut gw = webhooks("");
+    let resent = claim_of(&deliver(&mut gw, &delivery(), &[r#"{"data":{"id":"evt_1"},"n":2}"#]).1);
+    assert_eq!(resent.key, whole.key);
+    assert_ne!(resent.fingerprint, whole.fingerprint);
+}
+
+#[test]
+fn a_duplicate_delivery_on_this_gateway_is_caught_by_the_local_tier() {
+    let mut gw = webhooks("");
+    let body = r#"{"data":{"id":"evt_1"}}"#;
+    let (flow, first) = deliver(&mut gw, &delivery(), &[body]);
+    claim_of(&first);
+    let mut flow = flow.unwrap();
+    gw.grant(&mut flow, 1);
+    let (_, duplicate) = deliver(&mut gw, &delivery(), &[body]);
+    let r = reply(duplicate);
+    assert_eq!(
+        (r.status, problem_type(&r).as_str()),
+        (409, types::IN_PROGRESS)
+    );
+    gw.respond(&mut flow, "200", "application/json", &[b"{\"ok\":true}"]);
+    let (_, again) = deliver(&mut gw, &delivery(), &[body]);
+    let r = reply(again);
+    assert_eq!(
+        (r.status, header(&r, "idempotent-replayed")),
+        (200, Some("true"))
+    );
+}
+
+#[test]
+fn a_webhook_body_up_to_the_cap_is_read_and_one_byte_more_is_413() {
+    // 32 bytes exactly (the cap), in two chunks.
+    let at_cap = r#"{"data":{"id":"evt_1"},"p":"xx"}"#;
+    assert_eq!(at_cap.len(), 32);
+    let mut gw = webhooks("");
+    let (_, action) = deliver(&mut gw, &delivery(), &[&at_cap[..10], &at_cap[10..]]);
+    claim_of(&action);
+    let over = r#"{"data":{"id":"evt_1"},"p":"xxx"}"#;
+    let mut gw = webhooks("");
+    // Refused as soon as the buffered body passes the cap, before its end.
+    let (flow, action) = gw.start_with_eos(&delivery(), false);
+    let mut flow = flow.unwrap();
+    assert_eq!(action, Action::Pause);
+    let mut read = |_: usize| -> Option<Vec<u8>> { panic!("an oversized body is never read") };
+    let action =
+        gw.with(|c, env| flow.on_request_body(c, &delivery(), over.len(), false, &mut read, env));
+    let r = reply(action);
+    assert_eq!(
+        (r.status, problem_type(&r).as_str()),
+        (413, types::TOO_LARGE)
+    );
+    assert!(!flow.holds_request() && flow.take_release().is_none());
+    assert!(!gw.with(|c, env| flow.on_stream_end(c, env)));
+    assert_eq!(gw.count(Counter::TooLarge), 1);
+    // Nothing was claimed here: the same event right after is claimed normally.
+    let (_, action) = deliver(&mut gw, &delivery(), &[at_cap]);
+    claim_of(&action);
+}
+
+#[test]
+fn a_body_that_is_not_json_is_400_and_claims_nothing() {
+    for extra in ["", r#","required":false"#] {
+        let mut gw = webhooks(extra);
+        let (flow, action) = deliver(&mut gw, &delivery(), &["id=evt_1&x=", "1"]);
+        let r = reply(action);
+        assert_eq!(
+            (r.status, problem_type(&r).as_str()),
+            (400, types::NOT_JSON),
+            "{extra}"
+        );
+        let mut flow = flow.unwrap();
+        assert!(!flow.holds_request() && flow.take_release().is_none());
+        assert_eq!(gw.count(Counter::InvalidKey), 1);
+    }
+}
+
+#[test]
+fn a_missing_body_key_follows_key_required() {
+    for body in [
+        r#"{"data":{}}"#,
+        r#"{"data":{"id":null}}"#,
+        r#"{"data":[1]}"#,
+    ] {
+        let mut gw = webhooks("");
+        let r = reply(deliver(&mut gw, &delivery(), &[body]).1);
+        assert_eq!(
+            (r.status, problem_type(&r).as_str()),
+            (400, types::MISSING_KEY),
+            "{body}"
+        );
+        let mut gw = webhooks(r#","required":false"#);
+        let (_, action) = deliver(&mut gw, &delivery(), &[body]);
+        assert_eq!(action, Action::pass(), "{body}: passes unguarded");
+        assert_eq!(gw.count(Counter::Bypassed), 1);
+    }
+    // A request without a body has no key either, and is answered at its headers.
+    let mut gw = webhooks("");
+    let (flow, action) = deliver(&mut gw, &delivery(), &[]);
+    assert!(flow.is_none());
+    assert_eq!(reply(action).status, 400);
+    let mut gw = webhooks(r#","required":false"#);
+    let (flow, action) = deliver(&mut gw, &delivery(), &[]);
+    assert!(flow.is_none());
+    assert_eq!(action, Action::pass());
+}
+
+#[test]
+fn a_webhook_request_that_reads_two_ways_is_refused_at_its_headers() {
+    let mut gw = webhooks("");
+    let twice = delivery().with("x-user", "shop-2");
+    let (flow, action) = gw.start_with_eos(&twice, false);
+    assert!(flow.is_none(), "nothing waits for the body");
+    let r = reply(action);
+    assert_eq!(
+        (r.status, problem_type(&r).as_str()),
+        (400, types::AMBIGUOUS)
+    );
+}
+
+#[test]
+fn a_client_gone_while_its_body_is_read_leaves_nothing_held() {
+    let mut gw = webhooks("");
+    let (flow, _) = gw.start_with_eos(&delivery(), false);
+    let mut flow = flow.unwrap();
+    assert!(!gw.with(|c, env| flow.on_stream_end(c, env)));
+    assert!(flow.take_release().is_none());
+    let (_, action) = deliver(&mut gw, &delivery(), &[r#"{"data":{"id":"evt_1"}}"#]);
+    claim_of(&action);
 }
