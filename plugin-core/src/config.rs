@@ -416,6 +416,7 @@ fn compile_rule(
             "retention",
             "response",
             "rate",
+            "grpc",
         ],
     )?;
     errors.0.extend(unknown);
@@ -424,7 +425,7 @@ fn compile_rule(
         Some(1) => Mode::Lock,
         _ => Mode::Idempotency,
     };
-    let matcher = compile_match(&r.optional_section(
+    let mut matcher = compile_match(&r.optional_section(
         "match",
         &[
             "methods",
@@ -434,6 +435,9 @@ fn compile_rule(
             "headers_present",
         ],
     )?)?;
+    if let Some(grpc) = r.section("grpc", &["service", "method"])? {
+        compile_grpc(&grpc, &mut matcher)?;
+    }
     let key = compile_key(
         &r.optional_section(
             "key",
@@ -504,6 +508,7 @@ fn compile_rule(
             "content_types",
             "headers",
             "unreplayable",
+            "grpc_store",
         ],
     )?)?;
     let rate = match r.section("rate", &["limits", "tier", "expose", "shadow"])? {
@@ -626,7 +631,44 @@ fn compile_match(m: &Section<'_>) -> Result<Matcher, ConfigError> {
             &m.strings("headers_present")?.unwrap_or_default(),
             &m.at("headers_present"),
         )?,
+        grpc: false,
     })
+}
+
+/// A rule's `grpc` section: the rule takes gRPC calls (`POST /package.Service/Method` with a
+/// gRPC content type) of one service, or one method; an unnamed part is the path variable
+/// `service` or `method` (for `key.path_param`).
+fn compile_grpc(g: &Section<'_>, matcher: &mut Matcher) -> Result<(), ConfigError> {
+    if matcher.path != PathMatch::Any {
+        return Err(err(
+            &g.path,
+            "a gRPC rule matches by service and method: drop match.path_prefix and match.path_template",
+        ));
+    }
+    let part = |field: &str, variable: &str, allowed: &[u8]| {
+        Ok(match g.string(field)? {
+            None => Segment::Variable(variable.to_string()),
+            Some(name)
+                if !name.is_empty()
+                    && name
+                        .bytes()
+                        .all(|b| b.is_ascii_alphanumeric() || allowed.contains(&b)) =>
+            {
+                Segment::Literal(name)
+            }
+            Some(name) => {
+                return Err(err(
+                    &g.at(field),
+                    format!("`{name}` is not a gRPC {field} name"),
+                ));
+            }
+        })
+    };
+    let service = part("service", "service", b"._")?;
+    let method = part("method", "method", b"_")?;
+    matcher.path = PathMatch::Template(alloc::vec![service, method]);
+    matcher.grpc = true;
+    Ok(())
 }
 
 /// Parses `/agents/{agent_id}/mcp`: literal segments and whole-segment `{name}` variables.
@@ -857,7 +899,24 @@ fn compile_response(r: &Section<'_>) -> Result<ResponsePolicy, ConfigError> {
     if headers.len() > Limits::default().max_headers {
         return Err(err(&r.at("headers"), "too many headers"));
     }
+    let grpc_store = match r.strings("grpc_store")? {
+        None => crate::grpc::DEFAULT_STORED,
+        Some(names) => {
+            let mut bits = 0u32;
+            for (j, name) in names.iter().enumerate() {
+                let Some(code) = crate::grpc::CODE_NAMES.iter().position(|n| n == name) else {
+                    return Err(err(
+                        &format!("{}[{j}]", r.at("grpc_store")),
+                        format!("`{name}` is not a gRPC status code name (OK, NOT_FOUND, ...)"),
+                    ));
+                };
+                bits |= 1 << code;
+            }
+            bits
+        }
+    };
     Ok(ResponsePolicy {
+        grpc_store,
         store_classes,
         except,
         max_body,
