@@ -1452,3 +1452,5 @@ fn rate_config_errors_name_the_field() {
         assert_eq!(e.path, path, "{rate}: {e}");
     }
 }
+
+mod grpc;
