@@ -55,7 +55,10 @@ const UNUSED_CALLBACKS: &[(&str, &str)] = &[
     // gRPC requests, which come through the HTTP callbacks.
     ("proxy_on_grpc_receive_initial_metadata", "open_grpc_stream"),
     ("proxy_on_grpc_receive", "dispatch_grpc_call"),
-    ("proxy_on_grpc_receive_trailing_metadata", "open_grpc_stream"),
+    (
+        "proxy_on_grpc_receive_trailing_metadata",
+        "open_grpc_stream",
+    ),
     ("proxy_on_grpc_close", "dispatch_grpc_call"),
     ("proxy_on_foreign_function", "foreign_function"),
     ("proxy_on_new_connection", "on_new_connection"),
