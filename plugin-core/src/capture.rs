@@ -129,7 +129,7 @@ impl Capture {
             let mut response = StoredResponse {
                 status: self.status,
                 headers: alloc::vec![
-                    ("grpc-status".to_string(), code.to_string()),
+                    ("grpc-status".to_string(), u64::from(code).to_string()),
                     (
                         "grpc-message".to_string(),
                         String::from_utf8(message).unwrap_or_default()

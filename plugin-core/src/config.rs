@@ -639,7 +639,7 @@ fn compile_match(m: &Section<'_>) -> Result<Matcher, ConfigError> {
 /// gRPC content type) of one service, or one method; an unnamed part is the path variable
 /// `service` or `method` (for `key.path_param`).
 fn compile_grpc(g: &Section<'_>, matcher: &mut Matcher) -> Result<(), ConfigError> {
-    if matcher.path != PathMatch::Any {
+    if !matches!(matcher.path, PathMatch::Any) {
         return Err(err(
             &g.path,
             "a gRPC rule matches by service and method: drop match.path_prefix and match.path_template",
@@ -656,10 +656,10 @@ fn compile_grpc(g: &Section<'_>, matcher: &mut Matcher) -> Result<(), ConfigErro
             {
                 Segment::Literal(name)
             }
-            Some(name) => {
+            Some(_) => {
                 return Err(err(
                     &g.at(field),
-                    format!("`{name}` is not a gRPC {field} name"),
+                    "not a gRPC name (letters, digits, `_`; `.` between a service's parts)",
                 ));
             }
         })
@@ -907,7 +907,7 @@ fn compile_response(r: &Section<'_>) -> Result<ResponsePolicy, ConfigError> {
                 let Some(code) = crate::grpc::CODE_NAMES.iter().position(|n| n == name) else {
                     return Err(err(
                         &format!("{}[{j}]", r.at("grpc_store")),
-                        format!("`{name}` is not a gRPC status code name (OK, NOT_FOUND, ...)"),
+                        "not a gRPC status code name (OK, NOT_FOUND, ...)",
                     ));
                 };
                 bits |= 1 << code;
@@ -1208,5 +1208,90 @@ mod tests {
         assert!(path_template("/a/{}").is_err());
         assert!(path_template("/a/x{y}").is_err());
         assert!(path_template("/{a}/{a}").is_err());
+    }
+}
+
+#[cfg(test)]
+mod grpc_tests {
+    use super::*;
+
+    fn rule(fields: &str) -> Result<Config, Vec<ConfigError>> {
+        parse_all(format!(r#"{{"sidecar":{{"cluster":"c"}},"rules":[{{{fields}}}]}}"#).as_bytes())
+    }
+
+    fn error_paths(fields: &str) -> Vec<String> {
+        rule(fields)
+            .unwrap_err()
+            .into_iter()
+            .map(|e| e.path)
+            .collect()
+    }
+
+    #[test]
+    fn a_grpc_rule_matches_by_service_and_method() {
+        let config = rule(r#""grpc":{"service":"pay.v1.Payments","method":"Charge"}"#).unwrap();
+        let matcher = &config.rules[0].matcher;
+        assert!(matcher.grpc);
+        assert!(matcher.path.matches(b"/pay.v1.Payments/Charge"));
+        assert!(!matcher.path.matches(b"/pay.v1.Payments/ChargeX"));
+        assert!(!matcher.path.matches(b"/pay.v1.Payments"));
+        // The service alone: any method, which a lock can be keyed by.
+        let config = rule(
+            r#""mode":"lock","grpc":{"service":"pay.Payments"},"key":{"path_param":"method"}"#,
+        )
+        .unwrap();
+        assert!(
+            config.rules[0]
+                .matcher
+                .path
+                .matches(b"/pay.Payments/Refund")
+        );
+        assert_eq!(
+            config.rules[0].key.source,
+            KeySource::PathParam("method".into())
+        );
+        assert!(rule(r#""grpc":{}"#).unwrap().rules[0].matcher.grpc);
+        assert!(!rule("").unwrap().rules[0].matcher.grpc);
+    }
+
+    #[test]
+    fn grpc_errors_name_the_field() {
+        assert_eq!(
+            error_paths(r#""grpc":{"service":"pay/Payments"}"#),
+            ["rules[0].grpc.service"]
+        );
+        assert_eq!(
+            error_paths(r#""grpc":{"service":"p","method":"a.b"}"#),
+            ["rules[0].grpc.method"]
+        );
+        let unknown = rule(r#""grpc":{"servce":"p"}"#).unwrap_err();
+        assert_eq!(unknown[0].path, "rules[0].grpc");
+        assert!(unknown[0].to_string().contains("`servce`"), "{unknown:?}");
+        assert_eq!(
+            error_paths(r#""grpc":{},"match":{"path_prefix":"/x"}"#),
+            ["rules[0].grpc"]
+        );
+        // Both parts named: `method` is no variable to key by.
+        assert_eq!(
+            error_paths(
+                r#""mode":"lock","grpc":{"service":"p","method":"m"},"key":{"path_param":"method"}"#
+            ),
+            ["rules[0].key.path_param"]
+        );
+        assert_eq!(
+            error_paths(r#""response":{"grpc_store":["OK","NOTFOUND"]}"#),
+            ["rules[0].response.grpc_store[1]"]
+        );
+    }
+
+    #[test]
+    fn grpc_store_by_name() {
+        let config = rule(r#""response":{"grpc_store":["OK","INTERNAL"]}"#).unwrap();
+        let response = &config.rules[0].response;
+        assert!(response.stores_grpc(0) && response.stores_grpc(13));
+        assert!(!response.stores_grpc(5));
+        let default = &rule("").unwrap().rules[0].response;
+        assert!(default.stores_grpc(0) && default.stores_grpc(5));
+        assert!(!default.stores_grpc(13) && !default.stores_grpc(14) && !default.stores_grpc(4));
     }
 }

@@ -59,7 +59,13 @@ pub(crate) fn is_grpc_content_type(value: &[u8]) -> bool {
 
 /// A `grpc-status` value: a known code (0..=16), else `None` (the call's outcome is unknown).
 pub(crate) fn parse_code(value: &[u8]) -> Option<u8> {
-    let code = core::str::from_utf8(value).ok()?.parse::<u8>().ok()?;
+    // By hand: one or two digits (a generic integer parser costs the filter's size budget).
+    let digit = |b: &u8| b.is_ascii_digit().then(|| b - b'0');
+    let code = match value {
+        [d] => digit(d)?,
+        [t, d] if *t != b'0' => digit(t)? * 10 + digit(d)?,
+        _ => return None,
+    };
     (usize::from(code) < CODE_NAMES.len()).then_some(code)
 }
 

@@ -196,7 +196,7 @@ impl Refusal {
         if grpc {
             let mut headers = Vec::new();
             if let Some(ms) = retry_after_ms {
-                headers.push(("grpc-retry-pushback-ms".to_string(), format!("{ms}")));
+                headers.push(("grpc-retry-pushback-ms".to_string(), ms.to_string()));
             }
             let grpc_status = Some(self.grpc_code());
             if let Refusal::RateLimited { fields, .. } = self {
@@ -205,7 +205,7 @@ impl Refusal {
             return Reply {
                 status,
                 headers,
-                body: format!("{title}: {detail}").into_bytes(),
+                body: [title, ": ", detail].concat().into_bytes(),
                 details,
                 grpc_status,
             };
@@ -378,6 +378,61 @@ mod tests {
             every.len(),
             "plugin/README.md documents a problem the filter does not send: {rows:?}"
         );
+    }
+
+    #[test]
+    fn the_plugin_readme_documents_every_refusal_s_grpc_status() {
+        let readme = include_str!("../../plugin/README.md");
+        let section = readme
+            .split("\n## gRPC\n")
+            .nth(1)
+            .expect("plugin/README.md has the gRPC section");
+        let section = section.split("\n## ").next().unwrap_or_default();
+        let rows: Vec<(String, String)> = section
+            .lines()
+            .filter_map(|line| {
+                let cells: Vec<&str> = line.split('|').map(str::trim).collect();
+                let type_uri = cells.get(1)?.strip_prefix("`urn:")?;
+                let code = cells.get(2)?.trim_matches('`');
+                Some((
+                    format!("urn:{}", type_uri.trim_matches('`')),
+                    code.to_string(),
+                ))
+            })
+            .collect();
+        let every = every_refusal();
+        for refusal in &every {
+            let http: Problem = serde_json::from_slice(&refusal.clone().reply(false).body).unwrap();
+            let reply = refusal.clone().reply(true);
+            let code = grpc::CODE_NAMES[usize::from(reply.grpc_status.unwrap())].to_string();
+            let row = (http.type_uri, code);
+            assert!(
+                rows.contains(&row),
+                "plugin/README.md has no gRPC row {row:?}: {rows:?}"
+            );
+            // The message is the problem's title and detail; the wait is pushback in ms.
+            let message = String::from_utf8(reply.body).unwrap();
+            assert_eq!(
+                message,
+                alloc::format!("{}: {}", http.title, http.detail.unwrap())
+            );
+            let pushback = reply
+                .headers
+                .iter()
+                .find(|(n, _)| n == "grpc-retry-pushback-ms")
+                .map(|(_, v)| v.as_str());
+            assert_eq!(
+                pushback,
+                http.retry_after_ms.map(|ms| ms.to_string()).as_deref()
+            );
+            assert!(
+                !reply
+                    .headers
+                    .iter()
+                    .any(|(n, _)| n == "retry-after" || n == "content-type")
+            );
+        }
+        assert_eq!(rows.len(), every.len(), "{rows:?}");
     }
 
     /// The bytes clients and dashboards see: a change here is a change of the interface.
