@@ -242,7 +242,7 @@ async fn call(
     method: &'static str,
     text: &str,
     metadata: Vec<(&'static str, String)>,
-) -> Result<String, Status> {
+) -> Result<String, Box<Status>> {
     let mut client = tonic::client::Grpc::new(channel);
     client
         .ready()
@@ -258,6 +258,7 @@ async fn call(
         .unary::<Text, Text, _>(request, path, ProstCodec::default())
         .await
         .map(|r| r.into_inner().text)
+        .map_err(Box::new)
 }
 
 fn charge(key: &str, work_ms: u64) -> Vec<(&'static str, String)> {
