@@ -4,8 +4,9 @@
 //! reads every decision as a gRPC status, as a gRPC client must.
 //!
 //! `pay.Payments` (hand-written service and `prost` message, no protoc): `Charge` and
-//! `Refund` are idempotent per `idempotency-key` metadata; `Attach` locks the agent named in
-//! `x-agent-id` metadata and queues duplicates.
+//! `Refund` are idempotent per `idempotency-key` metadata (`Hold` too, releasing its key when
+//! the client gives up); `Attach` locks the agent named in `x-agent-id` metadata and queues
+//! duplicates.
 
 use idemgate_e2e::live::{eventually, shipped_plugin, variant_of};
 use idemgate_e2e::stack::Stack;
@@ -126,7 +127,7 @@ where
             let mut grpc = tonic::server::Grpc::new(ProstCodec::<Text, Text>::default());
             let method = |attach| Method { executed, attach };
             Ok(match path.as_str() {
-                "/pay.Payments/Charge" | "/pay.Payments/Refund" => {
+                "/pay.Payments/Charge" | "/pay.Payments/Refund" | "/pay.Payments/Hold" => {
                     grpc.unary(method(false), request).await
                 }
                 "/pay.Payments/Attach" => grpc.unary(method(true), request).await,
@@ -169,6 +170,8 @@ const RULES: &str = r#"[
     {"name":"attach","mode":"lock","grpc":{"service":"pay.Payments","method":"Attach"},
      "key":{"header":"x-agent-id"},"on_conflict":"queue",
      "queue":{"max_wait":"20s","max_queue":32},"lease":"10s"},
+    {"name":"hold","grpc":{"service":"pay.Payments","method":"Hold"},
+     "on_client_abort":"release","lease":"10s"},
     {"name":"pay","grpc":{"service":"pay.Payments"},"lease":"10s"}
 ]"#;
 
@@ -437,4 +440,37 @@ fn a_storm_of_duplicate_grpc_calls_executes_once() {
     }
     assert_eq!(world.runs("agent-storm"), 12);
     assert_eq!(world.executed.lock().unwrap().max_active, 1);
+}
+
+#[test]
+fn a_grpc_call_its_client_gives_up_on_keeps_or_releases_its_key_as_the_rule_says() {
+    let world = World::start();
+    let channel = world.channel();
+    // The client cancels each call (RST_STREAM) 300 ms in, while the service still works.
+    let give_up = |method: &'static str, key: &str| {
+        let call = call(channel.clone(), method, "x", charge(key, 1_500));
+        world.runtime.block_on(async move {
+            tokio::time::timeout(Duration::from_millis(300), call)
+                .await
+                .is_err()
+        })
+    };
+    let retry = |method: &'static str, key: &str| {
+        world
+            .runtime
+            .block_on(call(channel.clone(), method, "x", charge(key, 0)))
+    };
+    // `on_client_abort: release`: the reset aborts the claim, and the retry runs at once.
+    assert!(give_up("Hold", "r1"), "the client gave up");
+    eventually("the first Hold at the service", || world.runs("r1") == 1);
+    eventually("the key released", || {
+        retry("Hold", "r1").is_ok_and(|text| text == "done x for r1")
+    });
+    assert_eq!(world.runs("r1"), 2);
+    // The default (`hold`): the key stays held while the service may still run the call.
+    assert!(give_up("Charge", "h1"), "the client gave up");
+    eventually("the first Charge at the service", || world.runs("h1") == 1);
+    let held = retry("Charge", "h1").unwrap_err();
+    assert_eq!(held.code(), Code::Aborted, "{held:?}");
+    assert_eq!(world.runs("h1"), 1);
 }
