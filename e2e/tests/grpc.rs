@@ -317,11 +317,19 @@ fn grpc_calls_run_once_per_key_and_every_decision_is_a_grpc_status() {
     assert_eq!(metadata_of(&replayed, "idempotent-replayed"), Some("true"));
     assert_eq!(world.runs("k2"), 1);
 
-    // HTTP 200 with grpc-status INTERNAL is a failed call: not stored, the retry runs.
-    for _ in 0..2 {
-        let failed = run("Charge", "fail", charge("k3", 0)).unwrap_err();
-        assert_eq!((failed.code(), failed.message()), (Code::Internal, "boom"));
-    }
+    // HTTP 200 with grpc-status INTERNAL is a failed call: not stored, the retry runs — once
+    // the abort reached the sidecar (dispatched after the response: until then the retry is
+    // refused ABORTED, never replayed).
+    let failed = run("Charge", "fail", charge("k3", 0)).unwrap_err();
+    assert_eq!((failed.code(), failed.message()), (Code::Internal, "boom"));
+    eventually("the retry of a failed call to run", || {
+        let retried = run("Charge", "fail", charge("k3", 0)).unwrap_err();
+        assert!(
+            matches!(retried.code(), Code::Internal | Code::Aborted),
+            "{retried:?}"
+        );
+        retried.code() == Code::Internal
+    });
     assert_eq!(world.runs("k3"), 2);
 
     // No key: INVALID_ARGUMENT, and the service never sees it.
