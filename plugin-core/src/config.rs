@@ -416,6 +416,7 @@ fn compile_rule(
             "retention",
             "response",
             "rate",
+            "grpc",
         ],
     )?;
     errors.0.extend(unknown);
@@ -424,7 +425,7 @@ fn compile_rule(
         Some(1) => Mode::Lock,
         _ => Mode::Idempotency,
     };
-    let matcher = compile_match(&r.optional_section(
+    let mut matcher = compile_match(&r.optional_section(
         "match",
         &[
             "methods",
@@ -434,6 +435,9 @@ fn compile_rule(
             "headers_present",
         ],
     )?)?;
+    if let Some(grpc) = r.section("grpc", &["service", "method"])? {
+        compile_grpc(&grpc, &mut matcher)?;
+    }
     let mut key = compile_key(
         &r.optional_section(
             "key",
@@ -513,6 +517,7 @@ fn compile_rule(
             "content_types",
             "headers",
             "unreplayable",
+            "grpc_store",
         ],
     )?)?;
     let rate = match r.section("rate", &["limits", "tier", "expose", "shadow"])? {
@@ -635,7 +640,44 @@ fn compile_match(m: &Section<'_>) -> Result<Matcher, ConfigError> {
             &m.strings("headers_present")?.unwrap_or_default(),
             &m.at("headers_present"),
         )?,
+        grpc: false,
     })
+}
+
+/// A rule's `grpc` section: the rule takes gRPC calls (`POST /package.Service/Method` with a
+/// gRPC content type) of one service, or one method; an unnamed part is the path variable
+/// `service` or `method` (for `key.path_param`).
+fn compile_grpc(g: &Section<'_>, matcher: &mut Matcher) -> Result<(), ConfigError> {
+    if !matches!(matcher.path, PathMatch::Any) {
+        return Err(err(
+            &g.path,
+            "a gRPC rule matches by service and method: drop match.path_prefix and match.path_template",
+        ));
+    }
+    let part = |field: &str, variable: &str, allowed: &[u8]| {
+        Ok(match g.string(field)? {
+            None => Segment::Variable(variable.to_string()),
+            Some(name)
+                if !name.is_empty()
+                    && name
+                        .bytes()
+                        .all(|b| b.is_ascii_alphanumeric() || allowed.contains(&b)) =>
+            {
+                Segment::Literal(name)
+            }
+            Some(_) => {
+                return Err(err(
+                    &g.at(field),
+                    "not a gRPC name (letters, digits, `_`; `.` between a service's parts)",
+                ));
+            }
+        })
+    };
+    let service = part("service", "service", b"._")?;
+    let method = part("method", "method", b"_")?;
+    matcher.path = PathMatch::Template(alloc::vec![service, method]);
+    matcher.grpc = true;
+    Ok(())
 }
 
 /// Parses `/agents/{agent_id}/mcp`: literal segments and whole-segment `{name}` variables.
@@ -915,7 +957,25 @@ fn compile_response(r: &Section<'_>) -> Result<ResponsePolicy, ConfigError> {
     if headers.len() > Limits::default().max_headers {
         return Err(err(&r.at("headers"), "too many headers"));
     }
+    let grpc_store = match r.strings("grpc_store")? {
+        None => crate::grpc::DEFAULT_STORED,
+        Some(names) => {
+            let mut bits = 0u32;
+            for name in &names {
+                let Some(code) = crate::grpc::CODE_NAMES.iter().position(|n| n == name) else {
+                    // Static, unindexed: a formatted message costs the filter's size budget.
+                    return Err(err(
+                        &r.at("grpc_store"),
+                        "a name is not a gRPC status code name (OK, NOT_FOUND, ...)",
+                    ));
+                };
+                bits |= 1 << code;
+            }
+            bits
+        }
+    };
     Ok(ResponsePolicy {
+        grpc_store,
         store_classes,
         except,
         max_body,
@@ -1291,5 +1351,90 @@ mod tests {
         assert!(path_template("/a/{}").is_err());
         assert!(path_template("/a/x{y}").is_err());
         assert!(path_template("/{a}/{a}").is_err());
+    }
+}
+
+#[cfg(test)]
+mod grpc_tests {
+    use super::*;
+
+    fn rule(fields: &str) -> Result<Config, Vec<ConfigError>> {
+        parse_all(format!(r#"{{"sidecar":{{"cluster":"c"}},"rules":[{{{fields}}}]}}"#).as_bytes())
+    }
+
+    fn error_paths(fields: &str) -> Vec<String> {
+        rule(fields)
+            .unwrap_err()
+            .into_iter()
+            .map(|e| e.path)
+            .collect()
+    }
+
+    #[test]
+    fn a_grpc_rule_matches_by_service_and_method() {
+        let config = rule(r#""grpc":{"service":"pay.v1.Payments","method":"Charge"}"#).unwrap();
+        let matcher = &config.rules[0].matcher;
+        assert!(matcher.grpc);
+        assert!(matcher.path.matches(b"/pay.v1.Payments/Charge"));
+        assert!(!matcher.path.matches(b"/pay.v1.Payments/ChargeX"));
+        assert!(!matcher.path.matches(b"/pay.v1.Payments"));
+        // The service alone: any method, which a lock can be keyed by.
+        let config = rule(
+            r#""mode":"lock","grpc":{"service":"pay.Payments"},"key":{"path_param":"method"}"#,
+        )
+        .unwrap();
+        assert!(
+            config.rules[0]
+                .matcher
+                .path
+                .matches(b"/pay.Payments/Refund")
+        );
+        assert_eq!(
+            config.rules[0].key.source,
+            KeySource::PathParam("method".into())
+        );
+        assert!(rule(r#""grpc":{}"#).unwrap().rules[0].matcher.grpc);
+        assert!(!rule("").unwrap().rules[0].matcher.grpc);
+    }
+
+    #[test]
+    fn grpc_errors_name_the_field() {
+        assert_eq!(
+            error_paths(r#""grpc":{"service":"pay/Payments"}"#),
+            ["rules[0].grpc.service"]
+        );
+        assert_eq!(
+            error_paths(r#""grpc":{"service":"p","method":"a.b"}"#),
+            ["rules[0].grpc.method"]
+        );
+        let unknown = rule(r#""grpc":{"servce":"p"}"#).unwrap_err();
+        assert_eq!(unknown[0].path, "rules[0].grpc");
+        assert!(unknown[0].to_string().contains("`servce`"), "{unknown:?}");
+        assert_eq!(
+            error_paths(r#""grpc":{},"match":{"path_prefix":"/x"}"#),
+            ["rules[0].grpc"]
+        );
+        // Both parts named: `method` is no variable to key by.
+        assert_eq!(
+            error_paths(
+                r#""mode":"lock","grpc":{"service":"p","method":"m"},"key":{"path_param":"method"}"#
+            ),
+            ["rules[0].key.path_param"]
+        );
+        assert_eq!(
+            error_paths(r#""response":{"grpc_store":["OK","NOTFOUND"]}"#),
+            ["rules[0].response.grpc_store"]
+        );
+    }
+
+    #[test]
+    fn grpc_store_by_name() {
+        let config = rule(r#""response":{"grpc_store":["OK","INTERNAL"]}"#).unwrap();
+        let response = &config.rules[0].response;
+        assert!(response.stores_grpc(0) && response.stores_grpc(13));
+        assert!(!response.stores_grpc(5));
+        let default = &rule("").unwrap().rules[0].response;
+        assert!(default.stores_grpc(0) && default.stores_grpc(5));
+        assert!(!default.stores_grpc(13) && !default.stores_grpc(14) && !default.stores_grpc(4));
     }
 }

@@ -174,6 +174,8 @@ pub struct Flow {
     release: Option<Callout>,
     /// `RateLimit` fields for the forwarded response (`rate.expose`).
     rate_headers: Vec<(String, String)>,
+    /// A gRPC call: answered with gRPC statuses, its outcome its `grpc-status`.
+    grpc: bool,
 }
 
 impl Flow {
@@ -208,6 +210,7 @@ impl Flow {
             local: Local::Off,
             release: None,
             rate_headers: Vec::new(),
+            grpc: head.grpc,
         };
         let action = if body_key {
             match key::check_request(&flow.rule, &head, req) {
@@ -260,7 +263,7 @@ impl Flow {
                     env.telemetry.count(Counter::ShadowWouldBlock);
                     Action::pass()
                 } else {
-                    Action::Respond(Refusal::of_key(e).reply())
+                    Action::Respond(Refusal::of_key(e).reply(head.grpc))
                 };
             }
         };
@@ -562,7 +565,7 @@ impl Flow {
                 retry_after_ms,
                 fields,
             }
-            .reply(),
+            .reply(self.grpc),
         ))
     }
 
@@ -582,7 +585,7 @@ impl Flow {
                     None
                 } else {
                     self.phase = Phase::Finished;
-                    Some(Action::Respond(unavailable(config).reply()))
+                    Some(Action::Respond(unavailable(config).reply(self.grpc)))
                 }
             }
             FailureMode::Open => {
@@ -711,7 +714,7 @@ impl Flow {
             }
             ClaimOutcome::Completed { response, .. } => {
                 env.telemetry.count(Counter::Replayed);
-                let reply = problem::replay(&response, payload);
+                let reply = problem::replay(&response, payload, self.grpc);
                 if !config.shadow {
                     self.keep_locally(config, response, payload, env);
                 }
@@ -778,7 +781,7 @@ impl Flow {
 
     /// Refuses the request — or, in shadow mode, only counts that it would have and forwards.
     fn refuse(&mut self, config: &Config, env: &mut Env<'_>, refusal: Refusal) -> Action {
-        self.block(config, env, refusal.reply())
+        self.block(config, env, refusal.reply(self.grpc))
     }
 
     /// Answers locally — or, in shadow mode, only counts that it would have and forwards.
@@ -832,7 +835,11 @@ impl Flow {
             return self.refuse(config, env, Refusal::Mismatch);
         }
         env.telemetry.count(Counter::Replayed);
-        self.block(config, env, problem::replay(&done.response, &done.body))
+        self.block(
+            config,
+            env,
+            problem::replay(&done.response, &done.body, self.grpc),
+        )
     }
 
     /// The sidecar granted the key: forward with the fence once this gateway's slot is held.
@@ -976,7 +983,7 @@ impl Flow {
         let Phase::Upstream { capture, .. } = &mut self.phase else {
             return;
         };
-        *capture = Some(Capture::begin(&self.rule.response, headers));
+        *capture = Some(Capture::begin(&self.rule.response, headers, self.grpc));
         if end_of_stream {
             self.finish(config, env);
         }
@@ -1006,8 +1013,26 @@ impl Flow {
         }
     }
 
-    /// Response trailers: the response is complete.
-    pub fn on_response_trailers(&mut self, config: &Config, env: &mut Env<'_>) {
+    /// Whether this is a gRPC call, whose response trailers the glue reads for
+    /// [`Flow::on_response_trailers`] (an HTTP response's trailers are not needed).
+    pub fn is_grpc(&self) -> bool {
+        self.grpc
+    }
+
+    /// Response trailers (read only for a gRPC call): the response is complete.
+    pub fn on_response_trailers(
+        &mut self,
+        config: &Config,
+        trailers: &[(String, Vec<u8>)],
+        env: &mut Env<'_>,
+    ) {
+        if let Phase::Upstream {
+            capture: Some(capture),
+            ..
+        } = &mut self.phase
+        {
+            capture.trailers(trailers);
+        }
         self.finish(config, env);
     }
 

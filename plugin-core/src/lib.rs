@@ -18,7 +18,8 @@
 //! | `rate` | rate limits: GCRA keys, the shared-data rate table, `RateLimit` fields |
 //! | `capture` | what of a response is stored for replay |
 //! | `breaker` | the sidecar circuit breaker ([`Breaker`]) |
-//! | `problem` | local replies: refusals as RFC 9457 problems, replays ([`Reply`]) |
+//! | `grpc` | gRPC calls: content types, status codes by name, the stored codes |
+//! | `problem` | local replies: refusals as RFC 9457 problems or gRPC statuses, replays ([`Reply`]) |
 //! | [`metrics`] | metric names |
 //! | `testing` | test doubles for the ports (feature `testing`, used by `fuzz/`) |
 
@@ -38,6 +39,7 @@ mod breaker;
 mod capture;
 mod fingerprint;
 mod flow;
+mod grpc;
 mod hash;
 mod local;
 mod ports;

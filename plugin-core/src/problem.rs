@@ -7,6 +7,8 @@ use alloc::string::{String, ToString};
 use alloc::vec::Vec;
 use idemgate_wire::{PROBLEM_CONTENT_TYPE, Problem, StoredResponse};
 
+use crate::canonical::decode;
+use crate::grpc::{self, code};
 use crate::key::KeyError;
 
 /// The filter's problem types (documented in plugin/README.md).
@@ -32,6 +34,12 @@ pub struct Reply {
     pub body: Vec<u8>,
     /// Envoy's response code details (`%RESPONSE_CODE_DETAILS%`).
     pub details: &'static str,
+    /// For a gRPC request: the call's status, which the glue passes to
+    /// `proxy_send_local_response`. Envoy then sends a trailers-only response (HTTP 200,
+    /// `grpc-status`, `body` as the percent-encoded `grpc-message`, `headers` as metadata);
+    /// it cannot carry a message body (`Utility::sendLocalReply`,
+    /// source/common/http/utility.cc).
+    pub grpc_status: Option<u8>,
 }
 
 /// Header marking a replayed response (as Stripe and the IETF draft's examples do).
@@ -84,9 +92,31 @@ impl Refusal {
         }
     }
 
-    /// The problem+json reply: status, `type`, `title`, `detail`, `Retry-After` (seconds,
-    /// rounded up, mirrored in `retry_after_ms`) and Envoy's response code details.
-    pub(crate) fn reply(self) -> Reply {
+    /// The gRPC status a gRPC call is refused with, chosen as gRPC services choose it
+    /// (grpc/doc/statuscodes.md), one per row of plugin/README.md's "gRPC" table.
+    fn grpc_code(&self) -> u8 {
+        match self {
+            Refusal::MissingKey
+            | Refusal::InvalidKey(_)
+            | Refusal::Ambiguous(_)
+            | Refusal::NotJson => code::INVALID_ARGUMENT,
+            // Concurrency conflict: retry at a higher level (after the pushback).
+            Refusal::InProgress { .. } => code::ABORTED,
+            // The request is well-formed, the key's state forbids it: retrying the same call
+            // cannot succeed until the client uses a new key.
+            Refusal::Mismatch => code::FAILED_PRECONDITION,
+            Refusal::TooLarge | Refusal::QueueFull { .. } | Refusal::RateLimited { .. } => {
+                code::RESOURCE_EXHAUSTED
+            }
+            Refusal::WaitExpired { .. } | Refusal::Unavailable { .. } => code::UNAVAILABLE,
+        }
+    }
+
+    /// The reply: for HTTP the problem+json document — status, `type`, `title`, `detail`,
+    /// `Retry-After` (seconds, rounded up, mirrored in `retry_after_ms`) and Envoy's response
+    /// code details; for a gRPC call (`grpc`) its status, `title: detail` as the message and
+    /// the wait as `grpc-retry-pushback-ms` (gRFC A6).
+    pub(crate) fn reply(self, grpc: bool) -> Reply {
         let (status, type_uri, title, detail, retry_after_ms, details) = match &self {
             Refusal::MissingKey => (
                 400,
@@ -177,6 +207,27 @@ impl Refusal {
                 "idemgate_unavailable",
             ),
         };
+        if grpc {
+            let mut headers = Vec::new();
+            if let Some(ms) = retry_after_ms {
+                headers.push(("grpc-retry-pushback-ms".to_string(), ms.to_string()));
+            }
+            let grpc_status = Some(self.grpc_code());
+            if let Refusal::RateLimited { fields, .. } = self {
+                headers.extend(fields);
+            }
+            // Pushed, not `concat`/`format!`: either costs the filter ~1 KiB here.
+            let mut message = String::from(title);
+            message.push_str(": ");
+            message.push_str(detail);
+            return Reply {
+                status,
+                headers,
+                body: message.into_bytes(),
+                details,
+                grpc_status,
+            };
+        }
         let doc = Problem {
             type_uri: type_uri.to_string(),
             title: title.to_string(),
@@ -200,18 +251,58 @@ impl Refusal {
             headers,
             body: serde_json::to_vec(&doc).unwrap_or_default(),
             details,
+            grpc_status: None,
         }
     }
 }
 
-pub(crate) fn replay(response: &StoredResponse, body: &[u8]) -> Reply {
+/// What a gRPC call replayed with when its first run ended OK: the response message cannot
+/// be sent again (a local reply to a gRPC request is trailers-only), and a bare OK without
+/// one is a broken unary call; ALREADY_EXISTS says the call ran, and did not run again.
+const GRPC_DONE_MESSAGE: &str = "a call with this idempotency key already completed (OK)";
+
+/// The replay of a stored response. A gRPC call (`grpc`) gets the stored call's status and
+/// message exactly, an OK as ALREADY_EXISTS (see [`GRPC_DONE_MESSAGE`]); both carry
+/// `idempotent-replayed: true` as metadata.
+pub(crate) fn replay(response: &StoredResponse, body: &[u8], grpc: bool) -> Reply {
+    let replayed = (REPLAYED_HEADER.to_string(), "true".to_string());
+    if grpc {
+        let stored = |name: &str| {
+            response
+                .headers
+                .iter()
+                .find(|(n, _)| n == name)
+                .map(|(_, v)| v.as_bytes())
+        };
+        let ran = (200..300).contains(&response.status);
+        let (grpc_status, message) = match stored("grpc-status").and_then(grpc::parse_code) {
+            // Stored percent-encoded as it came; Envoy encodes the reply's message again.
+            Some(status) if status != code::OK => (
+                Some(status),
+                decode(stored("grpc-message").unwrap_or_default(), false),
+            ),
+            Some(_) => (Some(code::ALREADY_EXISTS), GRPC_DONE_MESSAGE.into()),
+            // Stored by an HTTP call under the same key: a success ran; other statuses are
+            // mapped by Envoy from the HTTP status.
+            None if ran => (Some(code::ALREADY_EXISTS), GRPC_DONE_MESSAGE.into()),
+            None => (None, Vec::new()),
+        };
+        return Reply {
+            status: response.status,
+            headers: alloc::vec![replayed],
+            body: message,
+            details: "idemgate_replayed",
+            grpc_status,
+        };
+    }
     let mut headers = response.headers.clone();
-    headers.push((REPLAYED_HEADER.to_string(), "true".to_string()));
+    headers.push(replayed);
     Reply {
         status: response.status,
         headers,
         body: body.to_vec(),
         details: "idemgate_replayed",
+        grpc_status: None,
     }
 }
 
@@ -292,7 +383,7 @@ mod tests {
         let rows = readme_rows();
         let every = every_refusal();
         for refusal in &every {
-            let reply = refusal.clone().reply();
+            let reply = refusal.clone().reply(false);
             let doc: Problem = serde_json::from_slice(&reply.body).unwrap();
             assert_eq!(doc.status, reply.status);
             let retry_after = reply.headers.iter().any(|(n, _)| n == "retry-after");
@@ -307,6 +398,61 @@ mod tests {
             every.len(),
             "plugin/README.md documents a problem the filter does not send: {rows:?}"
         );
+    }
+
+    #[test]
+    fn the_plugin_readme_documents_every_refusal_s_grpc_status() {
+        let readme = include_str!("../../plugin/README.md");
+        let section = readme
+            .split("\n## gRPC\n")
+            .nth(1)
+            .expect("plugin/README.md has the gRPC section");
+        let section = section.split("\n## ").next().unwrap_or_default();
+        let rows: Vec<(String, String)> = section
+            .lines()
+            .filter_map(|line| {
+                let cells: Vec<&str> = line.split('|').map(str::trim).collect();
+                let type_uri = cells.get(1)?.strip_prefix("`urn:")?;
+                let code = cells.get(2)?.trim_matches('`');
+                Some((
+                    format!("urn:{}", type_uri.trim_matches('`')),
+                    code.to_string(),
+                ))
+            })
+            .collect();
+        let every = every_refusal();
+        for refusal in &every {
+            let http: Problem = serde_json::from_slice(&refusal.clone().reply(false).body).unwrap();
+            let reply = refusal.clone().reply(true);
+            let code = grpc::CODE_NAMES[usize::from(reply.grpc_status.unwrap())].to_string();
+            let row = (http.type_uri, code);
+            assert!(
+                rows.contains(&row),
+                "plugin/README.md has no gRPC row {row:?}: {rows:?}"
+            );
+            // The message is the problem's title and detail; the wait is pushback in ms.
+            let message = String::from_utf8(reply.body).unwrap();
+            assert_eq!(
+                message,
+                alloc::format!("{}: {}", http.title, http.detail.unwrap())
+            );
+            let pushback = reply
+                .headers
+                .iter()
+                .find(|(n, _)| n == "grpc-retry-pushback-ms")
+                .map(|(_, v)| v.as_str());
+            assert_eq!(
+                pushback,
+                http.retry_after_ms.map(|ms| ms.to_string()).as_deref()
+            );
+            assert!(
+                !reply
+                    .headers
+                    .iter()
+                    .any(|(n, _)| n == "retry-after" || n == "content-type")
+            );
+        }
+        assert_eq!(rows.len(), every.len(), "{rows:?}");
     }
 
     /// The bytes clients and dashboards see: a change here is a change of the interface.
@@ -384,7 +530,7 @@ mod tests {
         assert_eq!(every.len(), expected.len());
         for (refusal, (status, retry_after, details, body)) in every.into_iter().zip(expected) {
             let rate_limited = matches!(refusal, Refusal::RateLimited { .. });
-            let reply = refusal.reply();
+            let reply = refusal.reply(false);
             let mut headers: Vec<(String, String)> =
                 alloc::vec![("content-type".into(), "application/problem+json".into())];
             if !retry_after.is_empty() {

@@ -5,6 +5,7 @@ use alloc::sync::Arc;
 use alloc::vec::Vec;
 
 use crate::canonical::{canonical_path, decode};
+use crate::grpc::is_grpc_content_type;
 use crate::ports::RequestView;
 use crate::spec::{Config, Rule};
 
@@ -16,6 +17,9 @@ pub struct RequestHead {
     pub(crate) path: Vec<u8>,
     /// The path carries an encoded `/` or `\`: a guarded request is refused, not guessed at.
     pub(crate) encoded_separator: bool,
+    /// A gRPC call (its content type, read once a rule matched): answered with gRPC statuses,
+    /// its outcome read from `grpc-status`.
+    pub(crate) grpc: bool,
 }
 
 impl RequestHead {
@@ -33,6 +37,7 @@ impl RequestHead {
             method,
             path,
             encoded_separator: canonical.encoded_separator,
+            grpc: false,
         }
     }
 
@@ -81,28 +86,44 @@ pub fn match_rule<'c>(config: &'c Config, req: &dyn RequestView) -> Option<Match
     }
     let raw_path = req.header(":path").unwrap_or_default();
     let head = RequestHead::new(method, &raw_path, false);
-    let mut authority: Option<Option<Vec<u8>>> = None;
-    if let Some((index, rule)) = first_match(config, req, &head, &mut authority) {
-        return Some(Matched { index, rule, head });
-    }
+    let mut lazy = Lazy::default();
+    let mut found = first_match(config, req, &head, &mut lazy);
     // An encoded separator read as a separator may reach a guarded path: that request is
     // routed too, so the flow refuses it (`encoded_separator`) instead of letting it through.
-    if head.encoded_separator {
+    if found.is_none() && head.encoded_separator {
         let split = RequestHead::new(head.method.clone(), &raw_path, true);
-        return first_match(config, req, &split, &mut authority).map(|(index, rule)| Matched {
-            index,
-            rule,
-            head,
-        });
+        found = first_match(config, req, &split, &mut lazy);
     }
-    None
+    let (index, rule) = found?;
+    let grpc = lazy.grpc(req);
+    Some(Matched {
+        index,
+        rule,
+        head: RequestHead { grpc, ..head },
+    })
+}
+
+/// Request headers the matcher reads only when a rule asks, at most once each.
+#[derive(Default)]
+struct Lazy {
+    authority: Option<Option<Vec<u8>>>,
+    grpc: Option<bool>,
+}
+
+impl Lazy {
+    fn grpc(&mut self, req: &dyn RequestView) -> bool {
+        *self.grpc.get_or_insert_with(|| {
+            req.header("content-type")
+                .is_some_and(|ct| is_grpc_content_type(&ct))
+        })
+    }
 }
 
 fn first_match<'c>(
     config: &'c Config,
     req: &dyn RequestView,
     head: &RequestHead,
-    authority: &mut Option<Option<Vec<u8>>>,
+    lazy: &mut Lazy,
 ) -> Option<(usize, &'c Arc<Rule>)> {
     for (i, rule) in config.rules.iter().enumerate() {
         let m = &rule.matcher;
@@ -115,10 +136,15 @@ fn first_match<'c>(
             continue;
         }
         if let Some(host) = &m.host {
-            let auth = authority.get_or_insert_with(|| req.header(":authority"));
+            let auth = lazy
+                .authority
+                .get_or_insert_with(|| req.header(":authority"));
             if !auth.as_deref().is_some_and(|a| host_matches(host, a)) {
                 continue;
             }
+        }
+        if m.grpc && !lazy.grpc(req) {
+            continue;
         }
         if m.headers_present.iter().all(|h| req.header(h).is_some()) {
             return Some((i, rule));

@@ -102,6 +102,9 @@ pub struct Matcher {
     pub path: PathMatch,
     pub host: Option<String>,
     pub headers_present: Vec<String>,
+    /// Only gRPC calls (the rule's `grpc` section): the request's content type is read after
+    /// the path matched.
+    pub grpc: bool,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -253,6 +256,9 @@ pub struct ResponsePolicy {
     pub content_types: Vec<String>,
     pub headers: Vec<String>,
     pub unreplayable: Unreplayable,
+    /// The gRPC status codes stored, bit per code 0..=16 (a gRPC call's outcome is its
+    /// `grpc-status`, not the HTTP status).
+    pub grpc_store: u32,
 }
 
 impl ResponsePolicy {
@@ -262,6 +268,11 @@ impl ResponsePolicy {
         (1..=5).contains(&class)
             && self.store_classes & (1u8 << class) != 0
             && !self.except.contains(&status)
+    }
+
+    /// Whether a gRPC call that ended with this status is stored (others abort).
+    pub(crate) fn stores_grpc(&self, code: u8) -> bool {
+        code < 32 && self.grpc_store & (1u32 << code) != 0
     }
 }
 

@@ -79,12 +79,27 @@ pub(crate) fn response_headers() -> Vec<(String, Vec<u8>)> {
     hostcalls::get_map_bytes(MapType::HttpResponseHeaders).unwrap_or_default()
 }
 
+pub(crate) fn response_trailers() -> Vec<(String, Vec<u8>)> {
+    hostcalls::get_map_bytes(MapType::HttpResponseTrailers).unwrap_or_default()
+}
+
 pub(crate) fn body(buffer: BufferType, size: usize) -> Option<Vec<u8>> {
     hostcalls::get_buffer(buffer, 0, size).ok().flatten()
 }
 
 #[link(wasm_import_module = "env")]
 unsafe extern "C" {
+    /// Called directly for its `grpc_status` argument (and the response code details).
+    fn proxy_send_local_response(
+        status_code: u32,
+        details_data: *const u8,
+        details_size: usize,
+        body_data: *const u8,
+        body_size: usize,
+        headers_data: *const u8,
+        headers_size: usize,
+        grpc_status: i32,
+    ) -> u32;
     /// The ABI's remove: no value crosses into the VM, so nothing is allocated there. Called
     /// directly because the SDK's wrapper panics on any status but Ok.
     fn proxy_remove_header_map_value(
@@ -124,15 +139,48 @@ pub(crate) fn add_response_headers(headers: &[(String, String)]) {
     }
 }
 
+/// Sends a local reply; a gRPC status goes in `proxy_send_local_response`'s `grpc_status`
+/// argument, which the SDK's `send_http_response` leaves at -1 (Envoy then derives the
+/// status from the HTTP one: `Context::sendLocalResponse`,
+/// source/extensions/common/wasm/context.cc).
 pub(crate) fn send_reply(reply: &Reply) {
-    let headers: Vec<(&str, &str)> = reply
-        .headers
-        .iter()
-        .map(|(n, v)| (n.as_str(), v.as_str()))
-        .collect();
-    if hostcalls::send_http_response(u32::from(reply.status), headers, Some(&reply.body)).is_err() {
+    let headers = serialize_pairs(&reply.headers);
+    let grpc_status = reply.grpc_status.map_or(-1, i32::from);
+    // SAFETY: every pointer and length describes a live buffer the host only reads.
+    let status = unsafe {
+        proxy_send_local_response(
+            u32::from(reply.status),
+            reply.details.as_ptr(),
+            reply.details.len(),
+            reply.body.as_ptr(),
+            reply.body.len(),
+            headers.as_ptr(),
+            headers.len(),
+            grpc_status,
+        )
+    };
+    if status != 0 {
         log::error!("idemgate: could not send a local reply");
     }
+}
+
+/// The ABI's header map: the count, each name's and value's length, then each name and value
+/// NUL-terminated (all lengths little-endian u32).
+fn serialize_pairs(pairs: &[(String, String)]) -> Vec<u8> {
+    let len = |n: usize| u32::try_from(n).unwrap_or(u32::MAX).to_le_bytes();
+    let mut out = Vec::new();
+    out.extend_from_slice(&len(pairs.len()));
+    for (name, value) in pairs {
+        out.extend_from_slice(&len(name.len()));
+        out.extend_from_slice(&len(value.len()));
+    }
+    for (name, value) in pairs {
+        for part in [name, value] {
+            out.extend_from_slice(part.as_bytes());
+            out.push(0);
+        }
+    }
+    out
 }
 
 /// The answer of the callout being delivered (valid only inside `on_http_call_response`).

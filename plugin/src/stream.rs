@@ -180,7 +180,14 @@ impl HttpContext for Stream {
     }
 
     fn on_http_response_trailers(&mut self, _num_trailers: usize) -> Next {
-        self.response_event(|config, flow, env| flow.on_response_trailers(config, env));
+        self.response_event(|config, flow, env| {
+            let trailers = if flow.is_grpc() {
+                host::response_trailers()
+            } else {
+                Vec::new()
+            };
+            flow.on_response_trailers(config, &trailers, env);
+        });
         Next::Continue
     }
 }

@@ -51,10 +51,15 @@ const WASM_METADCE: &str = "wasm-metadce";
 /// null), and so does the host harness. With the SDK at opt-level 3 each of them inlines the
 /// dispatcher's lookups: ~14 KiB of the module, which is what lets the SDK stay at 3.
 const UNUSED_CALLBACKS: &[(&str, &str)] = &[
-    ("proxy_on_grpc_receive_initial_metadata", "grpc"),
-    ("proxy_on_grpc_receive", "grpc"),
-    ("proxy_on_grpc_receive_trailing_metadata", "grpc"),
-    ("proxy_on_grpc_close", "grpc"),
+    // gRPC callouts (the SDK's `dispatch_grpc_call`, `open_grpc_stream`); the filter guards
+    // gRPC requests, which come through the HTTP callbacks.
+    ("proxy_on_grpc_receive_initial_metadata", "open_grpc_stream"),
+    ("proxy_on_grpc_receive", "dispatch_grpc_call"),
+    (
+        "proxy_on_grpc_receive_trailing_metadata",
+        "open_grpc_stream",
+    ),
+    ("proxy_on_grpc_close", "dispatch_grpc_call"),
     ("proxy_on_foreign_function", "foreign_function"),
     ("proxy_on_new_connection", "on_new_connection"),
     ("proxy_on_downstream_data", "on_downstream"),

@@ -29,6 +29,8 @@ pub const IDEMGATE: &str = "idemgate";
 #[derive(Debug, Clone)]
 pub struct Bootstrap {
     backend: SocketAddr,
+    /// The backend speaks HTTP/2 (a gRPC service): its cluster's `max_concurrent_streams`.
+    backend_http2: Option<u32>,
     admin: bool,
     route_timeout: Option<Duration>,
     filter: Option<FilterSpec>,
@@ -73,6 +75,7 @@ impl Bootstrap {
     pub fn new(backend: SocketAddr) -> Self {
         Self {
             backend,
+            backend_http2: None,
             admin: false,
             route_timeout: None,
             filter: None,
@@ -88,6 +91,12 @@ impl Bootstrap {
             .route_timeout(Duration::from_secs(90))
             .filter(FilterSpec::idemgate(plugin))
             .cluster(ClusterSpec::sidecar(sidecar))
+    }
+
+    /// Speak HTTP/2 (prior knowledge) to the backend, as to a gRPC service.
+    pub fn backend_http2(mut self, max_concurrent_streams: u32) -> Self {
+        self.backend_http2 = Some(max_concurrent_streams);
+        self
     }
 
     /// Serves the admin endpoint (`/stats`) on a free loopback port.
@@ -132,7 +141,10 @@ impl Bootstrap {
                 "@type": "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"
             }
         }));
-        let backend = ClusterSpec::at(BACKEND, self.backend);
+        let mut backend = ClusterSpec::at(BACKEND, self.backend);
+        if let Some(streams) = self.backend_http2 {
+            backend = backend.http2(streams);
+        }
         let clusters: Vec<Value> = std::iter::once(&backend)
             .chain(&self.clusters)
             .map(ClusterSpec::to_value)

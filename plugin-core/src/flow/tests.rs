@@ -1660,3 +1660,5 @@ fn a_client_gone_while_its_body_is_read_leaves_nothing_held() {
     let (_, action) = deliver(&mut gw, &delivery(), &[r#"{"data":{"id":"evt_1"}}"#]);
     claim_of(&action);
 }
+
+mod grpc;
