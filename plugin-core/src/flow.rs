@@ -210,7 +210,6 @@ impl Flow {
                 return (None, action);
             }
         };
-        let key = key::scoped(&rule, &head, req, &raw_key);
         let rate_checks = rule
             .rate
             .as_ref()
@@ -219,15 +218,16 @@ impl Flow {
         let mut flow = Flow {
             rule: Arc::clone(&rule),
             rule_index: index,
-            key,
+            // Set once the local rate tier lets the request through.
+            key: String::new(),
             fingerprint: None,
             phase: Phase::Finished,
             local: Local::Off,
             release: None,
             rate_headers: Vec::new(),
         };
-        // The local tier's limits are checked before the body is buffered or hashed: a
-        // limited request is answered at once and costs no fingerprint.
+        // The local tier's limits are checked before the key is hashed and the body buffered
+        // or hashed: a limited request is answered at once and costs neither.
         let global_checks = match &rule.rate {
             Some(spec) if !rate_checks.is_empty() => {
                 if spec.tier.local()
@@ -243,6 +243,7 @@ impl Flow {
             }
             _ => Vec::new(),
         };
+        flow.key = key::scoped(&rule, &head, req, &raw_key);
         if let Some(spec) = &rule.fingerprint {
             let fp = Fingerprint::start(spec, &head, req);
             if spec.max_body == 0 {

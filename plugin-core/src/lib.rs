@@ -20,6 +20,7 @@
 //! | `breaker` | the sidecar circuit breaker ([`Breaker`]) |
 //! | `problem` | local replies: refusals as RFC 9457 problems, replays ([`Reply`]) |
 //! | [`metrics`] | metric names |
+//! | [`pairs`] | a serialized header map read in place (one host read answers every header question) |
 //! | `testing` | test doubles for the ports (feature `testing`, used by `fuzz/`) |
 
 #![no_std]
@@ -29,6 +30,7 @@ pub mod canonical;
 pub mod config;
 pub mod key;
 pub mod metrics;
+pub mod pairs;
 pub mod rule;
 pub mod spec;
 #[cfg(any(test, feature = "testing"))]

@@ -3,7 +3,7 @@
 //! running context (a trap fails the VM), FAIL_RELOAD's re-creation, and root shutdown.
 
 use super::Vm;
-use super::state::{Deferred, Root, VmState};
+use super::state::{Deferred, Root, Target, VmState};
 use crate::abi::LogLevel;
 use crate::plugin::{Clusters, LoadError, PluginSettings, WasmModule};
 use crate::shared::{Mailbox, SharedState};
@@ -96,6 +96,7 @@ impl Vm {
             context_streams: HashMap::new(),
             next_stream: 0,
             active: None,
+            current: Target::None,
             effective: None,
             deferred: VecDeque::new(),
             next_callout_serial: 0,
@@ -294,12 +295,13 @@ impl Vm {
         let Some(func) = state.wasm.as_ref().and_then(|w| pick(&w.exports)) else {
             return Called::Missing;
         };
-        let saved = (state.active, state.effective);
+        let saved = (state.active, state.current, state.effective);
         state.active = Some(context);
+        state.current = state.resolve(context);
         state.effective = None;
         let result = func.call(&mut self.store, params);
         let state = self.store.data_mut();
-        (state.active, state.effective) = saved;
+        (state.active, state.current, state.effective) = saved;
         match result {
             Ok(r) => Called::Returned(r),
             Err(e) => {
