@@ -1075,6 +1075,14 @@ impl Flow {
         }
     }
 
+    /// Nothing left to do on any later event: finished, holding no local slot and owing no
+    /// release (a request answered locally, or forwarded untracked). The glue need not keep it.
+    pub fn is_done(&self) -> bool {
+        matches!(self.phase, Phase::Finished)
+            && !matches!(self.local, Local::Held { .. })
+            && self.release.is_none()
+    }
+
     /// The client went away while the claim was out: the claim's answer only releases.
     pub fn is_abandoned(&self) -> bool {
         matches!(self.phase, Phase::Abandoned { .. })

@@ -136,7 +136,8 @@ impl HttpContext for Stream {
             let mut env = vm::host_env(breaker, metrics, owner, waiter_secret.as_ref());
             Flow::on_request_headers(&config, route, &headers, end_of_stream, &mut env)
         };
-        if let Some(flow) = flow {
+        // A request answered here (a local 409, 429 or replay) has nothing left to track.
+        if let Some(flow) = flow.filter(|flow| !flow.is_done()) {
             vm.flows.insert(self.id, flow);
             self.tracked = true;
         }
