@@ -170,11 +170,12 @@ pub(crate) struct VmState {
     pub(super) context_streams: HashMap<u32, StreamId>,
     pub(super) next_stream: StreamId,
     pub(crate) active: Option<u32>,
-    /// `active` resolved once when its callback starts, as Envoy resolves a hostcall's
-    /// context through the pointer it holds for the running call (proxy-wasm-cpp-host
-    /// `current_context_` in src/exports.cc, which Envoy's source/extensions/common/wasm/
-    /// wasm.cc and context.cc reach through `contextOrEffectiveContext()`): a hostcall then
-    /// costs no context-map lookup unless the plugin set an effective context.
+    /// What `active` is, set when its callback starts (by the stream that makes the call, or
+    /// looked up for the root), as Envoy resolves a hostcall's context through the pointer it
+    /// holds for the running call (proxy-wasm-cpp-host `current_context_` in src/exports.cc,
+    /// which Envoy's source/extensions/common/wasm/wasm.cc and context.cc reach through
+    /// `contextOrEffectiveContext()`): neither a callback nor a hostcall costs a context-map
+    /// lookup unless the plugin set an effective context.
     pub(crate) current: Target,
     pub(crate) effective: Option<u32>,
     pub(crate) deferred: VecDeque<Deferred>,
