@@ -268,14 +268,13 @@ impl Flow {
             }
         };
         let rule = Arc::clone(&self.rule);
-        self.key = key::scoped(&rule, head, req, &raw_key);
         let rate_checks = rule
             .rate
             .as_ref()
             .map(|spec| rate::checks(&rule, spec, req, Some(&raw_key)))
             .unwrap_or_default();
-        // The local tier's limits are checked before the body is buffered or hashed: a
-        // limited request is answered at once and costs no fingerprint.
+        // The local tier's limits are checked before the key is hashed and the body buffered
+        // or hashed: a limited request is answered at once and costs neither.
         let global_checks = match &rule.rate {
             Some(spec) if !rate_checks.is_empty() => {
                 if spec.tier.local()
@@ -291,6 +290,7 @@ impl Flow {
             }
             _ => Vec::new(),
         };
+        self.key = key::scoped(&rule, head, req, &raw_key);
         if let Some(spec) = &rule.fingerprint {
             let fp = Fingerprint::start(spec, head, req);
             if spec.max_body == 0 {
@@ -1143,6 +1143,14 @@ impl Flow {
                 false
             }
         }
+    }
+
+    /// Nothing left to do on any later event: finished, holding no local slot and owing no
+    /// release (a request answered locally, or forwarded untracked). The glue need not keep it.
+    pub fn is_done(&self) -> bool {
+        matches!(self.phase, Phase::Finished)
+            && !matches!(self.local, Local::Held { .. })
+            && self.release.is_none()
     }
 
     /// The client went away while the claim was out: the claim's answer only releases.

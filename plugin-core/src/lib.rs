@@ -21,6 +21,7 @@
 //! | `grpc` | gRPC calls: content types, status codes by name, the stored codes |
 //! | `problem` | local replies: refusals as RFC 9457 problems or gRPC statuses, replays ([`Reply`]) |
 //! | [`metrics`] | metric names |
+//! | [`pairs`] | a serialized header map read in place (one host read answers every header question) |
 //! | `testing` | test doubles for the ports (feature `testing`, used by `fuzz/`) |
 
 #![no_std]
@@ -30,6 +31,7 @@ pub mod canonical;
 pub mod config;
 pub mod key;
 pub mod metrics;
+pub mod pairs;
 pub mod rule;
 pub mod spec;
 #[cfg(any(test, feature = "testing"))]

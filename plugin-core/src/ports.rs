@@ -9,7 +9,8 @@ use crate::breaker::Breaker;
 use crate::metrics::{Counter, Histogram};
 
 /// The request as the filter sees it at request headers. The glue implements it over
-/// `proxy_get_header_map_value` (bytes, never the panicking `String` getters).
+/// `proxy_get_header_map_value` (bytes, never the panicking `String` getters), and over one
+/// `proxy_get_header_map_pairs` read (see [`crate::pairs`]) once a question needs the whole map.
 pub trait RequestView {
     /// The first value of a request header (lower-case name, pseudo-headers included).
     fn header(&self, name: &str) -> Option<Vec<u8>>;

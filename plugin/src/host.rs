@@ -3,9 +3,11 @@
 //! headers are read only at request headers or while the request is paused, callout answers
 //! only through the pairs getter (`:status` of a failed callout is BadArgument).
 
+use std::cell::OnceCell;
 use std::time::{Duration, UNIX_EPOCH};
 
 use idemgate_core::metrics::{Counter, Histogram};
+use idemgate_core::pairs::Pairs;
 use idemgate_core::{Answer, Config, HostError, Reply, RequestView, SharedStore, Telemetry};
 use proxy_wasm::hostcalls;
 use proxy_wasm::types::{BufferType, MapType, MetricType, Status};
@@ -49,23 +51,41 @@ pub(crate) fn drain_wake_queue(queue: u32) {
     }
 }
 
-/// The request headers of the current (or effective) stream.
-pub(crate) struct RequestHeaders;
+/// The request headers of the current (or effective) stream, for one callback. A single
+/// value is one host read; once a question needs the whole map (a repeated key or scope
+/// header), the map is read once and every later header is answered from that copy.
+#[derive(Default)]
+pub(crate) struct RequestHeaders {
+    /// The serialized map (`proxy_get_header_map_pairs`), read at most once.
+    all: OnceCell<Vec<u8>>,
+}
+
+impl RequestHeaders {
+    /// The whole map, read now if it was not yet; `None` if the host would not give it (later
+    /// headers are then read one by one, never taken for absent).
+    fn all(&self) -> Option<&[u8]> {
+        if self.all.get().is_none()
+            && let Some(all) = header_map_pairs(MapType::HttpRequestHeaders)
+        {
+            let _ = self.all.set(all);
+        }
+        self.all.get().map(Vec::as_slice)
+    }
+}
 
 impl RequestView for RequestHeaders {
     fn header(&self, name: &str) -> Option<Vec<u8>> {
+        if let Some(all) = self.all.get() {
+            return Pairs::first(all, name).map(<[u8]>::to_vec);
+        }
         hostcalls::get_map_value_bytes(MapType::HttpRequestHeaders, name)
             .ok()
             .flatten()
     }
 
-    /// One read of every request header, made only for matched rules with a key header or
-    /// scope headers.
     fn repeated(&self, names: &[String]) -> bool {
-        let pairs = hostcalls::get_map_bytes(MapType::HttpRequestHeaders).unwrap_or_default();
-        names
-            .iter()
-            .any(|name| pairs.iter().filter(|(n, _)| n == name).nth(1).is_some())
+        self.all()
+            .is_some_and(|all| Pairs::any_repeated(all, names))
     }
 
     fn property(&self, path: &[String]) -> Option<Vec<u8>> {
@@ -100,6 +120,15 @@ unsafe extern "C" {
         headers_size: usize,
         grpc_status: i32,
     ) -> u32;
+
+    /// The ABI's read of a whole map, serialized (see `idemgate_core::pairs`): called
+    /// directly because the SDK's wrapper decodes it into one allocation per name and value.
+    fn proxy_get_header_map_pairs(
+        map_type: MapType,
+        return_map_data: *mut *mut u8,
+        return_map_size: *mut usize,
+    ) -> u32;
+
     /// The ABI's remove: no value crosses into the VM, so nothing is allocated there. Called
     /// directly because the SDK's wrapper panics on any status but Ok.
     fn proxy_remove_header_map_value(
@@ -107,6 +136,25 @@ unsafe extern "C" {
         key_data: *const u8,
         key_size: usize,
     ) -> u32;
+}
+
+/// A whole header map, serialized; `None` when the map is not available now.
+fn header_map_pairs(map: MapType) -> Option<Vec<u8>> {
+    let mut data: *mut u8 = core::ptr::null_mut();
+    let mut size: usize = 0;
+    // SAFETY: the host writes a pointer and a length into the two locals. A non-null
+    // pointer is a buffer of exactly `size` bytes that the host obtained from this module's
+    // `proxy_on_memory_allocate` (the SDK's: a `Vec<u8>` of capacity `size`, forgotten), so
+    // it is owned here and rebuilt as that `Vec` — what the SDK's own getters do.
+    unsafe {
+        if proxy_get_header_map_pairs(map, &mut data, &mut size) != 0 {
+            return None;
+        }
+        if data.is_null() {
+            return Some(Vec::new());
+        }
+        Some(Vec::from_raw_parts(data, size, size))
+    }
 }
 
 /// Removes every value of request header `name` (lower case). A missing header is Ok; a

@@ -115,6 +115,7 @@ impl Context for Stream {
 impl HttpContext for Stream {
     fn on_http_request_headers(&mut self, _num_headers: usize, end_of_stream: bool) -> Next {
         let mut vm = self.vm.borrow_mut();
+        let headers = RequestHeaders::default();
         // Most requests match no rule: decided on a borrowed config, without touching its `Rc`.
         let route = vm.config.as_deref().and_then(|config| {
             // Only idemgate sets these on what reaches the backend: a client's copy (a forged
@@ -122,7 +123,7 @@ impl HttpContext for Stream {
             // matched or not, before anything else can forward it.
             host::remove_request_header(&config.fencing_header);
             host::remove_request_header(&config.degraded_header);
-            Flow::route(config, &RequestHeaders)
+            Flow::route(config, &headers)
         });
         let Some(route) = route else {
             vm.passed += 1;
@@ -140,9 +141,10 @@ impl HttpContext for Stream {
                 ..
             } = &mut *vm;
             let mut env = vm::host_env(breaker, metrics, owner, waiter_secret.as_ref());
-            Flow::on_request_headers(&config, route, &RequestHeaders, end_of_stream, &mut env)
+            Flow::on_request_headers(&config, route, &headers, end_of_stream, &mut env)
         };
-        if let Some(flow) = flow {
+        // A request answered here (a local 409, 429 or replay) has nothing left to track.
+        if let Some(flow) = flow.filter(|flow| !flow.is_done()) {
             vm.flows.insert(self.id, flow);
             self.tracked = true;
         }

@@ -268,7 +268,8 @@ impl Vm {
             s.created = true;
         }
         !matches!(
-            self.call(
+            self.call_stream(
+                id,
                 ctx,
                 "proxy_on_context_create",
                 |e| e.context_create.clone(),
@@ -315,7 +316,8 @@ impl Vm {
         };
         let context = ctx as u32;
         let called = match phase {
-            Phase::Headers => self.call(
+            Phase::Headers => self.call_stream(
+                id,
                 context,
                 name,
                 |e| {
@@ -327,7 +329,8 @@ impl Vm {
                 },
                 (ctx, a, b),
             ),
-            Phase::Body => self.call(
+            Phase::Body => self.call_stream(
+                id,
                 context,
                 name,
                 |e| {
@@ -339,7 +342,8 @@ impl Vm {
                 },
                 (ctx, a, b),
             ),
-            Phase::Trailers => self.call(
+            Phase::Trailers => self.call_stream(
+                id,
                 context,
                 name,
                 |e| {
@@ -784,12 +788,12 @@ impl Vm {
             if let Some(s) = self.stream_mut(id) {
                 s.logging = true;
             }
-            self.call(ctx, "proxy_on_log", |e| e.log.clone(), ctx as i32);
+            self.call_stream(id, ctx, "proxy_on_log", |e| e.log.clone(), ctx as i32);
             if let Some(s) = self.stream_mut(id) {
                 s.logging = false;
             }
-            self.call(ctx, "proxy_on_done", |e| e.done.clone(), ctx as i32);
-            self.call(ctx, "proxy_on_delete", |e| e.delete.clone(), ctx as i32);
+            self.call_stream(id, ctx, "proxy_on_done", |e| e.done.clone(), ctx as i32);
+            self.call_stream(id, ctx, "proxy_on_delete", |e| e.delete.clone(), ctx as i32);
         }
         let state = self.store.data_mut();
         if state.context_streams.get(&ctx) == Some(&id) {

@@ -2,8 +2,8 @@
 //! (`_initialize`, `on_context_create`, `on_vm_start`, `on_configure`), calling exports with a
 //! running context (a trap fails the VM), FAIL_RELOAD's re-creation, and root shutdown.
 
-use super::Vm;
-use super::state::{Deferred, Root, VmState};
+use super::state::{Deferred, Root, Target, VmState};
+use super::{StreamId, Vm};
 use crate::abi::LogLevel;
 use crate::plugin::{Clusters, LoadError, PluginSettings, WasmModule};
 use crate::shared::{Mailbox, SharedState};
@@ -96,6 +96,7 @@ impl Vm {
             context_streams: HashMap::new(),
             next_stream: 0,
             active: None,
+            current: Target::None,
             effective: None,
             deferred: VecDeque::new(),
             next_callout_serial: 0,
@@ -287,6 +288,31 @@ impl Vm {
         pick: impl Fn(&Exports) -> Option<TypedFunc<P, R>>,
         params: P,
     ) -> Called<R> {
+        let target = self.store.data().resolve(context);
+        self.call_as(target, context, name, pick, params)
+    }
+
+    /// [`Vm::call`] for the context of stream `id`, which the caller holds: Envoy calls into
+    /// the VM through the stream's context object, so nothing is looked up.
+    pub(super) fn call_stream<P: WasmParams, R: WasmResults>(
+        &mut self,
+        id: StreamId,
+        context: u32,
+        name: &str,
+        pick: impl Fn(&Exports) -> Option<TypedFunc<P, R>>,
+        params: P,
+    ) -> Called<R> {
+        self.call_as(Target::Stream(id), context, name, pick, params)
+    }
+
+    fn call_as<P: WasmParams, R: WasmResults>(
+        &mut self,
+        target: Target,
+        context: u32,
+        name: &str,
+        pick: impl Fn(&Exports) -> Option<TypedFunc<P, R>>,
+        params: P,
+    ) -> Called<R> {
         let state = self.store.data_mut();
         if state.failed {
             return Called::Failed;
@@ -294,12 +320,13 @@ impl Vm {
         let Some(func) = state.wasm.as_ref().and_then(|w| pick(&w.exports)) else {
             return Called::Missing;
         };
-        let saved = (state.active, state.effective);
+        let saved = (state.active, state.current, state.effective);
         state.active = Some(context);
+        state.current = target;
         state.effective = None;
         let result = func.call(&mut self.store, params);
         let state = self.store.data_mut();
-        (state.active, state.effective) = saved;
+        (state.active, state.current, state.effective) = saved;
         match result {
             Ok(r) => Called::Returned(r),
             Err(e) => {

@@ -141,6 +141,7 @@ pub(crate) enum Deferred {
 }
 
 /// The context a hostcall acts on (the effective context, else the running callback's).
+#[derive(Clone, Copy)]
 pub(crate) enum Target {
     Root,
     Stream(StreamId),
@@ -169,6 +170,13 @@ pub(crate) struct VmState {
     pub(super) context_streams: HashMap<u32, StreamId>,
     pub(super) next_stream: StreamId,
     pub(crate) active: Option<u32>,
+    /// What `active` is, set when its callback starts (by the stream that makes the call, or
+    /// looked up for the root), as Envoy resolves a hostcall's context through the pointer it
+    /// holds for the running call (proxy-wasm-cpp-host `current_context_` in src/exports.cc,
+    /// which Envoy's source/extensions/common/wasm/wasm.cc and context.cc reach through
+    /// `contextOrEffectiveContext()`): neither a callback nor a hostcall costs a context-map
+    /// lookup unless the plugin set an effective context.
+    pub(crate) current: Target,
     pub(crate) effective: Option<u32>,
     pub(crate) deferred: VecDeque<Deferred>,
     pub(super) next_callout_serial: u32,
@@ -185,9 +193,14 @@ pub(crate) struct VmState {
 impl VmState {
     /// The context hostcalls act on.
     pub(crate) fn target(&self) -> Target {
-        let Some(id) = self.effective.or(self.active) else {
-            return Target::None;
-        };
+        match self.effective {
+            Some(id) => self.resolve(id),
+            None => self.current,
+        }
+    }
+
+    /// What context `id` is now (the maps Envoy's `getContext` searches).
+    pub(crate) fn resolve(&self, id: u32) -> Target {
         if self.root.as_ref().is_some_and(|r| r.id == id) {
             return Target::Root;
         }

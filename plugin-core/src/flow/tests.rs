@@ -236,6 +236,19 @@ fn duplicate_in_flight_on_this_gateway_is_rejected_without_a_callout() {
 }
 
 #[test]
+fn only_flows_with_work_left_need_keeping() {
+    let mut gw = Gateway::rules(REJECT);
+    let (mut first, _, _) = gw.claim(&post("k"));
+    assert!(!first.is_done(), "its claim is out");
+    gw.grant(&mut first, 1);
+    assert!(!first.is_done(), "forwarded, holding both tiers' claims");
+    // A duplicate answered here holds nothing and owes nothing: the glue drops it.
+    let (dup, action) = gw.start(&post("k"));
+    assert_eq!(reply(action).status, 409);
+    assert!(dup.unwrap().is_done());
+}
+
+#[test]
 fn duplicate_in_flight_on_another_gateway_is_rejected_by_the_sidecar() {
     let mut gw = Gateway::rules(REJECT);
     let (mut flow, _, _) = gw.claim(&post("k"));
