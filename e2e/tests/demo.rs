@@ -17,7 +17,7 @@ fn workspace_root() -> PathBuf {
 }
 
 /// The directory with the demo's binaries, built for this test's profile.
-fn bin_dir() -> &'static PathBuf {
+pub(crate) fn bin_dir() -> &'static PathBuf {
     static BUILT: OnceLock<PathBuf> = OnceLock::new();
     BUILT.get_or_init(|| {
         // Tests run from target/<profile>/deps/.

@@ -32,6 +32,7 @@ use crate::problem::{self, Refusal, Reply};
 use crate::rate::{self, Check, RateTable, Verdict};
 use crate::rule::{Matched, RequestHead, match_rule};
 use crate::spec::{ClientAbort, Config, Conflict, FailureMode, RateSpec, Rule};
+use crate::trace::TraceContext;
 
 /// A sidecar request for the root context to dispatch.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -165,6 +166,8 @@ pub struct Flow {
     release: Option<Callout>,
     /// `RateLimit` fields for the forwarded response (`rate.expose`).
     rate_headers: Vec<(String, String)>,
+    /// What every callout of this request carries ([`Flow::trace`]).
+    trace: TraceContext,
 }
 
 impl Flow {
@@ -225,6 +228,7 @@ impl Flow {
             local: Local::Off,
             release: None,
             rate_headers: Vec::new(),
+            trace: TraceContext::read(req),
         };
         // The local tier's limits are checked before the body is buffered or hashed: a
         // limited request is answered at once and costs no fingerprint.
@@ -1177,6 +1181,11 @@ impl Flow {
             // Retried on the next tick while the lease lasts.
             None => env.telemetry.count(Counter::SidecarErrors),
         }
+    }
+
+    /// The request's trace context, for the glue to add to each of its callouts.
+    pub fn trace(&self) -> &TraceContext {
+        &self.trace
     }
 
     /// The fencing token granted to this request, if any.

@@ -18,6 +18,7 @@
 //! | `rate` | rate limits: GCRA keys, the shared-data rate table, `RateLimit` fields |
 //! | `capture` | what of a response is stored for replay |
 //! | `breaker` | the sidecar circuit breaker ([`Breaker`]) |
+//! | `trace` | the trace context a request's callouts carry ([`TraceContext`]) |
 //! | `problem` | local replies: refusals as RFC 9457 problems, replays ([`Reply`]) |
 //! | [`metrics`] | metric names |
 //! | `testing` | test doubles for the ports (feature `testing`, used by `fuzz/`) |
@@ -43,6 +44,7 @@ mod local;
 mod ports;
 mod problem;
 mod rate;
+mod trace;
 
 pub use breaker::Breaker;
 pub use config::ConfigError;
@@ -53,3 +55,4 @@ pub use metrics::{Counter, Histogram};
 pub use ports::{Env, HostError, RequestView, SharedStore, Telemetry};
 pub use problem::Reply;
 pub use spec::Config;
+pub use trace::TraceContext;

@@ -6,7 +6,7 @@ use std::cell::RefCell;
 use std::collections::BTreeMap;
 use std::rc::Rc;
 
-use idemgate_core::{Breaker, Callout, Config, Env, Flow};
+use idemgate_core::{Breaker, Callout, Config, Env, Flow, TraceContext};
 
 use crate::host::{self, Metrics, SharedData};
 
@@ -26,6 +26,8 @@ pub(crate) struct PendingRelease {
     pub(crate) attempts: u32,
     /// The stream it releases for (a leave is retried while that stream's claim is unanswered).
     pub(crate) stream: u32,
+    /// Its request's trace context (the flow may be gone when it is sent).
+    pub(crate) trace: TraceContext,
 }
 
 #[derive(Default)]
@@ -136,10 +138,16 @@ impl Vm {
 
     /// Queues a release for the root and makes sure a tick comes soon to dispatch it.
     pub(crate) fn queue_release(&mut self, stream: u32, callout: Callout) {
+        let trace = self
+            .flows
+            .get(&stream)
+            .map(|flow| flow.trace().clone())
+            .unwrap_or_default();
         self.releases.push(PendingRelease {
             callout,
             attempts: 0,
             stream,
+            trace,
         });
         self.kick();
     }
