@@ -1,7 +1,8 @@
-//! One request's trace, end to end: a client's `traceparent` (or `b3`) enters the live
-//! gateway running the shipped `envoy/envoy.yaml`, the filter's callouts carry it to the
-//! sidecar binary, and the sidecar's spans — exported over OTLP/HTTP to a receiver started
-//! here — continue the client's trace as children of the client's span.
+//! One request, end to end: a client's `traceparent` (or `b3`) enters the live gateway
+//! running the shipped `envoy/envoy.yaml`, the filter's callouts carry it to the sidecar
+//! binary, and the sidecar's spans — exported over OTLP/HTTP to a receiver started here —
+//! continue the client's trace as children of the client's span; the shipped access log's
+//! line shows the filter's decision from its filter state.
 
 use crate::demo::bin_dir;
 use idemgate_e2e::client::http;
@@ -54,7 +55,7 @@ const B3_TRACE: &str = "80f198ee56343ba864fe8b2a57d3eff7";
 const B3_SPAN: &str = "e457b5a2e4d86bd1";
 
 #[test]
-fn the_sidecars_spans_continue_the_clients_trace_through_the_gateway() {
+fn the_sidecars_spans_continue_the_clients_trace_and_the_access_log_shows_the_decision() {
     let runtime = tokio::runtime::Runtime::new().expect("a runtime for the receiver");
     let receiver = runtime.block_on(OtlpReceiver::start());
     let sidecar = SidecarBinary::start(&receiver.endpoint());
@@ -63,20 +64,23 @@ fn the_sidecars_spans_continue_the_clients_trace_through_the_gateway() {
 
     // W3C trace context on an idempotent payment: a claim, then a complete.
     let traceparent = format!("00-{TRACE}-{CLIENT_SPAN}-01");
-    let paid = http(
-        gateway.addr(),
-        "POST",
-        "/payments",
-        &[
-            ("idempotency-key", "trace-pay-1"),
-            ("x-user-id", "alice"),
-            ("content-type", "application/json"),
-            ("traceparent", &traceparent),
-            ("tracestate", "client=e2e"),
-            ("x-request-id", "e2e-trace-1"),
-        ],
-        r#"{"amount":5}"#,
-    );
+    let pay = |request_id: &str| {
+        http(
+            gateway.addr(),
+            "POST",
+            "/payments",
+            &[
+                ("idempotency-key", "trace-pay-1"),
+                ("x-user-id", "alice"),
+                ("content-type", "application/json"),
+                ("traceparent", &traceparent),
+                ("tracestate", "client=e2e"),
+                ("x-request-id", request_id),
+            ],
+            r#"{"amount":5}"#,
+        )
+    };
+    let paid = pay("e2e-trace-1");
     assert!(paid.status < 300, "{paid:?}");
     // Only B3 on a lock: its claim and its release.
     let started = http(
@@ -114,5 +118,55 @@ fn the_sidecars_spans_continue_the_clients_trace_through_the_gateway() {
         assert_eq!(hex(&span.parent_span_id), B3_SPAN, "{span:#?}");
     }
     assert!(receiver.refused().is_empty(), "{:?}", receiver.refused());
+
+    // The access log: each line ends with what the filter left in the stream's filter state.
+    let replayed = pay("e2e-trace-2");
+    assert_eq!(
+        replayed.header("idempotent-replayed"),
+        Some("true"),
+        "{replayed:?}"
+    );
+    let unguarded = http(
+        gateway.addr(),
+        "GET",
+        "/payments",
+        &[("x-request-id", "e2e-trace-3")],
+        "",
+    );
+    assert!(unguarded.status < 500, "{unguarded:?}");
+    let lines = gateway.gateway().shared().access_log();
+    let line = |request_id: &str| -> String {
+        lines
+            .iter()
+            .find(|l| l.contains(&format!("\"{request_id}\"")))
+            .unwrap_or_else(|| panic!("no access log line for {request_id}: {lines:#?}"))
+            .clone()
+    };
+    let first = line("e2e-trace-1");
+    let fence = first
+        .split_once(" rule=payments decision=granted fence=")
+        .and_then(|(_, rest)| rest.split_once(' '))
+        .map(|(fence, _)| fence.to_owned())
+        .unwrap_or_else(|| panic!("{first}"));
+    assert!(fence.parse::<u64>().is_ok(), "{first}");
+    assert!(
+        first.ends_with(&format!("traceparent={traceparent}\n")),
+        "{first}"
+    );
+    assert!(
+        line("e2e-trace-2").contains(" rule=payments decision=replayed fence=- wait_ms=- "),
+        "{lines:#?}"
+    );
+    assert!(
+        line("e2e-trace-3").contains(" rule=- decision=- fence=- wait_ms=- traceparent=-"),
+        "{lines:#?}"
+    );
+    assert!(
+        lines
+            .iter()
+            .any(|l| l.contains("POST /bots/trace-bot/start")
+                && l.contains(" rule=start-bot decision=granted fence=")),
+        "{lines:#?}"
+    );
     gateway.shutdown();
 }

@@ -186,6 +186,44 @@ fn unsupported_fields_are_rejected_with_their_path() {
 }
 
 #[test]
+fn access_logs_print_only_what_they_can_print_as_envoy_would() {
+    let with_log = |log: serde_json::Value| {
+        parse_edited(move |v| {
+            v["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
+                ["access_log"] = serde_json::json!([log]);
+        })
+    };
+    let stdout = |format: &str| {
+        serde_json::json!({"name": "envoy.access_loggers.stdout", "typed_config": {
+            "@type": "type.googleapis.com/envoy.extensions.access_loggers.stream.v3.StdoutAccessLog",
+            "log_format": {"text_format_source": {"inline_string": format}}}})
+    };
+    let config = with_log(stdout("%FILTER_STATE(wasm.idemgate.decision:PLAIN)%\n")).unwrap();
+    assert_eq!(config.listeners[0].access_log.len(), 1);
+    // No format: Envoy's default one.
+    let default = with_log(serde_json::json!({"name": "stdout", "typed_config": {
+        "@type": "type.googleapis.com/envoy.extensions.access_loggers.stream.v3.StdoutAccessLog"}}));
+    assert_eq!(default.unwrap().listeners[0].access_log.len(), 1);
+
+    let err = with_log(stdout("%DOWNSTREAM_REMOTE_ADDRESS%"))
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("typed_config.access_log[0].typed_config: command operator %DOWNSTREAM_REMOTE_ADDRESS% is not supported"),
+        "{err}"
+    );
+    let err = with_log(serde_json::json!({"name": "file", "typed_config": {
+        "@type": "type.googleapis.com/envoy.extensions.access_loggers.file.v3.FileAccessLog",
+        "path": "/var/log/envoy.log"}}))
+    .unwrap_err()
+    .to_string();
+    assert!(
+        err.contains("access_log[0].typed_config.path: only /dev/stdout"),
+        "{err}"
+    );
+}
+
+#[test]
 fn the_wasm_chain_must_end_with_the_router() {
     let err =
         parse_edited(|v| {

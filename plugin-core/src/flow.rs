@@ -150,6 +150,13 @@ pub struct Route {
     head: RequestHead,
 }
 
+impl Route {
+    /// Its rule's place in the configuration (per-rule metrics).
+    pub fn rule_index(&self) -> usize {
+        self.index
+    }
+}
+
 /// One matched request's state, from request headers to release.
 #[derive(Debug)]
 pub struct Flow {
@@ -1181,6 +1188,11 @@ impl Flow {
             // Retried on the next tick while the lease lasts.
             None => env.telemetry.count(Counter::SidecarErrors),
         }
+    }
+
+    /// Its rule's place in the configuration (per-rule metrics).
+    pub fn rule_index(&self) -> usize {
+        self.rule_index
     }
 
     /// The request's trace context, for the glue to add to each of its callouts.

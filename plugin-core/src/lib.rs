@@ -51,7 +51,7 @@ pub use config::ConfigError;
 pub use flow::{
     Action, Answer, Callout, Flow, ReleaseResult, Route, on_leave_answer, on_release_answer,
 };
-pub use metrics::{Counter, Histogram};
+pub use metrics::{Counter, Decision, Histogram, Noted};
 pub use ports::{Env, HostError, RequestView, SharedStore, Telemetry};
 pub use problem::Reply;
 pub use spec::Config;

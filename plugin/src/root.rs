@@ -328,6 +328,10 @@ fn settle(
     let Some((for_stream, release)) = settled else {
         return;
     };
+    if matches!(for_stream, ForStream::Apply(_)) {
+        // The stream is the effective context now.
+        vm.publish_flow(stream);
+    }
     if let Some(release) = release {
         vm.queue_release(stream, release);
     }

@@ -72,6 +72,7 @@ impl Stream {
                 flow.on_request_body(config, buffered, end_of_stream, &mut read, env)
             })
         });
+        vm.publish_flow(self.id);
         match action.flatten() {
             Some(action) => self.apply(&mut vm, action),
             None => Next::Continue,
@@ -125,6 +126,7 @@ impl HttpContext for Stream {
             return Next::Continue;
         };
         let owner = vm.next_owner();
+        let rule = route.rule_index();
         let (flow, action) = {
             let Vm {
                 breaker,
@@ -132,9 +134,12 @@ impl HttpContext for Stream {
                 waiter_secret,
                 ..
             } = &mut *vm;
+            metrics.rule = rule;
+            metrics.noted = idemgate_core::Noted::default();
             let mut env = vm::host_env(breaker, metrics, owner, waiter_secret.as_ref());
             Flow::on_request_headers(&config, route, &RequestHeaders, end_of_stream, &mut env)
         };
+        vm.publish(rule, flow.as_ref().and_then(Flow::fence));
         if let Some(flow) = flow {
             vm.flows.insert(self.id, flow);
             self.tracked = true;

@@ -6,7 +6,7 @@ use std::cell::RefCell;
 use std::collections::BTreeMap;
 use std::rc::Rc;
 
-use idemgate_core::{Breaker, Callout, Config, Env, Flow, TraceContext};
+use idemgate_core::{Breaker, Callout, Config, Env, Flow, Noted, TraceContext};
 
 use crate::host::{self, Metrics, SharedData};
 
@@ -99,6 +99,8 @@ impl Vm {
         } = self;
         let config = config.as_deref()?;
         let flow = flows.get_mut(&context_id)?;
+        metrics.rule = flow.rule_index();
+        metrics.noted = Noted::default();
         *sequence = sequence.wrapping_add(1);
         let owner = *nonce | u64::from(*sequence);
         let mut env = host_env(breaker, metrics, owner, waiter_secret.as_ref());
@@ -129,6 +131,22 @@ impl Vm {
                 (renewal.is_some() || waits).then_some((*id, renewal, waits))
             })
             .collect()
+    }
+
+    /// Writes what the last step on a request decided into its filter state (its stream is
+    /// the current or effective context); `rule` is the request's rule.
+    pub(crate) fn publish(&mut self, rule: usize, fence: Option<u64>) {
+        let noted = std::mem::take(&mut self.metrics.noted);
+        if let Some(rule) = self.config.as_deref().and_then(|c| c.rules.get(rule)) {
+            host::set_filter_state(noted, &rule.name, fence);
+        }
+    }
+
+    /// [`Vm::publish`] for a stream with a flow.
+    pub(crate) fn publish_flow(&mut self, stream: u32) {
+        if let Some((rule, fence)) = self.flows.get(&stream).map(|f| (f.rule_index(), f.fence())) {
+            self.publish(rule, fence);
+        }
     }
 
     pub(crate) fn next_owner(&mut self) -> u64 {

@@ -5,6 +5,7 @@
 //! real sockets. Embeddable: [`Gateway::start`] on pre-bound sockets, then
 //! [`Gateway::shutdown`].
 
+pub mod access_log;
 pub mod bootstrap;
 pub mod config;
 mod heads;
@@ -56,7 +57,9 @@ pub struct GatewayOptions {
     pub listeners: HashMap<String, TcpListener>,
     /// An already-bound admin socket.
     pub admin: Option<TcpListener>,
-    /// One line per request on stdout.
+    /// Print access-log lines on stdout: the configured access logs' (which are kept for
+    /// [`SharedState::access_log`] either way), or the gateway's own line when none is
+    /// configured.
     pub access_log: bool,
     /// Plugin log lines at or above this level go to stderr.
     pub log_level: Option<LogLevel>,

@@ -67,6 +67,8 @@ const KNOWN_TYPES: &[&str] = &[
     wasm::STRUCT_TYPE,
     cluster::HTTP_OPTIONS_TYPE,
     wasm::WASM_SERVICE_TYPE,
+    listener::STDOUT_LOG_TYPE,
+    listener::FILE_LOG_TYPE,
 ];
 
 /// The wasm filter of a listener's chain.
@@ -91,6 +93,9 @@ pub struct ListenerConfig {
     pub suppress_envoy_headers: bool,
     /// `None`: the chain is only the router.
     pub wasm: Option<WasmFilter>,
+    /// The HCM's stdout access logs, one line each per request; none configured: the
+    /// gateway's own line (unless `GatewayOptions::access_log` is off).
+    pub access_log: Vec<crate::gateway::access_log::Format>,
 }
 
 /// A validated configuration.
