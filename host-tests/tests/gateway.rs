@@ -318,6 +318,59 @@ fn live_workers_tick_and_publish_plugin_metrics_on_the_admin_endpoint() {
         "{}",
         prometheus.body
     );
+    // Histograms as Envoy prints them: its default buckets, cumulative, then sum and count.
+    assert!(
+        prometheus.body.contains(
+            "# TYPE shared_sizes histogram\nshared_sizes_bucket{le=\"0.5\"} 0\n\
+             shared_sizes_bucket{le=\"1\"} 0\nshared_sizes_bucket{le=\"5\"} 0\n\
+             shared_sizes_bucket{le=\"10\"} 0\nshared_sizes_bucket{le=\"25\"} 0\n\
+             shared_sizes_bucket{le=\"50\"} 1\n"
+        ),
+        "{}",
+        prometheus.body
+    );
+    assert!(
+        prometheus.body.contains(
+            "shared_sizes_bucket{le=\"3600000\"} 1\nshared_sizes_bucket{le=\"+Inf\"} 1\n\
+             shared_sizes_sum 42\nshared_sizes_count 1\n"
+        ),
+        "{}",
+        prometheus.body
+    );
+}
+
+#[test]
+fn stats_tags_cut_a_label_out_of_a_metric_name_as_envoy_does() {
+    let config = parse_edited(|v| {
+        v["stats_config"] = serde_json::json!({"stats_tags": [{
+            "tag_name": "rule",
+            "regex": "^(?:wasmcustom\\.)?idemgate\\.(?:rate\\.)?rule\\.(([^.]+)\\.)"}]});
+    })
+    .unwrap();
+    let tag = &config.stats_tags[0];
+    assert_eq!(tag.name, "rule");
+    let extract = |name: &str| tag.extract(name);
+    assert_eq!(
+        extract("idemgate.rule.payments.granted"),
+        Some(("idemgate.rule.granted".into(), "payments".into()))
+    );
+    assert_eq!(
+        extract("wasmcustom.idemgate.rate.rule.rules_0_.limited"),
+        Some((
+            "wasmcustom.idemgate.rate.rule.limited".into(),
+            "rules_0_".into()
+        ))
+    );
+    assert_eq!(extract("idemgate.requests.granted"), None);
+    let err = parse_edited(|v| {
+        v["stats_config"] = serde_json::json!({"stats_tags": [{"tag_name": "x", "regex": "(a"}]});
+    })
+    .unwrap_err()
+    .to_string();
+    assert!(
+        err.contains("stats_config.stats_tags[0].regex: not a regex"),
+        "{err}"
+    );
 }
 
 #[test]
