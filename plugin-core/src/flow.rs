@@ -211,7 +211,7 @@ impl Flow {
                     KeyError::RepeatedScope | KeyError::EncodedSeparator => Counter::Ambiguous,
                     _ => Counter::InvalidKey,
                 });
-                let action = if config.shadow {
+                let action = if rule.shadow {
                     env.telemetry.count(Counter::ShadowWouldBlock);
                     Action::pass()
                 } else {
@@ -364,7 +364,7 @@ impl Flow {
             ..
         } = *self.rule;
         let wait = match conflict {
-            Conflict::Queue(policy) if !config.shadow => Some(policy),
+            Conflict::Queue(policy) if !self.rule.shadow => Some(policy),
             _ => None,
         };
         if config.local.enabled {
@@ -677,7 +677,7 @@ impl Flow {
             ClaimOutcome::Completed { response, .. } => {
                 env.telemetry.count(Counter::Replayed);
                 let reply = problem::replay(&response, payload);
-                if !config.shadow {
+                if !self.rule.shadow {
                     self.keep_locally(config, response, payload, env);
                 }
                 self.block(config, env, reply)
@@ -748,7 +748,7 @@ impl Flow {
 
     /// Answers locally — or, in shadow mode, only counts that it would have and forwards.
     fn block(&mut self, config: &Config, env: &mut Env<'_>, reply: Reply) -> Action {
-        if config.shadow {
+        if self.rule.shadow {
             env.telemetry.count(Counter::ShadowWouldBlock);
             // Keep what this request holds: it goes upstream like any other.
             self.phase = Phase::upstream();
@@ -835,7 +835,7 @@ impl Flow {
                 if !retry {
                     env.telemetry.count(Counter::LocalVetoes);
                 }
-                if config.shadow {
+                if self.rule.shadow {
                     env.telemetry.count(Counter::ShadowWouldBlock);
                     return Some(self.forward_granted(config, grant));
                 }
@@ -1193,6 +1193,11 @@ impl Flow {
     /// Its rule's place in the configuration (per-rule metrics).
     pub fn rule_index(&self) -> usize {
         self.rule_index
+    }
+
+    /// The first 12 hex digits of the stored key (a SHA-256: nothing of the raw key), for logs.
+    pub fn key_digest(&self) -> &str {
+        self.key.get(..12).unwrap_or(&self.key)
     }
 
     /// The request's trace context, for the glue to add to each of its callouts.

@@ -178,6 +178,14 @@ impl Decision {
         Decision::RateLimited,
     ];
 
+    /// Whether the request was answered locally (a shadow rule forwards it instead).
+    pub fn blocks(self) -> bool {
+        !matches!(
+            self,
+            Decision::Granted | Decision::Bypassed | Decision::FailedOpen | Decision::FailedLocal
+        )
+    }
+
     pub fn name(self) -> &'static str {
         match self {
             Decision::Granted => "granted",
@@ -203,6 +211,8 @@ impl Decision {
 pub struct Noted {
     pub decision: Option<Decision>,
     pub wait_ms: Option<u64>,
+    /// Shadow mode forwarded the request where `decision` would have blocked it.
+    pub would_block: bool,
 }
 
 impl Noted {
@@ -210,6 +220,7 @@ impl Noted {
         if let Some(decision) = counter.decision() {
             self.decision = Some(decision);
         }
+        self.would_block |= counter == Counter::ShadowWouldBlock;
     }
 
     pub fn record(&mut self, histogram: Histogram, value: u64) {
@@ -279,7 +290,8 @@ mod tests {
             noted,
             Noted {
                 decision: Some(Decision::Rejected),
-                wait_ms: Some(12)
+                wait_ms: Some(12),
+                would_block: true,
             }
         );
         assert_eq!(

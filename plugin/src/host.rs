@@ -196,6 +196,8 @@ struct RuleMetrics {
     histograms: Vec<u32>,
     /// `(allowed, limited)` of its rate limits (0 = none).
     rate: (u32, u32),
+    /// `idemgate.rule.<rule>.would_block`: shadow decisions that would have blocked.
+    would_block: u32,
 }
 
 /// Metric ids defined in `on_configure` (per VM; Envoy aggregates them by name).
@@ -235,6 +237,7 @@ impl Metrics {
                         .iter()
                         .map(|h| per_rule(MetricType::Histogram, h.per_rule()))
                         .collect(),
+                    would_block: per_rule(MetricType::Counter, "would_block"),
                     rate: if rule.rate.is_some() {
                         (counter("allowed"), counter("limited"))
                     } else {
@@ -303,6 +306,9 @@ impl Telemetry for Metrics {
                 .and_then(|r| at.and_then(|at| r.decisions.get(at)));
             increment(id.copied().unwrap_or(0));
         }
+        if counter == Counter::ShadowWouldBlock {
+            increment(self.rule_metrics().map_or(0, |r| r.would_block));
+        }
     }
 
     fn count_rate(&mut self, rule: usize, limited: bool) {
@@ -349,6 +355,9 @@ pub(crate) fn set_filter_state(noted: Noted, rule: &str, fence: Option<u64>) {
     };
     set("idemgate.rule", rule);
     set("idemgate.decision", decision.name());
+    if noted.would_block {
+        set("idemgate.would_block", "true");
+    }
     if let Some(fence) = fence {
         set("idemgate.fence", &fence.to_string());
     }

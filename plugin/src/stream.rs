@@ -116,6 +116,9 @@ impl HttpContext for Stream {
             // matched or not, before anything else can forward it.
             host::remove_request_header(&config.fencing_header);
             host::remove_request_header(&config.degraded_header);
+            if let Some(header) = &config.would_block_header {
+                host::remove_request_header(header);
+            }
             Flow::route(config, &RequestHeaders)
         });
         let Some(route) = route else {
@@ -139,11 +142,11 @@ impl HttpContext for Stream {
             let mut env = vm::host_env(breaker, metrics, owner, waiter_secret.as_ref());
             Flow::on_request_headers(&config, route, &RequestHeaders, end_of_stream, &mut env)
         };
-        vm.publish(rule, flow.as_ref().and_then(Flow::fence));
         if let Some(flow) = flow {
             vm.flows.insert(self.id, flow);
             self.tracked = true;
         }
+        vm.publish(self.id, rule);
         self.apply(&mut vm, action)
     }
 

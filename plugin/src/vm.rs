@@ -133,19 +133,48 @@ impl Vm {
             .collect()
     }
 
-    /// Writes what the last step on a request decided into its filter state (its stream is
-    /// the current or effective context); `rule` is the request's rule.
-    pub(crate) fn publish(&mut self, rule: usize, fence: Option<u64>) {
+    /// Writes what the last step on stream `stream` (rule `rule`) decided into its filter
+    /// state (the stream is the current or effective context), and logs it: a shadow rule's
+    /// would-be block at info (and marks the request, `would_block_header`), a block at debug
+    /// — the rule, the decision, the stored key's digest prefix and the context id, never a
+    /// raw key.
+    pub(crate) fn publish(&mut self, stream: u32, rule: usize) {
         let noted = std::mem::take(&mut self.metrics.noted);
-        if let Some(rule) = self.config.as_deref().and_then(|c| c.rules.get(rule)) {
-            host::set_filter_state(noted, &rule.name, fence);
+        let Some(decision) = noted.decision else {
+            return;
+        };
+        let flow = self.flows.get(&stream);
+        let Some((config, rule)) = self
+            .config
+            .as_deref()
+            .and_then(|c| Some((c, c.rules.get(rule)?)))
+        else {
+            return;
+        };
+        host::set_filter_state(noted, &rule.name, flow.and_then(Flow::fence));
+        let key = flow.map_or("-", Flow::key_digest);
+        if noted.would_block {
+            log::info!(
+                "idemgate: shadow: rule {} would have answered #{stream} locally ({}), key {key}",
+                rule.name,
+                decision.name()
+            );
+            if let Some(header) = &config.would_block_header {
+                host::set_request_headers(&[(header.clone(), decision.name().replace('_', "-"))]);
+            }
+        } else if decision.blocks() {
+            log::debug!(
+                "idemgate: rule {} {} #{stream}, key {key}",
+                rule.name,
+                decision.name()
+            );
         }
     }
 
     /// [`Vm::publish`] for a stream with a flow.
     pub(crate) fn publish_flow(&mut self, stream: u32) {
-        if let Some((rule, fence)) = self.flows.get(&stream).map(|f| (f.rule_index(), f.fence())) {
-            self.publish(rule, fence);
+        if let Some(rule) = self.flows.get(&stream).map(Flow::rule_index) {
+            self.publish(stream, rule);
         }
     }
 
