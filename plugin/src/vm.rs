@@ -153,22 +153,29 @@ impl Vm {
         };
         host::set_filter_state(noted, &rule.name, flow.and_then(Flow::fence));
         let key = flow.map_or("-", Flow::key_digest);
-        if noted.would_block {
-            log::info!(
-                "idemgate: shadow: rule {} would have answered #{stream} locally ({}), key {key}",
-                rule.name,
-                decision.name()
-            );
+        // One log site for both (the module's size budget): a would-be block at info, once
+        // per step that decided it; a local answer at debug.
+        let level = if noted.would_block {
             if let Some(header) = &config.would_block_header {
                 host::set_request_headers(&[(header.clone(), decision.name().replace('_', "-"))]);
             }
+            log::Level::Info
         } else if decision.blocks() {
-            log::debug!(
-                "idemgate: rule {} {} #{stream}, key {key}",
-                rule.name,
-                decision.name()
-            );
-        }
+            log::Level::Debug
+        } else {
+            return;
+        };
+        log::log!(
+            level,
+            "idemgate: rule {} {} #{stream}, key {key}{}",
+            rule.name,
+            decision.name(),
+            if noted.would_block {
+                " (shadow: forwarded)"
+            } else {
+                ""
+            }
+        );
     }
 
     /// [`Vm::publish`] for a stream with a flow.
