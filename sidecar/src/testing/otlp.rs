@@ -2,6 +2,12 @@
 //! decoded, for tests that follow a trace into the sidecar — its own, and the end-to-end
 //! tests that follow a request through a gateway.
 
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    reason = "a test helper: a receiver that cannot bind or a poisoned lock fails the test loudly"
+)]
+
 use bytes::Bytes;
 use http_body_util::{BodyExt, Full};
 use hyper::{Request, Response, StatusCode};
