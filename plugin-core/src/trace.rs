@@ -16,13 +16,13 @@ pub const PROPAGATED: [&str; 4] = ["traceparent", "tracestate", "b3", "x-request
 /// cannot make every callout carry a large header.
 pub const MAX_VALUE: usize = 512;
 
-/// The propagated headers a request carried, each at most [`MAX_VALUE`] bytes of visible
+/// The propagated headers a request carried, each at most `MAX_VALUE` (512) bytes of visible
 /// ASCII (and spaces: `tracestate` lists may have them).
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct TraceContext(Vec<(&'static str, String)>);
 
 impl TraceContext {
-    /// Reads [`PROPAGATED`] from the request; a value that is too long or not printable ASCII
+    /// Reads `PROPAGATED` from the request; a value that is too long or not printable ASCII
     /// is left out (it would only be refused or logged as garbage at the sidecar).
     pub fn read(req: &dyn RequestView) -> TraceContext {
         TraceContext(
