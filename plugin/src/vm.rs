@@ -157,7 +157,7 @@ impl Vm {
         // per step that decided it; a local answer at debug.
         let level = if noted.would_block {
             if let Some(header) = &config.would_block_header {
-                host::set_request_headers(&[(header.clone(), decision.name().replace('_', "-"))]);
+                host::set_request_headers(&[(header.clone(), decision.name().to_owned())]);
             }
             log::Level::Info
         } else if decision.blocks() {
