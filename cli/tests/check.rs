@@ -108,7 +108,7 @@ spec:
     assert_eq!(
         lines,
         [
-            "broken.yaml: WasmPlugin/idemgate: spec.pluginConfig: unknown field `colour`, expected one of `sidecar`, `failure_mode`, `shadow`, `breaker`, `local`, `allow_on_headers_stop_iteration`, `fencing_header`, `degraded_header`, `tick`, `release_attempts`, `rules`",
+            "broken.yaml: WasmPlugin/idemgate: spec.pluginConfig: unknown field `colour`, expected one of `sidecar`, `failure_mode`, `shadow`, `breaker`, `local`, `allow_on_headers_stop_iteration`, `fencing_header`, `degraded_header`, `would_block_header`, `tick`, `release_attempts`, `rules`",
             "broken.yaml: WasmPlugin/idemgate: spec.pluginConfig.sidecar.timeout: `soon` is not a duration like \"250ms\", \"30s\", \"5m\" or \"24h\"",
             "broken.yaml: WasmPlugin/idemgate: spec.pluginConfig.rules[0].mode: `sometimes` is not one of `idempotency`, `lock`",
             "broken.yaml: WasmPlugin/idemgate: spec.pluginConfig.rules[2].key.max_length: must be in 1..=255",

@@ -13,7 +13,7 @@ use std::sync::mpsc::{Receiver, RecvTimeoutError};
 use std::time::{Duration, Instant};
 
 /// The directory with the demo's binaries, built for this test's profile.
-fn bin_dir() -> &'static PathBuf {
+pub(crate) fn bin_dir() -> &'static PathBuf {
     static BUILT: OnceLock<PathBuf> = OnceLock::new();
     BUILT.get_or_init(|| idemgate_rig::child::built_binaries().expect("the demo's binaries build"))
 }

@@ -2,7 +2,7 @@
 //! `live` plays the README's duplicate-call scenarios through live gateways to the demo
 //! backend; `demo` runs the demo driver's binary; `hostile` plays hostile spellings and forged
 //! headers through live gateways; `grpc` guards gRPC methods between a real tonic client and
-//! service.
+//! service; `trace` follows one request's trace into the sidecar.
 
 // The whole crate is test code, helpers included: clippy's allow-*-in-tests settings
 // (clippy.toml) see only `#[test]` functions and `cfg(test)` items as tests.
@@ -15,4 +15,5 @@ mod live;
 mod observability;
 mod rate;
 mod scenarios;
+mod trace;
 mod webhooks;

@@ -916,3 +916,61 @@ fn the_shipped_envoy_config_configures_the_filter() {
         "the agent lock is claimed at the sidecar"
     );
 }
+
+#[test]
+fn a_shadow_rule_forwards_would_be_blocks_marked_logged_and_counted_per_rule() {
+    const KEY: &str = "raw-key-SECRET-7";
+    let stack = Stack::start();
+    let rules = r#"[{"name":"tried","match":{"path_prefix":"/payments"},"shadow":true},
+                    {"name":"enforced","match":{"path_prefix":"/orders"}}]"#;
+    let gw = Gateway::boot(
+        stack.addr,
+        &config(r#""would_block_header":"x-idemgate-would-block""#, rules),
+        1,
+    );
+    let forged = |request: Request| request.header("x-idemgate-would-block", "forged");
+    let first = gw.worker(0).stream();
+    first.send_request(forged(post("/payments", KEY, "{}")));
+    gw.pump();
+    assert!(fence(&first).is_some(), "granted");
+    let mark = |stream: &TestStream| {
+        stream
+            .upstream_headers()
+            .expect("forwarded")
+            .get("x-idemgate-would-block")
+    };
+    assert_eq!(
+        mark(&first),
+        None,
+        "a client's mark never reaches the backend"
+    );
+
+    // A duplicate while the first runs: forwarded, marked with the decision it escaped.
+    let dup = gw.worker(0).stream();
+    dup.send_request(forged(post("/payments", KEY, "{}")));
+    gw.pump();
+    assert_eq!(mark(&dup).as_deref(), Some("rejected"));
+    assert_eq!(gw.counter("idemgate.rule.tried.would_block"), 1);
+    assert_eq!(gw.counter("idemgate.rule.tried.rejected"), 1);
+    assert_eq!(gw.counter("idemgate.rule.tried.granted"), 1);
+    let logged = gw.host.logs_containing("(shadow: forwarded)");
+    assert_eq!(logged.len(), 1, "{logged:?}");
+    assert!(logged[0].contains("rule tried rejected #"), "{logged:?}");
+    assert!(!logged[0].contains(KEY), "{logged:?}");
+
+    // A request no rule matches loses a forged mark too.
+    let unmatched = gw.worker(0).stream();
+    unmatched.send_request(forged(Request::get("/elsewhere")));
+    assert_eq!(mark(&unmatched), None);
+
+    // The other rule still blocks, and marks nothing.
+    let order = gw.worker(0).stream();
+    order.send_request(post("/orders", KEY, "{}"));
+    gw.pump();
+    let again = gw.worker(0).stream();
+    again.send_request(post("/orders", KEY, "{}"));
+    gw.pump();
+    assert_eq!(again.response_status(), Some(409));
+    assert_eq!(gw.counter("idemgate.rule.enforced.rejected"), 1);
+    assert_eq!(gw.counter("idemgate.rule.enforced.would_block"), 0);
+}

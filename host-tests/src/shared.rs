@@ -184,6 +184,8 @@ pub struct SharedState {
     /// Requests in flight per cluster (the circuit breakers' `max_requests`).
     cluster_requests: Mutex<HashMap<String, u32>>,
     logs: Mutex<VecDeque<LogRecord>>,
+    /// The newest access-log lines of configured access logs (as many as plugin log lines).
+    access_log: Mutex<VecDeque<String>>,
     /// Only the newest lines are kept (a long-running gateway must not grow without bound).
     log_capacity: usize,
     /// Lines at or above this level are also printed to stderr (Envoy's default: info).
@@ -201,6 +203,7 @@ impl SharedState {
             metrics: Mutex::default(),
             cluster_requests: Mutex::default(),
             logs: Mutex::default(),
+            access_log: Mutex::default(),
             log_capacity,
             print_level,
             clock,
@@ -434,6 +437,23 @@ impl SharedState {
     /// Every line logged so far by any VM of this host.
     pub fn logs(&self) -> Vec<LogRecord> {
         lock(&self.logs).iter().cloned().collect()
+    }
+
+    /// Keeps a configured access log's line (the gateway also prints it on stdout).
+    pub(crate) fn access_log_line(&self, line: &str) {
+        if self.log_capacity == 0 {
+            return;
+        }
+        let mut lines = lock(&self.access_log);
+        if lines.len() >= self.log_capacity {
+            lines.pop_front();
+        }
+        lines.push_back(line.to_owned());
+    }
+
+    /// The newest lines the configured access logs printed, oldest first.
+    pub fn access_log(&self) -> Vec<String> {
+        lock(&self.access_log).iter().cloned().collect()
     }
 }
 

@@ -186,6 +186,44 @@ fn unsupported_fields_are_rejected_with_their_path() {
 }
 
 #[test]
+fn access_logs_print_only_what_they_can_print_as_envoy_would() {
+    let with_log = |log: serde_json::Value| {
+        parse_edited(move |v| {
+            v["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
+                ["access_log"] = serde_json::json!([log]);
+        })
+    };
+    let stdout = |format: &str| {
+        serde_json::json!({"name": "envoy.access_loggers.stdout", "typed_config": {
+            "@type": "type.googleapis.com/envoy.extensions.access_loggers.stream.v3.StdoutAccessLog",
+            "log_format": {"text_format_source": {"inline_string": format}}}})
+    };
+    let config = with_log(stdout("%FILTER_STATE(wasm.idemgate.decision:PLAIN)%\n")).unwrap();
+    assert_eq!(config.listeners[0].access_log.len(), 1);
+    // No format: Envoy's default one.
+    let default = with_log(serde_json::json!({"name": "stdout", "typed_config": {
+        "@type": "type.googleapis.com/envoy.extensions.access_loggers.stream.v3.StdoutAccessLog"}}));
+    assert_eq!(default.unwrap().listeners[0].access_log.len(), 1);
+
+    let err = with_log(stdout("%DOWNSTREAM_REMOTE_ADDRESS%"))
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("typed_config.access_log[0].typed_config: command operator %DOWNSTREAM_REMOTE_ADDRESS% is not supported"),
+        "{err}"
+    );
+    let err = with_log(serde_json::json!({"name": "file", "typed_config": {
+        "@type": "type.googleapis.com/envoy.extensions.access_loggers.file.v3.FileAccessLog",
+        "path": "/var/log/envoy.log"}}))
+    .unwrap_err()
+    .to_string();
+    assert!(
+        err.contains("access_log[0].typed_config.path: only /dev/stdout"),
+        "{err}"
+    );
+}
+
+#[test]
 fn the_wasm_chain_must_end_with_the_router() {
     let err =
         parse_edited(|v| {
@@ -279,6 +317,59 @@ fn live_workers_tick_and_publish_plugin_metrics_on_the_admin_endpoint() {
             .contains("# TYPE shared_requests counter\nshared_requests 1"),
         "{}",
         prometheus.body
+    );
+    // Histograms as Envoy prints them: its default buckets, cumulative, then sum and count.
+    assert!(
+        prometheus.body.contains(
+            "# TYPE shared_sizes histogram\nshared_sizes_bucket{le=\"0.5\"} 0\n\
+             shared_sizes_bucket{le=\"1\"} 0\nshared_sizes_bucket{le=\"5\"} 0\n\
+             shared_sizes_bucket{le=\"10\"} 0\nshared_sizes_bucket{le=\"25\"} 0\n\
+             shared_sizes_bucket{le=\"50\"} 1\n"
+        ),
+        "{}",
+        prometheus.body
+    );
+    assert!(
+        prometheus.body.contains(
+            "shared_sizes_bucket{le=\"3600000\"} 1\nshared_sizes_bucket{le=\"+Inf\"} 1\n\
+             shared_sizes_sum 42\nshared_sizes_count 1\n"
+        ),
+        "{}",
+        prometheus.body
+    );
+}
+
+#[test]
+fn stats_tags_cut_a_label_out_of_a_metric_name_as_envoy_does() {
+    let config = parse_edited(|v| {
+        v["stats_config"] = serde_json::json!({"stats_tags": [{
+            "tag_name": "rule",
+            "regex": "^(?:wasmcustom\\.)?idemgate\\.(?:rate\\.)?rule\\.(([^.]+)\\.)"}]});
+    })
+    .unwrap();
+    let tag = &config.stats_tags[0];
+    assert_eq!(tag.name, "rule");
+    let extract = |name: &str| tag.extract(name);
+    assert_eq!(
+        extract("idemgate.rule.payments.granted"),
+        Some(("idemgate.rule.granted".into(), "payments".into()))
+    );
+    assert_eq!(
+        extract("wasmcustom.idemgate.rate.rule.rules_0_.limited"),
+        Some((
+            "wasmcustom.idemgate.rate.rule.limited".into(),
+            "rules_0_".into()
+        ))
+    );
+    assert_eq!(extract("idemgate.requests.granted"), None);
+    let err = parse_edited(|v| {
+        v["stats_config"] = serde_json::json!({"stats_tags": [{"tag_name": "x", "regex": "(a"}]});
+    })
+    .unwrap_err()
+    .to_string();
+    assert!(
+        err.contains("stats_config.stats_tags[0].regex: not a regex"),
+        "{err}"
     );
 }
 

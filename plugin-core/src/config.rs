@@ -193,6 +193,7 @@ fn compile(bytes: &[u8], errors: &mut Errors) -> Option<Config> {
             "allow_on_headers_stop_iteration",
             "fencing_header",
             "degraded_header",
+            "would_block_header",
             "tick",
             "release_attempts",
             "rules",
@@ -241,6 +242,11 @@ fn compile(bytes: &[u8], errors: &mut Errors) -> Option<Config> {
         .take(top.str("degraded_header").and_then(|name| {
             header_name(name.unwrap_or("x-idemgate-degraded"), "degraded_header")
         }));
+    // Off unless named: marking shadow forwards is for backends that log it.
+    let would_block_header = errors.take(top.str("would_block_header").and_then(|name| {
+        name.map(|name| header_name(name, "would_block_header"))
+            .transpose()
+    }));
     let tick_ms = errors.take(top.duration("tick", 1_000));
     let release_attempts = errors.take(
         top.u32("release_attempts")
@@ -286,6 +292,7 @@ fn compile(bytes: &[u8], errors: &mut Errors) -> Option<Config> {
         allow_on_headers_stop_iteration: allow_stop,
         fencing_header: fencing_header?,
         degraded_header: degraded_header?,
+        would_block_header: would_block_header?,
         tick_ms: tick_ms?,
         release_attempts: release_attempts?,
         rules,
@@ -417,6 +424,7 @@ fn compile_rule(
             "response",
             "rate",
             "grpc",
+            "shadow",
         ],
     )?;
     errors.0.extend(unknown);
@@ -520,6 +528,8 @@ fn compile_rule(
             "grpc_store",
         ],
     )?)?;
+    // The rule's own `shadow` overrides the top-level one, and is its limits' default.
+    let shadow = r.bool("shadow")?.unwrap_or(shadow);
     let rate = match r.section("rate", &["limits", "tier", "expose", "shadow"])? {
         Some(rate) => Some(compile_rate(&rate, shadow, errors)?),
         None => None,
@@ -537,6 +547,7 @@ fn compile_rule(
         retention_ms: r.duration("retention", DEFAULT_RETENTION_MS)?,
         response,
         rate,
+        shadow,
     })
 }
 
@@ -1038,7 +1049,7 @@ mod tests {
             error_of(json),
             "configuration: unknown field `colour`, expected one of `sidecar`, `failure_mode`, \
              `shadow`, `breaker`, `local`, `allow_on_headers_stop_iteration`, `fencing_header`, \
-             `degraded_header`, `tick`, `release_attempts`, `rules`"
+             `degraded_header`, `would_block_header`, `tick`, `release_attempts`, `rules`"
         );
         // Valid parts of a broken document stay quiet; a valid document has no errors.
         assert!(parse_all(MINIMAL.as_bytes()).is_ok());

@@ -32,6 +32,7 @@ use crate::problem::{self, Refusal, Reply};
 use crate::rate::{self, Check, RateTable, Verdict};
 use crate::rule::{Matched, RequestHead, match_rule};
 use crate::spec::{ClientAbort, Config, Conflict, FailureMode, KeySource, RateSpec, Rule};
+use crate::trace::TraceContext;
 
 /// A sidecar request for the root context to dispatch.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -157,6 +158,13 @@ pub struct Route {
     head: RequestHead,
 }
 
+impl Route {
+    /// Its rule's place in the configuration (per-rule metrics).
+    pub fn rule_index(&self) -> usize {
+        self.index
+    }
+}
+
 /// One matched request's state, from request headers to release.
 #[derive(Debug)]
 pub struct Flow {
@@ -176,6 +184,8 @@ pub struct Flow {
     rate_headers: Vec<(String, String)>,
     /// A gRPC call: answered with gRPC statuses, its outcome its `grpc-status`.
     grpc: bool,
+    /// What every callout of this request carries ([`Flow::trace`]).
+    trace: TraceContext,
 }
 
 impl Flow {
@@ -211,6 +221,7 @@ impl Flow {
             release: None,
             rate_headers: Vec::new(),
             grpc: head.grpc,
+            trace: TraceContext::read(req),
         };
         let action = if body_key {
             match key::check_request(&flow.rule, &head, req) {
@@ -259,7 +270,7 @@ impl Flow {
                     KeyError::RepeatedScope | KeyError::EncodedSeparator => Counter::Ambiguous,
                     _ => Counter::InvalidKey,
                 });
-                return if config.shadow {
+                return if self.rule.shadow {
                     env.telemetry.count(Counter::ShadowWouldBlock);
                     Action::pass()
                 } else {
@@ -402,7 +413,7 @@ impl Flow {
             ..
         } = *self.rule;
         let wait = match conflict {
-            Conflict::Queue(policy) if !config.shadow => Some(policy),
+            Conflict::Queue(policy) if !self.rule.shadow => Some(policy),
             _ => None,
         };
         if config.local.enabled {
@@ -715,7 +726,7 @@ impl Flow {
             ClaimOutcome::Completed { response, .. } => {
                 env.telemetry.count(Counter::Replayed);
                 let reply = problem::replay(&response, payload, self.grpc);
-                if !config.shadow {
+                if !self.rule.shadow {
                     self.keep_locally(config, response, payload, env);
                 }
                 self.block(config, env, reply)
@@ -786,7 +797,7 @@ impl Flow {
 
     /// Answers locally — or, in shadow mode, only counts that it would have and forwards.
     fn block(&mut self, config: &Config, env: &mut Env<'_>, reply: Reply) -> Action {
-        if config.shadow {
+        if self.rule.shadow {
             env.telemetry.count(Counter::ShadowWouldBlock);
             // Keep what this request holds: it goes upstream like any other.
             self.phase = Phase::upstream();
@@ -877,7 +888,7 @@ impl Flow {
                 if !retry {
                     env.telemetry.count(Counter::LocalVetoes);
                 }
-                if config.shadow {
+                if self.rule.shadow {
                     env.telemetry.count(Counter::ShadowWouldBlock);
                     return Some(self.forward_granted(config, grant));
                 }
@@ -1256,6 +1267,21 @@ impl Flow {
             // Retried on the next tick while the lease lasts.
             None => env.telemetry.count(Counter::SidecarErrors),
         }
+    }
+
+    /// Its rule's place in the configuration (per-rule metrics).
+    pub fn rule_index(&self) -> usize {
+        self.rule_index
+    }
+
+    /// The first 12 hex digits of the stored key (a SHA-256: nothing of the raw key), for logs.
+    pub fn key_digest(&self) -> &str {
+        self.key.get(..12).unwrap_or(&self.key)
+    }
+
+    /// The request's trace context, for the glue to add to each of its callouts.
+    pub fn trace(&self) -> &TraceContext {
+        &self.trace
     }
 
     /// The fencing token granted to this request, if any.

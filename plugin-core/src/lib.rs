@@ -19,6 +19,7 @@
 //! | `capture` | what of a response is stored for replay |
 //! | `breaker` | the sidecar circuit breaker ([`Breaker`]) |
 //! | `grpc` | gRPC calls: content types, status codes by name, the stored codes |
+//! | `trace` | the trace context a request's callouts carry ([`TraceContext`]) |
 //! | `problem` | local replies: refusals as RFC 9457 problems or gRPC statuses, replays ([`Reply`]) |
 //! | [`metrics`] | metric names |
 //! | [`pairs`] | a serialized header map read in place (one host read answers every header question) |
@@ -47,13 +48,15 @@ mod local;
 mod ports;
 mod problem;
 mod rate;
+mod trace;
 
 pub use breaker::Breaker;
 pub use config::ConfigError;
 pub use flow::{
     Action, Answer, Callout, Flow, ReleaseResult, Route, on_leave_answer, on_release_answer,
 };
-pub use metrics::{Counter, Histogram};
+pub use metrics::{Counter, Decision, Histogram, Noted};
 pub use ports::{Env, HostError, RequestView, SharedStore, Telemetry};
 pub use problem::Reply;
 pub use spec::Config;
+pub use trace::TraceContext;

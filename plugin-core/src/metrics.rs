@@ -1,6 +1,8 @@
 //! Metric names: the stable, documented interface (plugin/README.md); Envoy shows them
 //! without a prefix of its own. Decisions report them through [`crate::Telemetry`].
 
+use alloc::string::String;
+
 /// Counters, one per decision and per noteworthy event.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Counter {
@@ -116,6 +118,129 @@ impl Counter {
     }
 }
 
+impl Counter {
+    /// The decision this counter records for one request (the per-rule counters and the access
+    /// log name it); `None` for events that are not a request's decision. A request's decision
+    /// is the last one counted: a queued claim counts `queued`, then `granted` or `replayed`.
+    pub fn decision(self) -> Option<Decision> {
+        Some(match self {
+            Counter::Granted => Decision::Granted,
+            Counter::Replayed => Decision::Replayed,
+            Counter::Rejected => Decision::Rejected,
+            Counter::Mismatch => Decision::Mismatch,
+            Counter::MissingKey => Decision::MissingKey,
+            Counter::InvalidKey => Decision::InvalidKey,
+            Counter::Ambiguous => Decision::Ambiguous,
+            Counter::Bypassed => Decision::Bypassed,
+            Counter::TooLarge => Decision::TooLarge,
+            Counter::FailedOpen => Decision::FailedOpen,
+            Counter::FailedClosed => Decision::FailedClosed,
+            Counter::FailedLocal => Decision::FailedLocal,
+            Counter::RateLimitedLocal | Counter::RateLimitedGlobal => Decision::RateLimited,
+            _ => return None,
+        })
+    }
+}
+
+/// What the filter decided for a request that matched a rule: counted per rule
+/// (`idemgate.rule.<rule>.<decision>`) and shown in the access log (filter state).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Decision {
+    Granted,
+    Replayed,
+    Rejected,
+    Mismatch,
+    MissingKey,
+    InvalidKey,
+    Ambiguous,
+    Bypassed,
+    TooLarge,
+    FailedOpen,
+    FailedClosed,
+    FailedLocal,
+    RateLimited,
+}
+
+impl Decision {
+    pub const ALL: [Decision; 13] = [
+        Decision::Granted,
+        Decision::Replayed,
+        Decision::Rejected,
+        Decision::Mismatch,
+        Decision::MissingKey,
+        Decision::InvalidKey,
+        Decision::Ambiguous,
+        Decision::Bypassed,
+        Decision::TooLarge,
+        Decision::FailedOpen,
+        Decision::FailedClosed,
+        Decision::FailedLocal,
+        Decision::RateLimited,
+    ];
+
+    /// Whether the request was answered locally (a shadow rule forwards it instead).
+    pub fn blocks(self) -> bool {
+        !matches!(
+            self,
+            Decision::Granted | Decision::Bypassed | Decision::FailedOpen | Decision::FailedLocal
+        )
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Decision::Granted => "granted",
+            Decision::Replayed => "replayed",
+            Decision::Rejected => "rejected",
+            Decision::Mismatch => "mismatch",
+            Decision::MissingKey => "missing_key",
+            Decision::InvalidKey => "invalid_key",
+            Decision::Ambiguous => "ambiguous",
+            Decision::Bypassed => "bypassed",
+            Decision::TooLarge => "too_large",
+            Decision::FailedOpen => "failed_open",
+            Decision::FailedClosed => "failed_closed",
+            Decision::FailedLocal => "failed_local",
+            Decision::RateLimited => "rate_limited",
+        }
+    }
+}
+
+/// What one step of a request reported, kept by the glue for the request's filter state: the
+/// last decision counted and the time it waited in a queue.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Noted {
+    pub decision: Option<Decision>,
+    pub wait_ms: Option<u64>,
+    /// Shadow mode forwarded the request where `decision` would have blocked it.
+    pub would_block: bool,
+}
+
+impl Noted {
+    pub fn count(&mut self, counter: Counter) {
+        if let Some(decision) = counter.decision() {
+            self.decision = Some(decision);
+        }
+        self.would_block |= counter == Counter::ShadowWouldBlock;
+    }
+
+    pub fn record(&mut self, histogram: Histogram, value: u64) {
+        if histogram == Histogram::QueueWaitMs {
+            self.wait_ms = Some(value);
+        }
+    }
+}
+
+/// A rule name as one segment of a stat name: `[A-Za-z0-9_-]` kept, anything else (the dots
+/// and brackets of `rules[0]`, spaces) as `_`, so a stats tag regex can cut it out whole.
+pub fn stat_segment(name: &str) -> String {
+    name.chars()
+        .map(|c| match c {
+            'a'..='z' | 'A'..='Z' | '0'..='9' | '_' | '-' => c,
+            _ => '_',
+        })
+        .collect()
+}
+
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Histogram {
     QueueWaitMs,
@@ -130,5 +255,56 @@ impl Histogram {
             Histogram::QueueWaitMs => "idemgate.queue.wait_ms",
             Histogram::SidecarLatencyMs => "idemgate.sidecar.latency_ms",
         }
+    }
+
+    /// The last segment of its per-rule twin, `idemgate.rule.<rule>.<this>`.
+    pub fn per_rule(self) -> &'static str {
+        match self {
+            Histogram::QueueWaitMs => "wait_ms",
+            Histogram::SidecarLatencyMs => "sidecar_latency_ms",
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_decision_is_some_counters_and_the_last_one_counted_is_kept() {
+        for decision in Decision::ALL {
+            assert!(
+                Counter::ALL.iter().any(|c| c.decision() == Some(decision)),
+                "{decision:?}"
+            );
+        }
+        let mut noted = Noted::default();
+        noted.count(Counter::Queued);
+        noted.record(Histogram::SidecarLatencyMs, 40);
+        assert_eq!(noted, Noted::default());
+        noted.count(Counter::LocalHits);
+        noted.count(Counter::Rejected);
+        noted.record(Histogram::QueueWaitMs, 12);
+        noted.count(Counter::ShadowWouldBlock);
+        assert_eq!(
+            noted,
+            Noted {
+                decision: Some(Decision::Rejected),
+                wait_ms: Some(12),
+                would_block: true,
+            }
+        );
+        assert_eq!(
+            Counter::RateLimitedGlobal.decision(),
+            Some(Decision::RateLimited)
+        );
+        assert_eq!(Counter::RateAllowedLocal.decision(), None);
+    }
+
+    #[test]
+    fn rule_names_become_one_stat_segment() {
+        assert_eq!(stat_segment("payments"), "payments");
+        assert_eq!(stat_segment("rules[0]"), "rules_0_");
+        assert_eq!(stat_segment("a.b c-d_e"), "a_b_c-d_e");
     }
 }

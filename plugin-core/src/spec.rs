@@ -19,6 +19,9 @@ pub struct Config {
     pub allow_on_headers_stop_iteration: bool,
     pub fencing_header: String,
     pub degraded_header: String,
+    /// Request header marking a request forwarded by shadow mode that would have been
+    /// blocked, with the decision (`None`: no mark). Removed from every request when set.
+    pub would_block_header: Option<String>,
     pub tick_ms: u64,
     pub release_attempts: u32,
     /// Shared (`Arc`: a plain counter in the single-threaded wasm) so that a request's flow
@@ -81,6 +84,8 @@ pub struct Rule {
     pub response: ResponsePolicy,
     /// Rate limits on the rule's requests (`None`: unlimited).
     pub rate: Option<RateSpec>,
+    /// Decide, log and count, never block (the rule's `shadow`, else the top-level one).
+    pub shadow: bool,
 }
 
 impl Rule {

@@ -6,7 +6,7 @@
 use std::cell::OnceCell;
 use std::time::{Duration, UNIX_EPOCH};
 
-use idemgate_core::metrics::{Counter, Histogram};
+use idemgate_core::metrics::{Counter, Decision, Histogram, Noted, stat_segment};
 use idemgate_core::pairs::Pairs;
 use idemgate_core::{Answer, Config, HostError, Reply, RequestView, SharedStore, Telemetry};
 use proxy_wasm::hostcalls;
@@ -283,42 +283,63 @@ impl SharedStore for SharedData {
     }
 }
 
+/// One rule's metric ids (0 = not defined).
+#[derive(Default)]
+struct RuleMetrics {
+    /// `idemgate.rule.<rule>.<decision>`, in `Decision::ALL` order.
+    decisions: Vec<u32>,
+    /// `idemgate.rule.<rule>.wait_ms|sidecar_latency_ms`, in `Histogram::ALL` order.
+    histograms: Vec<u32>,
+    /// `(allowed, limited)` of its rate limits (0 = none).
+    rate: (u32, u32),
+    /// `idemgate.rule.<rule>.would_block`: shadow decisions that would have blocked.
+    would_block: u32,
+}
+
 /// Metric ids defined in `on_configure` (per VM; Envoy aggregates them by name).
 #[derive(Default)]
 pub(crate) struct Metrics {
     counters: Vec<u32>,
     histograms: Vec<u32>,
-    /// Per rule: `(allowed, limited)` counter ids of its rate limits (0 = none).
-    rate: Vec<(u32, u32)>,
+    rules: Vec<RuleMetrics>,
+    /// The rule of the request a step is deciding on (set before the step).
+    pub(crate) rule: usize,
+    /// What that step reported, for the request's filter state.
+    pub(crate) noted: Noted,
 }
 
 impl Metrics {
     pub(crate) fn define(config: &Config) -> Metrics {
         let define = |kind, name: &str| hostcalls::define_metric(kind, name).unwrap_or(0);
-        let rate = config
+        let rules = config
             .rules
             .iter()
             .map(|rule| {
-                if rule.rate.is_none() {
-                    return (0, 0);
-                }
-                // Stat names take `[A-Za-z0-9_-]` safely; anything else in a rule name
-                // (rules[0], spaces) becomes `_`.
-                let name: String = rule
-                    .name
-                    .chars()
-                    .map(|c| match c {
-                        'a'..='z' | 'A'..='Z' | '0'..='9' | '_' | '-' => c,
-                        _ => '_',
-                    })
-                    .collect();
+                let name = stat_segment(&rule.name);
+                let per_rule =
+                    |kind, what: &str| define(kind, &format!("idemgate.rule.{name}.{what}"));
                 let counter = |what| {
                     define(
                         MetricType::Counter,
                         &format!("idemgate.rate.rule.{name}.{what}"),
                     )
                 };
-                (counter("allowed"), counter("limited"))
+                RuleMetrics {
+                    decisions: Decision::ALL
+                        .iter()
+                        .map(|d| per_rule(MetricType::Counter, d.name()))
+                        .collect(),
+                    histograms: Histogram::ALL
+                        .iter()
+                        .map(|h| per_rule(MetricType::Histogram, h.per_rule()))
+                        .collect(),
+                    would_block: per_rule(MetricType::Counter, "would_block"),
+                    rate: if rule.rate.is_some() {
+                        (counter("allowed"), counter("limited"))
+                    } else {
+                        (0, 0)
+                    },
+                }
             })
             .collect();
         Metrics {
@@ -330,7 +351,9 @@ impl Metrics {
                 .iter()
                 .map(|h| define(MetricType::Histogram, h.name()))
                 .collect(),
-            rate,
+            rules,
+            rule: 0,
+            noted: Noted::default(),
         }
     }
 
@@ -346,31 +369,95 @@ impl Metrics {
             let _ = hostcalls::increment_metric(id, n);
         }
     }
+
+    fn rule_metrics(&self) -> Option<&RuleMetrics> {
+        self.rules.get(self.rule)
+    }
+}
+
+/// Adds one to a defined counter (0 = its definition failed).
+fn increment(id: u32) {
+    if id != 0 {
+        let _ = hostcalls::increment_metric(id, 1);
+    }
+}
+
+/// Records a value in a defined histogram (0 = its definition failed).
+fn record(id: Option<&u32>, value: u64) {
+    if let Some(&id) = id
+        && id != 0
+    {
+        let _ = hostcalls::record_metric(id, value);
+    }
 }
 
 impl Telemetry for Metrics {
     fn count(&mut self, counter: Counter) {
         self.add(counter, 1);
+        self.noted.count(counter);
+        if let Some(decision) = counter.decision() {
+            let at = Decision::ALL.iter().position(|d| *d == decision);
+            let id = self
+                .rule_metrics()
+                .and_then(|r| at.and_then(|at| r.decisions.get(at)));
+            increment(id.copied().unwrap_or(0));
+        }
+        if counter == Counter::ShadowWouldBlock {
+            increment(self.rule_metrics().map_or(0, |r| r.would_block));
+        }
     }
 
     fn count_rate(&mut self, rule: usize, limited: bool) {
-        if let Some(&(allowed_id, limited_id)) = self.rate.get(rule) {
-            let id = if limited { limited_id } else { allowed_id };
-            if id != 0 {
-                let _ = hostcalls::increment_metric(id, 1);
-            }
+        if let Some(&(allowed_id, limited_id)) = self.rules.get(rule).map(|r| &r.rate) {
+            increment(if limited { limited_id } else { allowed_id });
         }
     }
 
     fn record(&mut self, histogram: Histogram, value: u64) {
-        let id = Histogram::ALL
-            .iter()
-            .position(|h| *h == histogram)
-            .and_then(|i| self.histograms.get(i));
-        if let Some(&id) = id
-            && id != 0
-        {
-            let _ = hostcalls::record_metric(id, value);
-        }
+        self.noted.record(histogram, value);
+        let at = Histogram::ALL.iter().position(|h| *h == histogram);
+        record(at.and_then(|at| self.histograms.get(at)), value);
+        record(
+            at.and_then(|at| self.rule_metrics().and_then(|r| r.histograms.get(at))),
+            value,
+        );
+    }
+}
+
+#[link(wasm_import_module = "env")]
+unsafe extern "C" {
+    /// The ABI's set_property, called directly: the SDK's wrapper panics on any status but Ok
+    /// (Envoy answers NotFound where a context has no stream).
+    fn proxy_set_property(
+        path_data: *const u8,
+        path_size: usize,
+        value_data: *const u8,
+        value_size: usize,
+    ) -> u32;
+}
+
+/// Puts a request's decision into its filter state, where Envoy keeps it as
+/// `wasm.<name>` (`source/extensions/common/wasm/context.cc`, `Context::setProperty`) and the
+/// access log prints it: `%FILTER_STATE(wasm.idemgate.decision:PLAIN)%`. Only a step that
+/// decided writes; the stream must be the current (or effective) context.
+pub(crate) fn set_filter_state(noted: Noted, rule: &str, fence: Option<u64>) {
+    let Some(decision) = noted.decision else {
+        return;
+    };
+    let set = |name: &str, value: &str| {
+        // SAFETY: both pointers and lengths describe live strings; the host only reads them.
+        let _ =
+            unsafe { proxy_set_property(name.as_ptr(), name.len(), value.as_ptr(), value.len()) };
+    };
+    set("idemgate.rule", rule);
+    set("idemgate.decision", decision.name());
+    if noted.would_block {
+        set("idemgate.would_block", "true");
+    }
+    if let Some(fence) = fence {
+        set("idemgate.fence", &fence.to_string());
+    }
+    if let Some(wait_ms) = noted.wait_ms {
+        set("idemgate.wait_ms", &wait_ms.to_string());
     }
 }

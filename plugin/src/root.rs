@@ -10,7 +10,8 @@ use std::time::Duration;
 
 use idemgate_core::metrics::Counter;
 use idemgate_core::{
-    Action, Answer, Callout, Config, Env, Flow, ReleaseResult, on_leave_answer, on_release_answer,
+    Action, Answer, Callout, Config, Env, Flow, ReleaseResult, TraceContext, on_leave_answer,
+    on_release_answer,
 };
 use proxy_wasm::hostcalls;
 use proxy_wasm::traits::{Context, HttpContext, RootContext};
@@ -170,7 +171,7 @@ impl RootContext for Root {
         dispatch_releases(&mut vm, &config, retries);
         for (stream, renewal, waits_locally) in vm.tick_work() {
             if let Some(callout) = renewal {
-                match dispatch(&config, &callout) {
+                match dispatch(&config, &callout, vm.flows.get(&stream).map(Flow::trace)) {
                     Some(token) => {
                         vm.calls.insert(token, Call::Renew(stream));
                     }
@@ -224,7 +225,7 @@ fn vm_number() -> u32 {
 fn dispatch_queued(vm: &mut Vm, config: &Config) {
     vm.kicked = false;
     for (stream, callout) in std::mem::take(&mut vm.decisions) {
-        match dispatch(config, &callout) {
+        match dispatch(config, &callout, vm.flows.get(&stream).map(Flow::trace)) {
             Some(token) => {
                 vm.calls.insert(token, Call::Decision(stream));
             }
@@ -243,7 +244,7 @@ fn dispatch_releases(vm: &mut Vm, config: &Config, releases: Vec<PendingRelease>
         {
             continue;
         }
-        match dispatch(config, &release.callout) {
+        match dispatch(config, &release.callout, Some(&release.trace)) {
             Some(token) => {
                 vm.calls.insert(token, Call::Release(release));
             }
@@ -252,7 +253,8 @@ fn dispatch_releases(vm: &mut Vm, config: &Config, releases: Vec<PendingRelease>
     }
 }
 
-fn dispatch(config: &Config, callout: &Callout) -> Option<u32> {
+/// Sends a callout, carrying its request's trace context (`None`: the flow is gone).
+fn dispatch(config: &Config, callout: &Callout, trace: Option<&TraceContext>) -> Option<u32> {
     let auth = config.sidecar.token.as_ref().map(|t| format!("Bearer {t}"));
     let mut headers = vec![
         (":method", "POST"),
@@ -263,6 +265,7 @@ fn dispatch(config: &Config, callout: &Callout) -> Option<u32> {
     if let Some(auth) = &auth {
         headers.push(("authorization", auth.as_str()));
     }
+    headers.extend(trace.into_iter().flat_map(TraceContext::headers));
     // Envoy reads the timeout as a signed 32-bit value.
     let timeout = Duration::from_millis(callout.timeout_ms.min(i32::MAX as u64));
     match hostcalls::dispatch_http_call(
@@ -325,6 +328,10 @@ fn settle(
     let Some((for_stream, release)) = settled else {
         return;
     };
+    if matches!(for_stream, ForStream::Apply(_)) {
+        // The stream is the effective context now.
+        vm.publish_flow(stream);
+    }
     if let Some(release) = release {
         vm.queue_release(stream, release);
     }

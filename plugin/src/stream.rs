@@ -79,6 +79,7 @@ impl Stream {
                 )
             })
         });
+        vm.publish_flow(self.id);
         match action.flatten() {
             Some(action) => self.apply(&mut vm, action),
             None => Next::Continue,
@@ -123,6 +124,9 @@ impl HttpContext for Stream {
             // matched or not, before anything else can forward it.
             host::remove_request_header(&config.fencing_header);
             host::remove_request_header(&config.degraded_header);
+            if let Some(header) = &config.would_block_header {
+                host::remove_request_header(header);
+            }
             Flow::route(config, &headers)
         });
         let Some(route) = route else {
@@ -133,6 +137,7 @@ impl HttpContext for Stream {
             return Next::Continue;
         };
         let owner = vm.next_owner();
+        let rule = route.rule_index();
         let (flow, action) = {
             let Vm {
                 breaker,
@@ -140,6 +145,8 @@ impl HttpContext for Stream {
                 waiter_secret,
                 ..
             } = &mut *vm;
+            metrics.rule = rule;
+            metrics.noted = idemgate_core::Noted::default();
             let mut env = vm::host_env(breaker, metrics, owner, waiter_secret.as_ref());
             Flow::on_request_headers(&config, route, &headers, end_of_stream, &mut env)
         };
@@ -148,6 +155,7 @@ impl HttpContext for Stream {
             vm.flows.insert(self.id, flow);
             self.tracked = true;
         }
+        vm.publish(self.id, rule);
         self.apply(&mut vm, action)
     }
 

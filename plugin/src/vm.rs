@@ -6,7 +6,7 @@ use std::cell::RefCell;
 use std::collections::BTreeMap;
 use std::rc::Rc;
 
-use idemgate_core::{Breaker, Callout, Config, Env, Flow};
+use idemgate_core::{Breaker, Callout, Config, Env, Flow, Noted, TraceContext};
 
 use crate::host::{self, Metrics, SharedData};
 
@@ -26,6 +26,8 @@ pub(crate) struct PendingRelease {
     pub(crate) attempts: u32,
     /// The stream it releases for (a leave is retried while that stream's claim is unanswered).
     pub(crate) stream: u32,
+    /// Its request's trace context (the flow may be gone when it is sent).
+    pub(crate) trace: TraceContext,
 }
 
 #[derive(Default)]
@@ -97,6 +99,8 @@ impl Vm {
         } = self;
         let config = config.as_deref()?;
         let flow = flows.get_mut(&context_id)?;
+        metrics.rule = flow.rule_index();
+        metrics.noted = Noted::default();
         *sequence = sequence.wrapping_add(1);
         let owner = *nonce | u64::from(*sequence);
         let mut env = host_env(breaker, metrics, owner, waiter_secret.as_ref());
@@ -129,6 +133,58 @@ impl Vm {
             .collect()
     }
 
+    /// Writes what the last step on stream `stream` (rule `rule`) decided into its filter
+    /// state (the stream is the current or effective context), and logs it: a shadow rule's
+    /// would-be block at info (and marks the request, `would_block_header`), a block at debug
+    /// — the rule, the decision, the stored key's digest prefix and the context id, never a
+    /// raw key.
+    pub(crate) fn publish(&mut self, stream: u32, rule: usize) {
+        let noted = std::mem::take(&mut self.metrics.noted);
+        let Some(decision) = noted.decision else {
+            return;
+        };
+        let flow = self.flows.get(&stream);
+        let Some((config, rule)) = self
+            .config
+            .as_deref()
+            .and_then(|c| Some((c, c.rules.get(rule)?)))
+        else {
+            return;
+        };
+        host::set_filter_state(noted, &rule.name, flow.and_then(Flow::fence));
+        let key = flow.map_or("-", Flow::key_digest);
+        // One log site for both (the module's size budget): a would-be block at info, once
+        // per step that decided it; a local answer at debug.
+        let level = if noted.would_block {
+            if let Some(header) = &config.would_block_header {
+                host::set_request_headers(&[(header.clone(), decision.name().to_owned())]);
+            }
+            log::Level::Info
+        } else if decision.blocks() {
+            log::Level::Debug
+        } else {
+            return;
+        };
+        log::log!(
+            level,
+            "idemgate: rule {} {} #{stream}, key {key}{}",
+            rule.name,
+            decision.name(),
+            if noted.would_block {
+                " (shadow: forwarded)"
+            } else {
+                ""
+            }
+        );
+    }
+
+    /// [`Vm::publish`] for a stream with a flow.
+    pub(crate) fn publish_flow(&mut self, stream: u32) {
+        if let Some(rule) = self.flows.get(&stream).map(Flow::rule_index) {
+            self.publish(stream, rule);
+        }
+    }
+
     pub(crate) fn next_owner(&mut self) -> u64 {
         self.sequence = self.sequence.wrapping_add(1);
         self.nonce | u64::from(self.sequence)
@@ -136,10 +192,16 @@ impl Vm {
 
     /// Queues a release for the root and makes sure a tick comes soon to dispatch it.
     pub(crate) fn queue_release(&mut self, stream: u32, callout: Callout) {
+        let trace = self
+            .flows
+            .get(&stream)
+            .map(|flow| flow.trace().clone())
+            .unwrap_or_default();
         self.releases.push(PendingRelease {
             callout,
             attempts: 0,
             stream,
+            trace,
         });
         self.kick();
     }

@@ -16,6 +16,8 @@
 //! Needs `redis-server` (and `redis-cli` for the Cluster) on PATH; `cargo xtask test`
 //! installs them.
 
+pub mod otlp;
+
 use crate::config::{RedisConfig, RedisTls, RedisTopology, StoreConfig};
 use std::io::{self, Read, Write};
 use std::net::{TcpListener, TcpStream};

@@ -5,6 +5,7 @@
 //! real sockets. Embeddable: [`Gateway::start`] on pre-bound sockets, then
 //! [`Gateway::shutdown`].
 
+pub mod access_log;
 pub mod bootstrap;
 pub mod config;
 mod heads;
@@ -56,7 +57,9 @@ pub struct GatewayOptions {
     pub listeners: HashMap<String, TcpListener>,
     /// An already-bound admin socket.
     pub admin: Option<TcpListener>,
-    /// One line per request on stdout.
+    /// Print access-log lines on stdout: the configured access logs' (which are kept for
+    /// [`SharedState::access_log`] either way), or the gateway's own line when none is
+    /// configured.
     pub access_log: bool,
     /// Plugin log lines at or above this level go to stderr.
     pub log_level: Option<LogLevel>,
@@ -237,6 +240,7 @@ impl Gateway {
                 let admin = Admin {
                     shared: Arc::clone(&shared),
                     stats: Arc::clone(&stats),
+                    tags: config.stats_tags.clone(),
                 };
                 let rx = shutdown.subscribe();
                 threads.push(
@@ -519,7 +523,33 @@ async fn accept_loop(listener: Rc<ListenerWorker>, socket: tokio::net::TcpListen
 struct Admin {
     shared: Arc<SharedState>,
     stats: Arc<Stats>,
+    /// `stats_config.stats_tags`, applied to the plugin metrics on `/stats/prometheus`.
+    tags: Vec<config::StatsTag>,
 }
+
+/// Envoy's default histogram buckets (`source/common/stats/histogram_impl.h`,
+/// `HistogramSettingsImpl::defaultBuckets`), which `/stats/prometheus` prints as `le`.
+const DEFAULT_BUCKETS: [f64; 19] = [
+    0.5,
+    1.0,
+    5.0,
+    10.0,
+    25.0,
+    50.0,
+    100.0,
+    250.0,
+    500.0,
+    1_000.0,
+    2_500.0,
+    5_000.0,
+    10_000.0,
+    30_000.0,
+    60_000.0,
+    300_000.0,
+    600_000.0,
+    1_800_000.0,
+    3_600_000.0,
+];
 
 impl Admin {
     fn stats_text(&self) -> String {
@@ -573,26 +603,70 @@ impl Admin {
             let name = format!("envoy_{}", sanitize(&name));
             let _ = writeln!(out, "# TYPE {name} counter\n{name} {value}");
         }
+        // Plugin metrics grouped by their name once the tags are cut out (one `# TYPE` line
+        // per name, as Envoy prints them), each sample with its tags as labels.
+        let mut grouped: BTreeMap<String, Vec<(String, crate::shared::Metric)>> = BTreeMap::new();
         for (name, metric) in self.shared.metrics() {
-            let name = sanitize(&name);
-            match metric.kind {
-                crate::abi::MetricKind::Counter => {
-                    let _ = writeln!(out, "# TYPE {name} counter\n{name} {}", metric.value);
+            let (name, labels) = self.tagged(&name);
+            grouped
+                .entry(sanitize(&name))
+                .or_default()
+                .push((labels, metric));
+        }
+        for (name, samples) in grouped {
+            let kind = match samples.first().map(|(_, m)| m.kind) {
+                Some(crate::abi::MetricKind::Counter) => "counter",
+                Some(crate::abi::MetricKind::Gauge) => "gauge",
+                _ => "histogram",
+            };
+            let _ = writeln!(out, "# TYPE {name} {kind}");
+            for (labels, metric) in samples {
+                let braced = |extra: &str| -> String {
+                    match (labels.is_empty(), extra.is_empty()) {
+                        (true, true) => String::new(),
+                        (false, true) => format!("{{{labels}}}"),
+                        (true, false) => format!("{{{extra}}}"),
+                        (false, false) => format!("{{{labels},{extra}}}"),
+                    }
+                };
+                if metric.kind != crate::abi::MetricKind::Histogram {
+                    let _ = writeln!(out, "{name}{} {}", braced(""), metric.value);
+                    continue;
                 }
-                crate::abi::MetricKind::Gauge => {
-                    let _ = writeln!(out, "# TYPE {name} gauge\n{name} {}", metric.value);
-                }
-                crate::abi::MetricKind::Histogram => {
-                    let sum: u64 = metric.samples.iter().sum();
+                for le in DEFAULT_BUCKETS {
+                    let count = metric.samples.iter().filter(|&&v| v as f64 <= le).count();
                     let _ = writeln!(
                         out,
-                        "# TYPE {name} summary\n{name}_sum {sum}\n{name}_count {}",
-                        metric.samples.len()
+                        "{name}_bucket{} {count}",
+                        braced(&format!("le=\"{le}\""))
                     );
                 }
+                let total = metric.samples.len();
+                let sum: u64 = metric.samples.iter().sum();
+                let _ = writeln!(out, "{name}_bucket{} {total}", braced("le=\"+Inf\""));
+                let _ = writeln!(out, "{name}_sum{} {sum}", braced(""));
+                let _ = writeln!(out, "{name}_count{} {total}", braced(""));
             }
         }
         out
+    }
+
+    /// A plugin metric's name with every configured tag cut out, and the tags as Prometheus
+    /// labels (`rule="payments"`), in the order the extractors are configured.
+    fn tagged(&self, name: &str) -> (String, String) {
+        let mut name = name.to_owned();
+        let mut labels = Vec::new();
+        for tag in &self.tags {
+            if let Some((rest, value)) = tag.extract(&name) {
+                name = rest;
+                labels.push(format!(
+                    "{}=\"{}\"",
+                    tag.name,
+                    value.replace('\\', "\\\\").replace('"', "\\\"")
+                ));
+            }
+        }
+        (name, labels.join(","))
     }
 
     fn answer(&self, path: &str) -> http::Response<Full<Bytes>> {

@@ -122,6 +122,14 @@ struct Driver {
 }
 
 impl Driver {
+    /// A value the wasm filter stored with `proxy_set_property` (its path as the filter gave it).
+    fn filter_state(&self, path: &[u8]) -> Option<Vec<u8>> {
+        match (&self.chain, &self.listener.vm) {
+            (Chain::Wasm(id), Some(vm)) => vm.borrow().filter_state(*id, path),
+            _ => None,
+        }
+    }
+
     fn with_vm(&mut self, f: impl FnOnce(&mut crate::vm::Vm, StreamId)) {
         if let (Chain::Wasm(id), Some(vm)) = (&self.chain, &self.listener.vm) {
             f(&mut vm.borrow_mut(), *id);
@@ -508,6 +516,8 @@ struct Outcome {
     bytes_sent: usize,
     upstream: Option<SocketAddr>,
     cluster: Option<String>,
+    /// What went to the client (for `%RESP(...)%`).
+    response_headers: Option<HeaderMap>,
 }
 
 async fn drive(
@@ -517,6 +527,7 @@ async fn drive(
     protocol: String,
 ) {
     let started = Instant::now();
+    let started_at = std::time::SystemTime::now();
     let listener = Rc::clone(&connection.listener);
     let (parts, body) = request.into_parts();
     let mut headers = downstream_headers(&parts);
@@ -738,6 +749,7 @@ async fn drive(
                             .and_then(|s| s.parse().ok())
                             .unwrap_or(502);
                         outcome.status = Some(status);
+                        outcome.response_headers = Some(headers.clone());
                         *response.status_mut() = http::StatusCode::from_u16(status)
                             .unwrap_or(http::StatusCode::BAD_GATEWAY);
                         http_headers(&headers, response.headers_mut());
@@ -862,7 +874,11 @@ async fn drive(
             .stats
             .add(format!("http.{prefix}.downstream_rq_{}xx", s / 100), 1);
     }
-    if listener.access_log {
+    if listener.config.access_log.is_empty() {
+        if !listener.access_log {
+            return;
+        }
+        // No access log configured: the gateway's own line.
         println!(
             "[{}] \"{} {} {}\" {} {} {} {} {} \"{}\" \"{}\" \"{}\" worker={}",
             std::time::SystemTime::now()
@@ -883,5 +899,32 @@ async fn drive(
                 .map_or_else(|| "-".to_owned(), |a| a.to_string()),
             listener.worker,
         );
+        return;
+    }
+    // Envoy keeps a wasm filter's properties under `wasm.<path>`.
+    let filter_state = |key: &str| -> Option<Vec<u8>> {
+        let path = key.strip_prefix("wasm.")?;
+        driver.filter_state(path.as_bytes())
+    };
+    let entry = super::access_log::Entry {
+        start: started_at,
+        request: &headers,
+        response: outcome.response_headers.as_ref(),
+        status: outcome.status.unwrap_or(0),
+        details: outcome.details.as_deref(),
+        bytes_received: outcome.bytes_received,
+        bytes_sent: outcome.bytes_sent,
+        duration_ms: started.elapsed().as_millis(),
+        protocol: &protocol,
+        upstream: outcome.upstream,
+        filter_state: &filter_state,
+    };
+    for format in &listener.config.access_log {
+        // Printed unless the gateway was told not to (`--no-access-log`), kept either way.
+        let line = format.render(&entry);
+        if listener.access_log {
+            print!("{line}");
+        }
+        listener.shared.access_log_line(&line);
     }
 }

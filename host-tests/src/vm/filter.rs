@@ -215,6 +215,16 @@ impl Vm {
             .is_none_or(|s| s.finished)
     }
 
+    /// A value the filter stored on a stream with `proxy_set_property` (Envoy's filter state
+    /// `wasm.<path>`), readable until the stream's record is forgotten.
+    pub fn filter_state(&self, id: StreamId, path: &[u8]) -> Option<Vec<u8>> {
+        self.store
+            .data()
+            .streams
+            .get(&id)
+            .and_then(|s| s.filter_state.get(path).cloned())
+    }
+
     /// Forgets a finished stream's host-side record.
     pub fn remove_stream(&mut self, id: StreamId) {
         let state = self.store.data_mut();

@@ -1097,6 +1097,34 @@ fn shadow_mode_decides_counts_and_never_blocks() {
 }
 
 #[test]
+fn a_rules_shadow_overrides_the_top_level_one() {
+    // Shadow on one rule only: its local duplicate is forwarded and counted; the other rule
+    // still refuses.
+    let mut gw = Gateway::new(
+        r#"{"sidecar":{"cluster":"s"},"rules":[
+            {"name":"tried","match":{"path_prefix":"/tried"},"shadow":true},
+            {"name":"enforced"}]}"#,
+    );
+    let tried = |key: &str| Req::new("POST", "/tried").with("idempotency-key", key);
+    let (mut first, _, _) = gw.claim(&tried("k"));
+    gw.grant(&mut first, 1);
+    assert_eq!(gw.start(&tried("k")).1, Action::pass());
+    assert_eq!(gw.count(Counter::ShadowWouldBlock), 1);
+    let (mut other, _, _) = gw.claim(&post("k"));
+    gw.grant(&mut other, 2);
+    assert_eq!(reply(gw.start(&post("k")).1).status, 409);
+    assert_eq!(gw.count(Counter::ShadowWouldBlock), 1);
+
+    // Shadow everywhere but on one rule: that rule blocks.
+    let mut gw =
+        Gateway::new(r#"{"sidecar":{"cluster":"s"},"shadow":true,"rules":[{"shadow":false}]}"#);
+    let (mut first, _, _) = gw.claim(&post("k"));
+    gw.grant(&mut first, 1);
+    assert_eq!(reply(gw.start(&post("k")).1).status, 409);
+    assert_eq!(gw.count(Counter::ShadowWouldBlock), 0);
+}
+
+#[test]
 fn renewals_on_half_lease_and_lease_loss() {
     let mut gw = Gateway::rules(REJECT);
     let (mut flow, _, _) = gw.claim(&post("k"));

@@ -2,6 +2,7 @@
 
 use super::walk::{Message, Node};
 use super::{ListenerConfig, socket_address, wasm};
+use crate::gateway::access_log::{ENVOY_DEFAULT_FORMAT, Format as AccessLogFormat};
 use crate::plugin::Cluster;
 use std::collections::BTreeMap;
 use std::path::Path;
@@ -202,9 +203,11 @@ fn connection_manager(
             "server_name",
             "server_header_transformation",
             "http_protocol_options",
+            "access_log",
         ],
-        &["access_log"],
+        &[],
     );
+    let access_log = access_logs(&hcm);
     let stat_prefix = hcm.string("stat_prefix");
     if let Some(codec) = hcm.get("codec_type") {
         codec.choice(&["AUTO"]);
@@ -255,7 +258,59 @@ fn connection_manager(
         hcm: options,
         suppress_envoy_headers,
         wasm,
+        access_log,
     })
+}
+
+pub(super) const STDOUT_LOG_TYPE: &str =
+    "type.googleapis.com/envoy.extensions.access_loggers.stream.v3.StdoutAccessLog";
+pub(super) const FILE_LOG_TYPE: &str =
+    "type.googleapis.com/envoy.extensions.access_loggers.file.v3.FileAccessLog";
+
+/// The HCM's `access_log`: stdout loggers (`StdoutAccessLog`, or `FileAccessLog` to
+/// `/dev/stdout`) with a text format; each prints one line per request, as Envoy's do.
+fn access_logs(hcm: &Message<'_>) -> Vec<AccessLogFormat> {
+    let mut formats = Vec::new();
+    for node in hcm.list("access_log") {
+        let log = node.message(&["name", "typed_config"], &[]);
+        let Some((type_url, config)) = log.required("typed_config").and_then(|t| t.any()) else {
+            continue;
+        };
+        let config = match type_url {
+            STDOUT_LOG_TYPE => config.message(&["log_format"], &[]),
+            FILE_LOG_TYPE => {
+                let file = config.message(&["path", "log_format"], &[]);
+                if file.str("path") != Some("/dev/stdout") {
+                    file.issue_at("path", "only /dev/stdout is supported here");
+                }
+                file
+            }
+            other => {
+                log.issue(format!(
+                    "access logger {other} is not supported: only {STDOUT_LOG_TYPE} and {FILE_LOG_TYPE} (path /dev/stdout)"
+                ));
+                continue;
+            }
+        };
+        let text = match config.message("log_format", &["text_format_source"], &[]) {
+            None => ENVOY_DEFAULT_FORMAT.to_owned(),
+            Some(format) => {
+                let source = format.message("text_format_source", &["inline_string"], &[]);
+                match source.as_ref().and_then(|s| s.str("inline_string")) {
+                    Some(text) => text.to_owned(),
+                    None => {
+                        format.issue("needs text_format_source.inline_string");
+                        continue;
+                    }
+                }
+            }
+        };
+        match AccessLogFormat::parse(&text) {
+            Ok(format) => formats.push(format),
+            Err(why) => config.issue(why),
+        }
+    }
+    formats
 }
 
 const SUPPORTED_FILTERS: &str = "at most one envoy.filters.http.wasm \

@@ -13,7 +13,7 @@ use crate::plugin::{Cluster, PluginSettings};
 use std::collections::BTreeMap;
 use std::net::{SocketAddr, ToSocketAddrs};
 use std::path::{Path, PathBuf};
-use walk::{Issues, Node};
+use walk::{Issues, Message, Node};
 
 pub use listener::{
     AppendAction, EscapedSlashesAction, HcmOptions, HeaderMutation, HeaderToAdd, PathMatch, Route,
@@ -67,6 +67,8 @@ const KNOWN_TYPES: &[&str] = &[
     wasm::STRUCT_TYPE,
     cluster::HTTP_OPTIONS_TYPE,
     wasm::WASM_SERVICE_TYPE,
+    listener::STDOUT_LOG_TYPE,
+    listener::FILE_LOG_TYPE,
 ];
 
 /// The wasm filter of a listener's chain.
@@ -91,6 +93,9 @@ pub struct ListenerConfig {
     pub suppress_envoy_headers: bool,
     /// `None`: the chain is only the router.
     pub wasm: Option<WasmFilter>,
+    /// The HCM's stdout access logs, one line each per request; none configured: the
+    /// gateway's own line (unless `GatewayOptions::access_log` is off).
+    pub access_log: Vec<crate::gateway::access_log::Format>,
 }
 
 /// A validated configuration.
@@ -104,6 +109,54 @@ pub struct EnvoyConfig {
     pub services: Vec<super::service::WasmService>,
     /// Cluster names in file order (for `--set-port clusters[<index>]=PORT`).
     cluster_order: Vec<String>,
+    /// `stats_config.stats_tags`: labels cut out of plugin metric names on `/stats/prometheus`.
+    pub stats_tags: Vec<StatsTag>,
+}
+
+/// One `stats_config.stats_tags` extractor (`envoy.config.metrics.v3.TagSpecifier` with a
+/// `regex`): where it matches a stat name, the first capture group is cut out of the name and
+/// the second (or, without one, the first) is the tag's value, as Envoy's
+/// `TagExtractorImplBase` does (`source/common/stats/tag_extractor_impl.cc`).
+#[derive(Debug, Clone)]
+pub struct StatsTag {
+    pub name: String,
+    pub regex: regex::Regex,
+}
+
+impl StatsTag {
+    /// `name` without the tagged part, and the tag's value; `None` where it does not match.
+    pub fn extract(&self, name: &str) -> Option<(String, String)> {
+        let captures = self.regex.captures(name)?;
+        let cut = captures.get(1)?;
+        let value = captures.get(2).unwrap_or(cut).as_str().to_owned();
+        let mut rest = String::with_capacity(name.len());
+        rest.push_str(&name[..cut.start()]);
+        rest.push_str(&name[cut.end()..]);
+        Some((rest, value))
+    }
+}
+
+fn stats_tags(top: &Message<'_>) -> Vec<StatsTag> {
+    let Some(stats) = top.message("stats_config", &["stats_tags"], &["use_all_default_tags"])
+    else {
+        return Vec::new();
+    };
+    let mut tags = Vec::new();
+    for node in stats.list("stats_tags") {
+        let tag = node.message(&["tag_name", "regex"], &[]);
+        let (Some(name), Some(regex)) = (tag.str("tag_name"), tag.required("regex")) else {
+            continue;
+        };
+        match regex.str().map(regex::Regex::new) {
+            Some(Ok(regex)) => tags.push(StatsTag {
+                name: name.to_owned(),
+                regex,
+            }),
+            Some(Err(e)) => regex.issue(format!("not a regex this gateway runs: {e}")),
+            None => {}
+        }
+    }
+    tags
 }
 
 /// An `envoy.config.core.v3.Address` with a TCP `socket_address`.
@@ -151,9 +204,15 @@ impl EnvoyConfig {
 
     fn walk(root: &Node<'_>, base: &Path) -> Self {
         let top = root.message(
-            &["static_resources", "admin", "bootstrap_extensions"],
+            &[
+                "static_resources",
+                "admin",
+                "bootstrap_extensions",
+                "stats_config",
+            ],
             &["node"],
         );
+        let stats_tags = stats_tags(&top);
         let resources = top
             .required("static_resources")
             .map(|n| n.message(&["listeners", "clusters"], &[]));
@@ -198,6 +257,7 @@ impl EnvoyConfig {
             admin,
             services,
             cluster_order,
+            stats_tags,
         }
     }
 
