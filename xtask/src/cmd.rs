@@ -1,9 +1,55 @@
 //! Running child processes loudly: every step prints what it runs, and a failing step
-//! stops the command with the step's name.
+//! stops the command with the step's name. Steps run inside [`logged`] write all of that to
+//! a file instead, so a lane of steps running beside others never interleaves its lines
+//! with theirs.
 
 use anyhow::{Context, Result, bail};
-use std::process::Command;
+use std::cell::RefCell;
+use std::fs::File;
+use std::io::Write as _;
+use std::path::Path;
+use std::process::{Command, Stdio};
 use std::time::Instant;
+
+thread_local! {
+    /// Where this thread's steps write, when inside [`logged`].
+    static LOG: RefCell<Option<File>> = const { RefCell::new(None) };
+}
+
+/// Runs `lane` with every step's output (its `==>` lines, [`say`] and the commands' stdout
+/// and stderr) going to `path`; the caller prints the file when the lane ends.
+pub fn logged<T>(path: &Path, lane: impl FnOnce() -> Result<T>) -> Result<T> {
+    if let Some(dir) = path.parent() {
+        std::fs::create_dir_all(dir)?;
+    }
+    let file = File::create(path).with_context(|| format!("creating {}", path.display()))?;
+    LOG.with(|log| *log.borrow_mut() = Some(file));
+    let result = lane();
+    LOG.with(|log| *log.borrow_mut() = None);
+    result
+}
+
+/// Prints a line to the terminal, or to the log inside [`logged`].
+pub fn say(line: impl std::fmt::Display) {
+    LOG.with(|log| match log.borrow_mut().as_mut() {
+        Some(file) => {
+            let _ = writeln!(file, "{line}");
+        }
+        None => println!("{line}"),
+    });
+}
+
+/// Inside [`logged`], points `command`'s stdout and stderr at the log.
+fn capture(command: &mut Command) -> Result<()> {
+    LOG.with(|log| {
+        if let Some(file) = log.borrow().as_ref() {
+            command
+                .stdout(Stdio::from(file.try_clone()?))
+                .stderr(Stdio::from(file.try_clone()?));
+        }
+        Ok(())
+    })
+}
 
 /// The cargo that runs this xtask (rustup's), for native builds.
 pub fn cargo() -> Command {
@@ -12,7 +58,8 @@ pub fn cargo() -> Command {
 
 /// Runs `command` to completion, echoing it first; fails with `name` if it fails.
 pub fn step(name: &str, command: &mut Command) -> Result<()> {
-    println!("==> {name}: {}", render(command));
+    say(format_args!("==> {name}: {}", render(command)));
+    capture(command)?;
     let started = Instant::now();
     let status = command
         .status()
@@ -20,15 +67,15 @@ pub fn step(name: &str, command: &mut Command) -> Result<()> {
     if !status.success() {
         bail!("{name} failed ({status})");
     }
-    println!("==> {name}: ok in {:.1?}", started.elapsed());
+    say(format_args!("==> {name}: ok in {:.1?}", started.elapsed()));
     Ok(())
 }
 
 /// Runs `command` quietly and returns whether it succeeded (false when it cannot start).
 pub fn succeeds(command: &mut Command) -> bool {
     command
-        .stdout(std::process::Stdio::null())
-        .stderr(std::process::Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
         .status()
         .map(|s| s.success())
         .unwrap_or(false)
@@ -36,7 +83,7 @@ pub fn succeeds(command: &mut Command) -> bool {
 
 /// Runs `command` and returns its standard output, or `None` when it cannot run or fails.
 pub fn output(command: &mut Command) -> Option<String> {
-    let out = command.stderr(std::process::Stdio::null()).output().ok()?;
+    let out = command.stderr(Stdio::null()).output().ok()?;
     out.status
         .success()
         .then(|| String::from_utf8_lossy(&out.stdout).into_owned())

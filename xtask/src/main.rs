@@ -75,7 +75,14 @@ fn workspace_root() -> PathBuf {
 }
 
 /// The README's test command. Order matters: cheap static checks first, then unit tests,
-/// then the wasm build that the integration tests load.
+/// then the integration tests, which load the wasm modules.
+///
+/// Two lanes run side by side until the integration tests: the native one (clippy, docs,
+/// the config checks, unit tests, in `target/`) and the wasm one (clippy for wasm32 and the
+/// modules, in `target/wasm-build/`). They share no build directory, and much of the wasm
+/// lane is single-threaded (std rebuilt crate after crate, the filter's one-unit LTO), so on
+/// a 2-core machine it fills the core the native lane leaves idle. The wasm lane's output is
+/// kept in `target/test-logs/wasm-lane.log` and printed whole when both lanes are done.
 fn test(root: &Path) -> Result<()> {
     // One apt run for everything, the image step's tools included.
     let needs = [
@@ -91,6 +98,47 @@ fn test(root: &Path) -> Result<()> {
             .args(["fmt", "--all", "--check"])
             .current_dir(root),
     )?;
+    let route = toolchain::wasm_route()?;
+    let wasm_log = root.join("target/test-logs/wasm-lane.log");
+    println!(
+        "==> wasm lane (clippy for wasm32, the modules): beside the native steps, output in {}",
+        wasm_log.display()
+    );
+    let (native, wasm) = std::thread::scope(|scope| {
+        let wasm_lane = scope.spawn(|| {
+            cmd::logged(&wasm_log, || {
+                let started = std::time::Instant::now();
+                cmd::step("clippy (wasm32-wasip1)", &mut wasm::clippy(root, route))?;
+                let wasm = wasm::build_with(root, route)?;
+                cmd::say(format_args!(
+                    "==> wasm lane: ok in {:.1?}",
+                    started.elapsed()
+                ));
+                Ok(wasm)
+            })
+        });
+        let native = native_checks(root);
+        let wasm = wasm_lane
+            .join()
+            .unwrap_or_else(|_| Err(anyhow::anyhow!("the wasm lane panicked")));
+        (native, wasm)
+    });
+    println!(
+        "--- wasm lane\n{}",
+        std::fs::read_to_string(&wasm_log).unwrap_or_default()
+    );
+    native?;
+    let wasm = wasm.context("wasm lane")?;
+    // The integration tests load target/idemgate.wasm and the fixtures built above.
+    testrun::integration_tests(root)?;
+    // The images, from the module above and the sidecar the integration tests built.
+    image::build_and_check(root, &image::built_by_the_tests(root)?, &wasm)?;
+    println!("xtask test: all steps passed");
+    Ok(())
+}
+
+/// The native lane of `test`: lints, docs, the config and rule checks, unit tests.
+fn native_checks(root: &Path) -> Result<()> {
     cmd::step(
         "clippy (native)",
         cmd::cargo()
@@ -116,21 +164,12 @@ fn test(root: &Path) -> Result<()> {
     envoy::check(root)?;
     envoy::check_bundle(root)?;
     observability::check(root)?;
-    let route = toolchain::wasm_route()?;
-    cmd::step("clippy (wasm32-wasip1)", &mut wasm::clippy(root, route))?;
     cmd::step(
         "unit tests",
         cmd::cargo()
             .args(["test", "--workspace", "--lib", "--bins"])
             .current_dir(root),
-    )?;
-    let wasm = wasm::build_with(root, route)?;
-    // The integration tests load target/idemgate.wasm and the fixtures built above.
-    testrun::integration_tests(root)?;
-    // The images, from the module above and the sidecar the integration tests built.
-    image::build_and_check(root, &image::built_by_the_tests(root)?, &wasm)?;
-    println!("xtask test: all steps passed");
-    Ok(())
+    )
 }
 
 /// The soak run: the ignored `soak` test of the fault suite, with its duration passed on.

@@ -123,11 +123,11 @@ pub fn build_with(root: &Path, route: Route) -> Result<PathBuf> {
         &target.join(format!("fixtures/{UNKNOWN_FIXTURE}-unknown.wasm")),
     )?;
     let size = std::fs::metadata(&filter)?.len();
-    println!(
+    cmd::say(format_args!(
         "{} ({size} bytes, {:.1} KiB)",
         filter.display(),
         size as f64 / 1024.0
-    );
+    ));
     if route == Route::Debian && optimized && size > FILTER_MAX_BYTES {
         anyhow::bail!(
             "{} is {size} bytes, above its ceiling of {FILTER_MAX_BYTES} (256 KiB): see \
@@ -192,10 +192,10 @@ fn cargo(root: &Path, route: Route, target: &str, subcommand: &[&str]) -> Comman
 fn optimize(root: &Path, from: &Path, to: &Path) -> Result<bool> {
     let installed = |tool| cmd::succeeds(Command::new("which").arg(tool));
     if !installed(WASM_OPT) || !installed(WASM_METADCE) {
-        println!(
+        cmd::say(format_args!(
             "{WASM_OPT}/{WASM_METADCE} not found (apt-get install binaryen): the filter is not \
              post-optimized"
-        );
+        ));
         copy(from, to)?;
         return Ok(false);
     }
