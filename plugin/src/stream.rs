@@ -71,7 +71,7 @@ impl Stream {
                 let mut read = |n| host::body(BufferType::HttpRequestBody, n);
                 flow.on_request_body(
                     config,
-                    &RequestHeaders,
+                    &RequestHeaders::default(),
                     buffered,
                     end_of_stream,
                     &mut read,
