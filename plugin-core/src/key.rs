@@ -56,7 +56,7 @@ impl KeyError {
 
 /// The raw key bytes of a request, validated against the rule; `Ok(None)` = absent and optional.
 /// A body key is read from an empty body here: the flow reads a non-empty one with
-/// [`from_body`] once it is buffered, after [`check_request`].
+/// [`from_body`] once it is buffered, after `check_request`.
 pub fn extract(
     rule: &Rule,
     head: &RequestHead,
