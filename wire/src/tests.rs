@@ -189,7 +189,7 @@ fn waiter_names_are_checked_like_owner_tokens() {
 
 /// The filter's answer decoding accepts and yields exactly what the typed decoding does, on
 /// every answer shape and on the malformed ones (wrong types, nulls, floats, extra elements,
-/// unknown fields, trailing bytes).
+/// unknown fields, fields named twice, escapes, trailing bytes).
 #[test]
 fn answer_decoding_agrees_with_the_typed_decoding() {
     fn agree<T: serde::de::DeserializeOwned + PartialEq + core::fmt::Debug>(frame: &[u8]) {
@@ -221,6 +221,10 @@ fn answer_decoding_agrees_with_the_typed_decoding() {
         br#"{"outcome":"busy","retry_after_ms":7,"queue_len":1,"waited":1}"#,
         br#"{"outcome":"queue_full","retry_after_ms":7,"queue_len":1}"#,
         br#"{"outcome":"won"}"#,
+        br#"{"outcome":"busy","outcome":"mismatch"}"#,
+        br#"{"outcome":"mismatch","hint":1,"hint":2}"#,
+        br#"{"outcome":"granted","owner":"o\u0041","fence":3,"lease_ms":5}"#,
+        br#"{"outc\u006fme":"mismatch"}"#,
         br#"{"outcome":1}"#,
         br#"{"outcome":null}"#,
         br#"{"outcome":"mismatch"} trailing"#,
