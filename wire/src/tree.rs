@@ -112,7 +112,8 @@ impl<'de> Visitor<'de> for NodeVisitor {
     }
 
     fn visit_map<A: de::MapAccess<'de>>(self, mut fields: A) -> Result<Node<'de>, A::Error> {
-        let mut map = Vec::new();
+        // Room for every field an answer's object has (five at most): one allocation each.
+        let mut map = Vec::with_capacity(8);
         while let Some(field) = fields.next_entry()? {
             map.push(field);
         }
