@@ -2,7 +2,7 @@
 //! answer type's own `Deserialize` reads it back through a deserializer whose error carries no
 //! message. serde_json's typed decoding formats every invalid value into its error as it
 //! builds it, floats included, and that alone links Rust's and serde_json's float printers
-//! into the filter, with a typed parser per answer type (~36 KB of its 256 KiB budget); the
+//! into the filter, with a typed parser per answer type (~33 KB of its 256 KiB budget); the
 //! filter drops the message anyway (a malformed answer is a sidecar failure whatever it says).
 //! The sidecar and the tools keep [`crate::decode`], whose errors say what is wrong.
 //!
