@@ -1383,7 +1383,7 @@ fn parse_claim<'a>(answer: Answer<'a>, key: &str) -> Option<(ClaimOutcome, &'a [
     let Answer::Http { status: 200, body } = answer else {
         return None;
     };
-    let (outcome, payload): (ClaimOutcome, &[u8]) = idemgate_wire::decode(body).ok()?;
+    let (outcome, payload): (ClaimOutcome, &[u8]) = idemgate_wire::decode_answer(body).ok()?;
     let limits = Limits::default();
     let valid = match &outcome {
         ClaimOutcome::Granted {
@@ -1409,7 +1409,7 @@ fn parse_rate(answer: Answer<'_>) -> Option<RateOutcome> {
     let Answer::Http { status: 200, body } = answer else {
         return None;
     };
-    let (outcome, payload): (RateOutcome, &[u8]) = idemgate_wire::decode(body).ok()?;
+    let (outcome, payload): (RateOutcome, &[u8]) = idemgate_wire::decode_answer(body).ok()?;
     payload.is_empty().then_some(outcome)
 }
 
@@ -1417,7 +1417,7 @@ fn parse_owner(answer: Answer<'_>) -> Option<OwnerOutcome> {
     let Answer::Http { status: 200, body } = answer else {
         return None;
     };
-    let (outcome, payload): (OwnerOutcome, &[u8]) = idemgate_wire::decode(body).ok()?;
+    let (outcome, payload): (OwnerOutcome, &[u8]) = idemgate_wire::decode_answer(body).ok()?;
     payload.is_empty().then_some(outcome)
 }
 

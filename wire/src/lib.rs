@@ -29,11 +29,13 @@ use serde::{Deserialize, Serialize};
 
 mod answer;
 mod rate;
+mod tree;
 mod validate;
 pub use rate::{
     GcraStep, MAX_CHECKS, MAX_WINDOW_US, Rate, RateCheck, RateOutcome, RateRequest, RateResult,
     gcra,
 };
+pub use tree::{Malformed, decode_answer};
 pub use validate::{FieldError, Limits};
 
 /// Request paths served by the sidecar.
@@ -284,11 +286,17 @@ pub fn encode<T: Serialize>(head: &T, payload: &[u8]) -> Vec<u8> {
 
 /// Splits a frame into its decoded head and its raw payload (empty when absent).
 pub fn decode<'a, T: Deserialize<'a>>(frame: &'a [u8]) -> Result<(T, &'a [u8]), DecodeError> {
+    let (head, payload) = split(frame);
+    let head = serde_json::from_slice(head).map_err(DecodeError)?;
+    Ok((head, payload))
+}
+
+/// A frame's head and payload (empty when absent).
+fn split(frame: &[u8]) -> (&[u8], &[u8]) {
     let mut parts = frame.splitn(2, |&b| b == b'\n');
     let head = parts.next().unwrap_or_default();
     let payload = parts.next().unwrap_or_default();
-    let head = serde_json::from_slice(head).map_err(DecodeError)?;
-    Ok((head, payload))
+    (head, payload)
 }
 
 #[cfg(test)]

@@ -186,3 +186,76 @@ fn waiter_names_are_checked_like_owner_tokens() {
     };
     assert_eq!(limits.leave(&empty).unwrap_err().field, "waiter");
 }
+
+/// The filter's answer decoding accepts and yields exactly what the typed decoding does, on
+/// every answer shape and on the malformed ones (wrong types, nulls, floats, extra elements,
+/// unknown fields, fields named twice, escapes, trailing bytes).
+#[test]
+fn answer_decoding_agrees_with_the_typed_decoding() {
+    fn agree<T: serde::de::DeserializeOwned + PartialEq + core::fmt::Debug>(frame: &[u8]) {
+        let typed = decode::<T>(frame).ok();
+        let lean = decode_answer::<T>(frame).ok();
+        assert_eq!(lean, typed, "{}", String::from_utf8_lossy(frame));
+    }
+    let claims: &[&[u8]] = &[
+        br#"{"outcome":"granted","owner":"o","fence":3,"lease_ms":5}"#,
+        br#"{"outcome":"granted","owner":"o","fence":3,"lease_ms":5,"waited_ms":2}"#,
+        br#"{"outcome":"granted","owner":"o","fence":3,"lease_ms":5,"waited_ms":null}"#,
+        br#"{"outcome":"granted","owner":"o","fence":3,"lease_ms":null}"#,
+        br#"{"outcome":"granted","owner":"o","fence":3.0,"lease_ms":5}"#,
+        br#"{"outcome":"granted","owner":"o","fence":-3,"lease_ms":5}"#,
+        br#"{"outcome":"granted","owner":"o","fence":1e2,"lease_ms":5}"#,
+        br#"{"outcome":"granted","owner":7,"fence":3,"lease_ms":5}"#,
+        br#"{"outcome":"granted","fence":3,"lease_ms":5}"#,
+        br#"{"outcome":"completed","response":{"status":200}}"#,
+        b"{\"outcome\":\"completed\",\"response\":{\"status\":201,\"headers\":[[\"a\",\"b\"]]}}\nbody",
+        br#"{"outcome":"completed","response":{"status":201,"headers":[["a","b","c"]]}}"#,
+        br#"{"outcome":"completed","response":{"status":201,"headers":[["a"]]}}"#,
+        br#"{"outcome":"completed","response":{"status":70000}}"#,
+        br#"{"outcome":"completed","response":{"status":200,"extra":1}}"#,
+        br#"{"outcome":"completed","response":null}"#,
+        br#"{"outcome":"mismatch","hint":1.5,"more":{"a":[1,-2,null,true]}}"#,
+        br#"{"outcome":"busy","retry_after_ms":7,"queue_len":1}"#,
+        br#"{"outcome":"busy","retry_after_ms":7,"queue_len":4294967296}"#,
+        br#"{"outcome":"busy","retry_after_ms":7,"queue_len":1,"waited":true}"#,
+        br#"{"outcome":"busy","retry_after_ms":7,"queue_len":1,"waited":1}"#,
+        br#"{"outcome":"queue_full","retry_after_ms":7,"queue_len":1}"#,
+        br#"{"outcome":"won"}"#,
+        br#"{"outcome":"busy","outcome":"mismatch"}"#,
+        br#"{"outcome":"mismatch","hint":1,"hint":2}"#,
+        br#"{"outcome":"granted","owner":"o\u0041","fence":3,"lease_ms":5}"#,
+        br#"{"outc\u006fme":"mismatch"}"#,
+        br#"{"outcome":1}"#,
+        br#"{"outcome":null}"#,
+        br#"{"outcome":"mismatch"} trailing"#,
+        br#"["mismatch"]"#,
+        br#"null"#,
+        b"",
+        b"\xff\xfe",
+    ];
+    for frame in claims {
+        agree::<ClaimOutcome>(frame);
+    }
+    let owners: &[&[u8]] = &[
+        br#"{"outcome":"released"}"#,
+        br#"{"outcome":"stale","lease_ms":"x"}"#,
+        br#"{"outcome":"renewed","lease_ms":9}"#,
+        br#"{"outcome":"renewed"}"#,
+        br#"{"outcome":"renewed","lease_ms":9.5}"#,
+    ];
+    for frame in owners {
+        agree::<OwnerOutcome>(frame);
+    }
+    let rates: &[&[u8]] = &[
+        br#"{"results":[{"allowed":true,"remaining":3}]}"#,
+        br#"{"results":[{"allowed":false,"remaining":0,"retry_after_ms":5,"reset_ms":9}]}"#,
+        br#"{"results":[{"allowed":false,"remaining":-1}]}"#,
+        br#"{"results":[{"allowed":"no","remaining":0}]}"#,
+        br#"{"results":[]}"#,
+        br#"{"results":{}}"#,
+        br#"{}"#,
+    ];
+    for frame in rates {
+        agree::<RateOutcome>(frame);
+    }
+}

@@ -31,11 +31,12 @@ const UNKNOWN_FIXTURE: &str = "noop";
 /// Binaryen's optimizer (Debian `binaryen`), run on the filter when present: it removes
 /// ~50 KB that LLVM leaves (duplicate functions, dead data). `-Oz`: measured as fast as `-O3`
 /// per request on the size-optimized build and 6 KiB smaller (BENCHMARKS.md, plugin/README).
-/// The profile strips the `target_features` section, so the features rustc enables for
-/// wasm32 by default are named here.
 const WASM_OPT: &str = "wasm-opt";
-const WASM_OPT_ARGS: &[&str] = &[
-    "-Oz",
+/// `--converge` reruns the passes while the module still shrinks: 397 bytes.
+const WASM_OPT_ARGS: &[&str] = &["-Oz", "--converge"];
+/// The module's features, for `wasm-opt` and `wasm-metadce` alike: the profile strips the
+/// `target_features` section, so the features rustc enables for wasm32 by default are named.
+const WASM_FEATURES: &[&str] = &[
     "--enable-bulk-memory",
     "--enable-multivalue",
     "--enable-mutable-globals",
@@ -204,7 +205,7 @@ fn optimize(root: &Path, from: &Path, to: &Path) -> Result<bool> {
     std::fs::write(&graph, metadce_graph(root, &std::fs::read(from)?)?)?;
     let mut metadce = Command::new(WASM_METADCE);
     metadce
-        .args(&WASM_OPT_ARGS[1..])
+        .args(WASM_FEATURES)
         .arg(from)
         .arg("--graph-file")
         .arg(&graph)
@@ -214,7 +215,12 @@ fn optimize(root: &Path, from: &Path, to: &Path) -> Result<bool> {
         .stdout(std::process::Stdio::null());
     cmd::step("wasm-metadce (filter: unused callbacks)", &mut metadce)?;
     let mut wasm_opt = Command::new(WASM_OPT);
-    wasm_opt.args(WASM_OPT_ARGS).arg(&trimmed).arg("-o").arg(to);
+    wasm_opt
+        .args(WASM_OPT_ARGS)
+        .args(WASM_FEATURES)
+        .arg(&trimmed)
+        .arg("-o")
+        .arg(to);
     cmd::step("wasm-opt (filter)", &mut wasm_opt)?;
     Ok(true)
 }
