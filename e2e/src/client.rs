@@ -20,6 +20,12 @@ impl Reply {
             .find(|(n, _)| n.eq_ignore_ascii_case(name))
             .map(|(_, v)| v.as_str())
     }
+
+    /// The `type` of an RFC 9457 problem body (empty when the body is not one).
+    pub fn problem_type(&self) -> String {
+        let body: serde_json::Value = serde_json::from_str(&self.body).unwrap_or_default();
+        body["type"].as_str().unwrap_or_default().to_string()
+    }
 }
 
 /// One HTTP/1.1 request on its own connection (`connection: close`), read to the end.
@@ -43,6 +49,11 @@ pub fn http(
     req.push_str("\r\n");
     req.push_str(body);
     conn.write_all(req.as_bytes()).expect("send");
+    read_reply(&mut conn)
+}
+
+/// Reads a response from `conn` to the end of the connection.
+pub fn read_reply(conn: &mut TcpStream) -> Reply {
     let mut raw = Vec::new();
     conn.read_to_end(&mut raw).expect("read");
     let text = String::from_utf8_lossy(&raw).into_owned();

@@ -177,8 +177,7 @@ const RULES: &str = r#"[
 
 /// The service, the sidecar on Redis, and a two-worker gateway guarding the service.
 struct World {
-    _stack: Stack,
-    stack_addr: SocketAddr,
+    stack: Stack,
     gateway: LiveGateway,
     executed: Shared,
     runtime: tokio::runtime::Runtime,
@@ -193,8 +192,7 @@ impl World {
         let bootstrap =
             Bootstrap::idemgate(service, stack.addr, &plugin.to_string()).backend_http2(1_000);
         World {
-            stack_addr: stack.addr,
-            _stack: stack,
+            stack,
             gateway: variant_of(bootstrap, 2),
             executed,
             runtime: tokio::runtime::Builder::new_multi_thread()
@@ -224,17 +222,6 @@ impl World {
             .runs
             .get(key)
             .copied()
-            .unwrap_or(0)
-    }
-
-    /// The sidecar's waiting claims (`idemgate_sidecar_waiters`).
-    fn waiters(&self) -> u64 {
-        let metrics = idemgate_e2e::client::http(self.stack_addr, "GET", "/metrics", &[], "");
-        metrics
-            .body
-            .lines()
-            .find_map(|l| l.strip_prefix("idemgate_sidecar_waiters "))
-            .and_then(|v| v.trim().parse().ok())
             .unwrap_or(0)
     }
 }
@@ -383,7 +370,7 @@ fn queued_grpc_calls_run_one_at_a_time_in_fifo_order() {
         queued.push(world.runtime.spawn(attach(seq, 50)));
         // Each joins the queue before the next is sent: the queue's order is the send order.
         eventually(&format!("{seq} waiting at the sidecar"), || {
-            world.waiters() == seq as u64
+            world.stack.waiters() == seq as u64
         });
     }
     for call in std::iter::once(first).chain(queued) {

@@ -18,11 +18,6 @@ use std::thread::JoinHandle;
 /// The largest fencing token: a backend that saw it would refuse every later write.
 const FORGED_FENCE: &str = "18446744073709551615";
 
-fn problem_type(reply: &Reply) -> String {
-    let body: serde_json::Value = serde_json::from_str(&reply.body).unwrap_or_default();
-    body["type"].as_str().unwrap_or_default().to_string()
-}
-
 fn post(gateway: SocketAddr, path: &str, seq: &str, work_ms: u64, extra: &[(&str, &str)]) -> Reply {
     let work = work_ms.to_string();
     let mut headers = vec![
@@ -52,7 +47,7 @@ fn spawn_post(
 
 fn assert_problem(reply: &Reply, status: u16, type_uri: &str) {
     assert_eq!(reply.status, status, "{reply:?}");
-    assert_eq!(problem_type(reply), type_uri, "{reply:?}");
+    assert_eq!(reply.problem_type(), type_uri, "{reply:?}");
 }
 
 #[test]

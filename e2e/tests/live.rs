@@ -21,11 +21,6 @@ use std::time::{Duration, Instant};
 /// A payment body the demo backend accepts.
 const AMOUNT: &str = r#"{"amount":1}"#;
 
-fn problem_type(reply: &Reply) -> String {
-    let body: serde_json::Value = serde_json::from_str(&reply.body).unwrap_or_default();
-    body["type"].as_str().unwrap_or_default().to_string()
-}
-
 /// A payment by `user` with `key` (none: no `Idempotency-Key`), labelled `key` in the
 /// backend's order (resource `payment:<user>:<key>`).
 fn pay(gateway: SocketAddr, user: &str, key: Option<&str>, body: &str, work_ms: u64) -> Reply {
@@ -79,7 +74,7 @@ fn assert_increasing(fences: &[u64]) {
 
 fn assert_in_progress(reply: &Reply) {
     assert_eq!(reply.status, 409, "{reply:?}");
-    assert_eq!(problem_type(reply), "urn:idemgate:problem:in-progress");
+    assert_eq!(reply.problem_type(), "urn:idemgate:problem:in-progress");
     assert!(reply.header("retry-after").is_some(), "{reply:?}");
 }
 
@@ -240,7 +235,7 @@ fn scenario_4_a_retried_payment_is_charged_once_and_replayed() {
 
     let no_key = pay(gateway.addr(), "demo-user", None, r#"{"amount":1}"#, 10);
     assert_eq!(no_key.status, 400, "{no_key:?}");
-    assert!(problem_type(&no_key).starts_with("urn:idemgate:problem:"));
+    assert!(no_key.problem_type().starts_with("urn:idemgate:problem:"));
 
     let other_user = pay(
         gateway.addr(),
@@ -277,7 +272,7 @@ fn scenario_4_the_same_key_with_another_body_is_422() {
     assert_eq!(again.header("idempotent-replayed"), Some("true"));
     let changed = pay(gateway.addr(), "u", Some("k-422"), r#"{"amount":2}"#, 10);
     assert_eq!(changed.status, 422, "{changed:?}");
-    assert_eq!(problem_type(&changed), "urn:idemgate:problem:key-reused");
+    assert_eq!(changed.problem_type(), "urn:idemgate:problem:key-reused");
     assert_eq!(demo.stats().charges, 1);
 }
 
@@ -332,7 +327,7 @@ fn scenario_5_sidecar_killed_fail_closed_then_recovers() {
             10,
         );
         assert_eq!(reply.status, 503, "{reply:?}");
-        assert_eq!(problem_type(&reply), "urn:idemgate:problem:unavailable");
+        assert_eq!(reply.problem_type(), "urn:idemgate:problem:unavailable");
         assert!(reply.header("retry-after").is_some(), "{reply:?}");
     }
     assert_eq!(in_flight.join().unwrap().status, 201);

@@ -6,19 +6,14 @@
 //! shipped plugin configuration.
 
 use idemgate_demo::scenarios;
-use idemgate_e2e::client::{Reply, http};
+use idemgate_e2e::client::{Reply, http, read_reply};
 use idemgate_e2e::live::*;
 use idemgate_e2e::stack::Stack;
-use std::io::{Read, Write};
+use std::io::Write;
 use std::net::{SocketAddr, TcpStream};
 use std::time::Duration;
 
 const WEBHOOKS: &str = "order-webhooks";
-
-fn problem_type(reply: &Reply) -> String {
-    let body: serde_json::Value = serde_json::from_str(&reply.body).unwrap_or_default();
-    body["type"].as_str().unwrap_or_default().to_string()
-}
 
 fn deliver(gateway: SocketAddr, body: &str) -> Reply {
     http(
@@ -47,26 +42,7 @@ fn deliver_in_parts(gateway: SocketAddr, parts: &[&str]) -> Reply {
         std::thread::sleep(Duration::from_millis(50));
         conn.write_all(part.as_bytes()).expect("send");
     }
-    let mut raw = Vec::new();
-    conn.read_to_end(&mut raw).expect("read");
-    let text = String::from_utf8_lossy(&raw).into_owned();
-    let (head, body) = text.split_once("\r\n\r\n").unwrap_or((&text, ""));
-    let status = head
-        .split(' ')
-        .nth(1)
-        .and_then(|s| s.parse().ok())
-        .unwrap_or(0);
-    let headers = head
-        .lines()
-        .skip(1)
-        .filter_map(|l| l.split_once(':'))
-        .map(|(n, v)| (n.trim().to_ascii_lowercase(), v.trim().to_string()))
-        .collect();
-    Reply {
-        status,
-        headers,
-        body: body.to_string(),
-    }
+    read_reply(&mut conn)
 }
 
 /// An order event of exactly `len` bytes (padded), with event id `id`.
@@ -150,7 +126,7 @@ fn a_delivery_that_is_not_json_is_400_not_json() {
     for body in ["id=evt_1", r#"{"id":"evt_1""#] {
         let reply = deliver(gateway.addr(), body);
         assert_eq!(reply.status, 400, "{reply:?}");
-        assert_eq!(problem_type(&reply), "urn:idemgate:problem:not-json");
+        assert_eq!(reply.problem_type(), "urn:idemgate:problem:not-json");
         assert_eq!(
             reply.header("content-type"),
             Some("application/problem+json")
@@ -172,7 +148,7 @@ fn a_delivery_up_to_the_cap_runs_and_one_byte_more_is_413() {
     let over = event_of_len("evt_big", 1025);
     let refused = deliver(gateway.addr(), &over);
     assert_eq!(refused.status, 413, "{refused:?}");
-    assert_eq!(problem_type(&refused), "urn:idemgate:problem:too-large");
+    assert_eq!(refused.problem_type(), "urn:idemgate:problem:too-large");
     assert_eq!(demo.stats().executions, 0);
     let at_cap = event_of_len("evt_big", 1024);
     let (a, b) = at_cap.split_at(300);
@@ -208,7 +184,7 @@ fn a_delivery_without_the_event_id_follows_key_required() {
     ] {
         let reply = deliver(gateway.addr(), body);
         assert_eq!(reply.status, 400, "{body}: {reply:?}");
-        assert_eq!(problem_type(&reply), "urn:idemgate:problem:missing-key");
+        assert_eq!(reply.problem_type(), "urn:idemgate:problem:missing-key");
     }
     assert_eq!(demo.stats().executions, 0);
     let mut plugin = shipped_plugin();

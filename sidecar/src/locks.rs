@@ -284,6 +284,11 @@ impl<S: Store> Locks<S> {
         if let Some(started) = queued_since {
             self.observe_wait(started);
         }
+        // What a busy or full key's caller is told to wait: what its holdings take.
+        let hint = |holder, retry_after_ms, queue_len| {
+            self.hints
+                .wait_ms(&req.key, req.mode, holder, retry_after_ms, queue_len)
+        };
         let (label, outcome, payload) = match step {
             ClaimStep::Granted(Grant {
                 fence,
@@ -320,13 +325,7 @@ impl<S: Store> Locks<S> {
             } => (
                 "busy",
                 ClaimOutcome::Busy {
-                    retry_after_ms: self.hints.wait_ms(
-                        &req.key,
-                        req.mode,
-                        holder,
-                        retry_after_ms,
-                        queue_len,
-                    ),
+                    retry_after_ms: hint(holder, retry_after_ms, queue_len),
                     queue_len,
                     waited: false,
                 },
@@ -339,13 +338,7 @@ impl<S: Store> Locks<S> {
             } => (
                 "queue_full",
                 ClaimOutcome::QueueFull {
-                    retry_after_ms: self.hints.wait_ms(
-                        &req.key,
-                        req.mode,
-                        holder,
-                        retry_after_ms,
-                        queue_len,
-                    ),
+                    retry_after_ms: hint(holder, retry_after_ms, queue_len),
                     queue_len,
                 },
                 Bytes::new(),
