@@ -1,20 +1,25 @@
-//! The situations that made people build idemgate, as timed schedules of HTTP calls. The
-//! demo plays each against the backend directly and through the gateway; the end-to-end
-//! tests play them and assert on the outcome and on the backend's ground truth.
+//! The situations that made people build idemgate, as timed schedules of HTTP and gRPC
+//! calls. The demo plays each against the backend directly and through the gateway; the
+//! end-to-end tests play them and assert on the outcome and on the backend's ground truth.
 //!
 //! A scenario is data ([`Call`]s with send offsets), so the same schedule runs anywhere;
 //! [`play`] sends every call at its offset, concurrently, and records what came back.
 
+use idemgate_rig::backend::grpc;
 use idemgate_rig::backend::{SEQ_HEADER, Stats, WORK_HEADER};
 use std::time::{Duration, Instant};
+use tonic::Code;
 
-/// One HTTP call of a scenario.
+/// One HTTP call of a scenario, or one unary gRPC call of the backend's `pay.Payments`.
 #[derive(Debug, Clone)]
 pub struct Call {
     pub method: reqwest::Method,
     pub path: String,
+    /// Request headers (a gRPC call's metadata).
     pub headers: Vec<(String, String)>,
     pub body: Option<serde_json::Value>,
+    /// A gRPC call: the method of `pay.Payments` and its request's text (`path` names it too).
+    pub grpc: Option<(&'static str, String)>,
     /// When to send it, from the scenario's start.
     pub at: Duration,
     /// The client gives up after this long (its response is lost), if set.
@@ -28,8 +33,17 @@ impl Call {
             path: path.into(),
             headers: Vec::new(),
             body: None,
+            grpc: None,
             at: Duration::from_millis(at_ms),
             give_up_after: None,
+        }
+    }
+
+    /// A unary gRPC call of `pay.Payments/<method>` carrying `text`.
+    pub fn grpc(method: &'static str, text: impl Into<String>, at_ms: u64) -> Self {
+        Call {
+            grpc: Some((method, text.into())),
+            ..Call::post(format!("/{}/{method}", grpc::SERVICE), at_ms)
         }
     }
 
@@ -52,11 +66,17 @@ impl Call {
 /// What one call got back.
 #[derive(Debug, Clone)]
 pub struct Outcome {
-    /// `None` when the client gave up or the connection failed.
+    /// `None` when the client gave up or the connection failed. A gRPC call that ended with
+    /// a status is 200 (gRPC answers ride on HTTP 200), its status in [`Outcome::grpc`]
+    /// (tonic reports a failed connection as a status too: `UNAVAILABLE`).
     pub status: Option<u16>,
+    /// A gRPC call's status code.
+    pub grpc: Option<Code>,
     /// The gateway answered with a stored response (`Idempotent-Replayed: true`).
     pub replayed: bool,
+    /// The wait hint: `Retry-After` (seconds), or a gRPC refusal's `grpc-retry-pushback-ms`.
     pub retry_after: Option<String>,
+    /// The response body; a gRPC call's answer text or its status message.
     pub body: String,
     pub latency: Duration,
 }
@@ -84,11 +104,25 @@ impl Run {
             .count()
     }
 
+    /// Calls answered 2xx, or gRPC calls that ended `OK`.
     pub fn succeeded(&self) -> usize {
         self.outcomes
             .iter()
-            .filter(|o| o.status.is_some_and(|s| (200..300).contains(&s)))
+            .filter(|o| {
+                o.status.is_some_and(|s| (200..300).contains(&s))
+                    && o.grpc.is_none_or(|code| code == Code::Ok)
+            })
             .count()
+    }
+
+    /// Calls refused while another held their key: 409, or gRPC `ABORTED`.
+    pub fn refused(&self) -> usize {
+        self.count(409)
+            + self
+                .outcomes
+                .iter()
+                .filter(|o| o.grpc == Some(Code::Aborted))
+                .count()
     }
 
     pub fn replays(&self) -> usize {
@@ -199,6 +233,23 @@ pub fn burst(agent: &str, n: usize, work_ms: u64) -> Scenario {
     }
 }
 
+/// A gRPC client hedges a slow `Charge` (gRFC A6 hedging: another attempt every 50 ms while
+/// none has answered, three in all) and, once the first answered, retries it again: one
+/// `idempotency-key` throughout, each attempt 300 ms of work at the backend.
+pub fn grpc_hedged_charge(key: &str) -> Scenario {
+    let charge = |at: u64| {
+        Call::grpc("Charge", "4200", at)
+            .header("x-user-id", "demo-user")
+            .header("idempotency-key", key)
+            .header(WORK_HEADER, "300")
+    };
+    Scenario {
+        name: "gRPC hedged charge",
+        what: "a gRPC Charge hedged 3 times 50 ms apart, retried once after it answered",
+        calls: vec![charge(0), charge(50), charge(100), charge(600)],
+    }
+}
+
 /// Plays `scenario` against `base` (e.g. `http://127.0.0.1:10000`) and reads the backend's
 /// stats from `backend` afterwards. Every call is bounded by `max_call` (no hang).
 pub async fn play(
@@ -208,13 +259,24 @@ pub async fn play(
     scenario: &Scenario,
     max_call: Duration,
 ) -> anyhow::Result<Run> {
+    // One HTTP/2 connection for the scenario's gRPC calls, as a gRPC client keeps.
+    let channel = match scenario.calls.iter().any(|c| c.grpc.is_some()) {
+        true => Some(grpc::connect(base.to_owned(), max_call).await?),
+        false => None,
+    };
     let started = Instant::now();
     let calls = scenario.calls.iter().cloned().map(|call| {
         let client = client.clone();
+        let channel = channel.clone();
         let url = format!("{base}{}", call.path);
         tokio::spawn(async move {
             tokio::time::sleep_until((started + call.at).into()).await;
-            send(&client, url, call, max_call).await
+            match (channel, &call.grpc) {
+                (Some(channel), Some((method, text))) => {
+                    send_grpc(channel, method, text, &call, max_call).await
+                }
+                _ => send(&client, url, call, max_call).await,
+            }
         })
     });
     let mut outcomes = Vec::with_capacity(scenario.calls.len());
@@ -246,6 +308,7 @@ async fn send(client: &reqwest::Client, url: String, call: Call, max_call: Durat
     match request.send().await {
         Ok(response) => {
             let status = response.status().as_u16();
+            let grpc = None;
             let header = |name: &str| {
                 response
                     .headers()
@@ -258,6 +321,7 @@ async fn send(client: &reqwest::Client, url: String, call: Call, max_call: Durat
             let body = response.text().await.unwrap_or_default();
             Outcome {
                 status: Some(status),
+                grpc,
                 replayed,
                 retry_after,
                 body,
@@ -266,10 +330,51 @@ async fn send(client: &reqwest::Client, url: String, call: Call, max_call: Durat
         }
         Err(_) => Outcome {
             status: None,
+            grpc: None,
             replayed: false,
             retry_after: None,
             body: String::new(),
             latency: sent.elapsed(),
+        },
+    }
+}
+
+async fn send_grpc(
+    channel: tonic::transport::Channel,
+    method: &str,
+    text: &str,
+    call: &Call,
+    max_call: Duration,
+) -> Outcome {
+    let deadline = call.give_up_after.unwrap_or(max_call).min(max_call);
+    let sent = Instant::now();
+    let answer = grpc::call(channel, method, text, &call.headers, deadline).await;
+    let latency = sent.elapsed();
+    match answer {
+        Ok(body) => Outcome {
+            status: Some(200),
+            grpc: Some(Code::Ok),
+            replayed: false,
+            retry_after: None,
+            body,
+            latency,
+        },
+        // The client's own deadline: it gave up, as an HTTP client that times out.
+        Err(status) if status.code() == Code::DeadlineExceeded && latency >= deadline => Outcome {
+            status: None,
+            grpc: None,
+            replayed: false,
+            retry_after: None,
+            body: String::new(),
+            latency,
+        },
+        Err(status) => Outcome {
+            status: Some(200),
+            grpc: Some(status.code()),
+            replayed: grpc::replayed(&status),
+            retry_after: grpc::pushback_ms(&status).map(|ms| format!("{ms}ms")),
+            body: status.message().to_owned(),
+            latency,
         },
     }
 }

@@ -55,6 +55,15 @@ impl Stack {
             .unwrap_or(0)
     }
 
+    /// How many keys the sidecar holds now (`GET /admin/v1/keys`: held, not completed).
+    pub fn held_keys(&self) -> usize {
+        let reply = http(self.addr, "GET", "/admin/v1/keys", &[], "");
+        let listed: serde_json::Value = serde_json::from_str(&reply.body).unwrap_or_default();
+        let keys = listed["keys"].as_array();
+        assert!(keys.is_some(), "the sidecar lists its held keys: {reply:?}");
+        keys.map_or(0, Vec::len)
+    }
+
     /// Waits (bounded) until `n` claims wait in the sidecar's queue for the stored `key`.
     pub fn wait_for_queue(&self, key: &str, n: u64) {
         let deadline = Instant::now() + Duration::from_secs(20);

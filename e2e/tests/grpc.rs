@@ -1,170 +1,24 @@
 //! gRPC methods guarded end to end: a real tonic client → a live gateway running the built
-//! filter (h2c in, HTTP/2 to the backend) → a real tonic service, with the sidecar on a real
-//! Redis. The service counts what it executed per key — the ground truth — and the client
-//! reads every decision as a gRPC status, as a gRPC client must.
+//! filter (h2c in, HTTP/2 to the backend) → the demo backend's tonic service
+//! (`idemgate_rig::backend::grpc`, `pay.Payments`), with the sidecar on a real Redis. The
+//! backend counts what it started per resource — the ground truth — and the client reads
+//! every decision as a gRPC status, as a gRPC client must.
 //!
-//! `pay.Payments` (hand-written service and `prost` message, no protoc): `Charge` and
-//! `Refund` are idempotent per `idempotency-key` metadata (`Hold` too, releasing its key when
-//! the client gives up); `Attach` locks the agent named in `x-agent-id` metadata and queues
-//! duplicates.
+//! `Charge` and `Refund` (which the backend does not implement: only a call the gateway lets
+//! through would reach it) are idempotent per `idempotency-key` metadata (`Hold` too,
+//! releasing its key when the client gives up); `Attach` locks the agent named in
+//! `x-agent-id` metadata and queues duplicates.
 
-use idemgate_e2e::live::{eventually, shipped_plugin, variant_of};
+use idemgate_demo::scenarios;
+use idemgate_e2e::live::{Demo, eventually, shipped, shipped_plugin, variant_of};
 use idemgate_e2e::stack::Stack;
 use idemgate_host::gateway::bootstrap::Bootstrap;
+use idemgate_rig::DemoBackend;
+use idemgate_rig::backend::grpc::{self, metadata_of};
+use idemgate_rig::backend::{SEQ_HEADER, Stats, Timings, WORK_HEADER};
 use idemgate_rig::gateway::LiveGateway;
-use std::collections::HashMap;
-use std::net::SocketAddr;
-use std::sync::{Arc, Mutex};
-use std::time::Duration;
-use tonic::codec::ProstCodec;
-use tonic::codegen::{BoxFuture, Context, Poll, Service, http as thttp};
+use std::time::{Duration, Instant};
 use tonic::{Code, Status};
-
-/// `pay.Text { string text = 1; }`, the service's one message.
-#[derive(Clone, PartialEq, prost::Message)]
-pub struct Text {
-    #[prost(string, tag = "1")]
-    pub text: String,
-}
-
-/// What the service executed.
-#[derive(Debug, Default)]
-struct Executed {
-    /// Runs per `idempotency-key` (Charge, Refund) or per agent (Attach).
-    runs: HashMap<String, u32>,
-    /// `x-seq` of each Attach, in the order they started.
-    order: Vec<String>,
-    /// Attach calls running now, and the most that ever ran at once.
-    active: u32,
-    max_active: u32,
-}
-
-type Shared = Arc<Mutex<Executed>>;
-
-#[derive(Clone)]
-struct Payments {
-    executed: Shared,
-}
-
-impl tonic::server::NamedService for Payments {
-    const NAME: &'static str = "pay.Payments";
-}
-
-/// One method: records the run, works `x-work-ms`, then answers by the request's text
-/// (`fail`: INTERNAL, `missing`: NOT_FOUND, else OK).
-struct Method {
-    executed: Shared,
-    attach: bool,
-}
-
-fn metadata(request: &tonic::Request<Text>, name: &str) -> String {
-    request
-        .metadata()
-        .get(name)
-        .and_then(|v| v.to_str().ok())
-        .unwrap_or_default()
-        .to_owned()
-}
-
-impl tonic::server::UnaryService<Text> for Method {
-    type Response = Text;
-    type Future = BoxFuture<tonic::Response<Text>, Status>;
-
-    fn call(&mut self, request: tonic::Request<Text>) -> Self::Future {
-        let executed = Arc::clone(&self.executed);
-        let attach = self.attach;
-        Box::pin(async move {
-            let key = metadata(
-                &request,
-                if attach {
-                    "x-agent-id"
-                } else {
-                    "idempotency-key"
-                },
-            );
-            let work_ms = metadata(&request, "x-work-ms").parse().unwrap_or(0);
-            {
-                let mut e = executed.lock().unwrap();
-                *e.runs.entry(key.clone()).or_default() += 1;
-                if attach {
-                    e.order.push(metadata(&request, "x-seq"));
-                    e.active += 1;
-                    e.max_active = e.max_active.max(e.active);
-                }
-            }
-            tokio::time::sleep(Duration::from_millis(work_ms)).await;
-            if attach {
-                executed.lock().unwrap().active -= 1;
-            }
-            match request.get_ref().text.as_str() {
-                "fail" => Err(Status::internal("boom")),
-                "missing" => Err(Status::not_found("no such account: 100% gone")),
-                text => Ok(tonic::Response::new(Text {
-                    text: format!("done {text} for {key}"),
-                })),
-            }
-        })
-    }
-}
-
-impl<B> Service<thttp::Request<B>> for Payments
-where
-    B: tonic::codegen::Body + Send + 'static,
-    B::Error: Into<tonic::codegen::StdError> + Send + 'static,
-{
-    type Response = thttp::Response<tonic::body::BoxBody>;
-    type Error = std::convert::Infallible;
-    type Future = BoxFuture<Self::Response, Self::Error>;
-
-    fn poll_ready(&mut self, _: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
-        Poll::Ready(Ok(()))
-    }
-
-    fn call(&mut self, request: thttp::Request<B>) -> Self::Future {
-        let executed = Arc::clone(&self.executed);
-        let path = request.uri().path().to_owned();
-        Box::pin(async move {
-            let mut grpc = tonic::server::Grpc::new(ProstCodec::<Text, Text>::default());
-            let method = |attach| Method { executed, attach };
-            Ok(match path.as_str() {
-                "/pay.Payments/Charge" | "/pay.Payments/Refund" | "/pay.Payments/Hold" => {
-                    grpc.unary(method(false), request).await
-                }
-                "/pay.Payments/Attach" => grpc.unary(method(true), request).await,
-                _ => Status::unimplemented(path).into_http(),
-            })
-        })
-    }
-}
-
-/// The tonic service on a loopback port, on its own runtime thread (alive for the test).
-fn payments() -> (SocketAddr, Shared) {
-    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-    let address = listener.local_addr().unwrap();
-    listener.set_nonblocking(true).unwrap();
-    let executed = Shared::default();
-    let service = Payments {
-        executed: Arc::clone(&executed),
-    };
-    std::thread::spawn(move || {
-        let runtime = tokio::runtime::Builder::new_multi_thread()
-            .worker_threads(2)
-            .enable_all()
-            .build()
-            .unwrap();
-        runtime.block_on(async move {
-            let listener = tokio::net::TcpListener::from_std(listener).unwrap();
-            let incoming =
-                tonic::transport::server::TcpIncoming::from_listener(listener, true, None).unwrap();
-            tonic::transport::Server::builder()
-                .add_service(service)
-                .serve_with_incoming(incoming)
-                .await
-                .unwrap();
-        });
-    });
-    (address, executed)
-}
 
 const RULES: &str = r#"[
     {"name":"attach","mode":"lock","grpc":{"service":"pay.Payments","method":"Attach"},
@@ -175,26 +29,27 @@ const RULES: &str = r#"[
     {"name":"pay","grpc":{"service":"pay.Payments"},"lease":"10s"}
 ]"#;
 
-/// The service, the sidecar on Redis, and a two-worker gateway guarding the service.
+/// The demo backend, the sidecar on Redis, and a two-worker gateway guarding the backend's
+/// gRPC service with `rules`.
 struct World {
     stack: Stack,
     gateway: LiveGateway,
-    executed: Shared,
+    backend: DemoBackend,
     runtime: tokio::runtime::Runtime,
 }
 
 impl World {
-    fn start() -> World {
-        let (service, executed) = payments();
+    fn start(rules: &str) -> World {
+        let backend = DemoBackend::start(Timings::default()).expect("the demo backend starts");
         let stack = Stack::start();
         let mut plugin = shipped_plugin();
-        plugin["rules"] = serde_json::from_str(RULES).unwrap();
-        let bootstrap =
-            Bootstrap::idemgate(service, stack.addr, &plugin.to_string()).backend_http2(1_000);
+        plugin["rules"] = serde_json::from_str(rules).unwrap();
+        let bootstrap = Bootstrap::idemgate(backend.addr(), stack.addr, &plugin.to_string())
+            .backend_http2(1_000);
         World {
             stack,
             gateway: variant_of(bootstrap, 2),
-            executed,
+            backend,
             runtime: tokio::runtime::Builder::new_multi_thread()
                 .worker_threads(2)
                 .enable_all()
@@ -205,24 +60,35 @@ impl World {
 
     /// A client connection to the gateway (h2c).
     fn channel(&self) -> tonic::transport::Channel {
-        let url = self.gateway.url();
-        self.runtime.block_on(async move {
-            tonic::transport::Channel::from_shared(url)
-                .unwrap()
-                .connect()
-                .await
-                .expect("the gateway accepts h2c")
-        })
+        self.runtime
+            .block_on(grpc::connect(self.gateway.url(), Duration::from_secs(5)))
+            .expect("the gateway accepts h2c")
     }
 
-    fn runs(&self, key: &str) -> u32 {
-        self.executed
-            .lock()
-            .unwrap()
-            .runs
-            .get(key)
-            .copied()
-            .unwrap_or(0)
+    fn stats(&self) -> Stats {
+        self.backend.backend().stats()
+    }
+
+    /// Calls of `Charge`/`Hold` with idempotency key `key` that started at the backend.
+    fn runs(&self, key: &str) -> u64 {
+        self.started(&format!("payment::{key}"))
+    }
+
+    /// `Attach` calls for `agent` that started at the backend.
+    fn attaches(&self, agent: &str) -> u64 {
+        self.started(&format!("agent:{agent}"))
+    }
+
+    fn started(&self, resource: &str) -> u64 {
+        self.stats().started.get(resource).copied().unwrap_or(0)
+    }
+
+    /// Waits (bounded) until the sidecar holds no key and no claim waits: every call's end
+    /// reached it (completions and aborts are sent after the response).
+    fn eventually_nothing_held(&self) {
+        eventually("no key held, no claim waiting at the sidecar", || {
+            self.stack.held_keys() == 0 && self.stack.waiters() == 0
+        });
     }
 }
 
@@ -230,48 +96,40 @@ impl World {
 async fn call(
     channel: tonic::transport::Channel,
     method: &'static str,
-    text: &str,
+    text: impl Into<String>,
     metadata: Vec<(&'static str, String)>,
 ) -> Result<String, Box<Status>> {
-    let mut client = tonic::client::Grpc::new(channel);
-    client
-        .ready()
-        .await
-        .map_err(|e| Status::unknown(e.to_string()))?;
-    let mut request = tonic::Request::new(Text { text: text.into() });
-    for (name, value) in metadata {
-        request.metadata_mut().insert(name, value.parse().unwrap());
-    }
-    request.set_timeout(Duration::from_secs(60));
-    let path = thttp::uri::PathAndQuery::try_from(format!("/pay.Payments/{method}")).unwrap();
-    client
-        .unary::<Text, Text, _>(request, path, ProstCodec::default())
-        .await
-        .map(|r| r.into_inner().text)
-        .map_err(Box::new)
+    let text = text.into();
+    let metadata: Vec<(String, String)> = metadata
+        .into_iter()
+        .map(|(name, value)| (name.to_owned(), value))
+        .collect();
+    grpc::call(channel, method, &text, &metadata, Duration::from_secs(60)).await
 }
 
 fn charge(key: &str, work_ms: u64) -> Vec<(&'static str, String)> {
     vec![
         ("idempotency-key", key.to_owned()),
-        ("x-work-ms", work_ms.to_string()),
+        (WORK_HEADER, work_ms.to_string()),
     ]
 }
 
-fn metadata_of<'s>(status: &'s Status, name: &str) -> Option<&'s str> {
-    status.metadata().get(name).and_then(|v| v.to_str().ok())
+fn attach(agent: &str, seq: usize, work_ms: u64) -> Vec<(&'static str, String)> {
+    vec![
+        ("x-agent-id", agent.to_owned()),
+        (SEQ_HEADER, seq.to_string()),
+        (WORK_HEADER, work_ms.to_string()),
+    ]
 }
 
 /// The wait hint of a refusal: gRPC retry pushback, milliseconds (gRFC A6).
 fn pushback_ms(status: &Status) -> u64 {
-    metadata_of(status, "grpc-retry-pushback-ms")
-        .and_then(|v| v.parse().ok())
-        .unwrap_or_else(|| panic!("no grpc-retry-pushback-ms: {status:?}"))
+    grpc::pushback_ms(status).unwrap_or_else(|| panic!("no grpc-retry-pushback-ms: {status:?}"))
 }
 
 #[test]
 fn grpc_calls_run_once_per_key_and_every_decision_is_a_grpc_status() {
-    let world = World::start();
+    let world = World::start(RULES);
     let channel = world.channel();
     let run = |method: &'static str, text: &str, metadata| {
         world
@@ -282,7 +140,7 @@ fn grpc_calls_run_once_per_key_and_every_decision_is_a_grpc_status() {
     // The first call runs; its duplicate is told it already ran (no message can be replayed).
     assert_eq!(
         run("Charge", "a", charge("k1", 0)).unwrap(),
-        "done a for k1"
+        "charged a for k1: payment 1"
     );
     let again = run("Charge", "a", charge("k1", 0)).unwrap_err();
     assert_eq!(again.code(), Code::AlreadyExists, "{again:?}");
@@ -338,32 +196,32 @@ fn grpc_calls_run_once_per_key_and_every_decision_is_a_grpc_status() {
     let busy = run("Charge", "slow", charge("k4", 0)).unwrap_err();
     assert_eq!(busy.code(), Code::Aborted, "{busy:?}");
     assert!(pushback_ms(&busy) > 0);
-    assert_eq!(
-        world.runtime.block_on(slow).unwrap().unwrap(),
-        "done slow for k4"
+    assert!(
+        world
+            .runtime
+            .block_on(slow)
+            .unwrap()
+            .unwrap()
+            .starts_with("charged slow for k4")
     );
     assert_eq!(world.runs("k4"), 1);
 }
 
 #[test]
 fn queued_grpc_calls_run_one_at_a_time_in_fifo_order() {
-    let world = World::start();
+    let world = World::start(RULES);
     let channel = world.channel();
     let attach = |seq: usize, work_ms: u64| {
         call(
             channel.clone(),
             "Attach",
-            "tool",
-            vec![
-                ("x-agent-id", "agent-1".to_owned()),
-                ("x-seq", seq.to_string()),
-                ("x-work-ms", work_ms.to_string()),
-            ],
+            format!("tool-{seq}"),
+            attach("agent-1", seq, work_ms),
         )
     };
     let first = world.runtime.spawn(attach(0, 800));
     eventually("the first Attach at the service", || {
-        world.runs("agent-1") == 1
+        world.attaches("agent-1") == 1
     });
     let mut queued = Vec::new();
     for seq in 1..=4 {
@@ -373,18 +231,24 @@ fn queued_grpc_calls_run_one_at_a_time_in_fifo_order() {
             world.stack.waiters() == seq as u64
         });
     }
+    let mut answers = Vec::new();
     for call in std::iter::once(first).chain(queued) {
-        let answer = world.runtime.block_on(call).unwrap();
-        assert_eq!(answer.unwrap(), "done tool for agent-1");
+        answers.push(world.runtime.block_on(call).unwrap().unwrap());
     }
-    let executed = world.executed.lock().unwrap();
-    assert_eq!(executed.order, ["0", "1", "2", "3", "4"]);
-    assert_eq!(executed.max_active, 1, "never two Attach calls at once");
+    assert_eq!(
+        answers.last().map(String::as_str),
+        Some("agent-1 has tool-0,tool-1,tool-2,tool-3,tool-4")
+    );
+    let stats = world.stats();
+    assert_eq!(stats.order["agent:agent-1"], ["0", "1", "2", "3", "4"]);
+    assert_eq!(stats.max_overlap, 1, "never two Attach calls at once");
+    assert_eq!(stats.lost_updates, 0);
+    world.eventually_nothing_held();
 }
 
 #[test]
 fn a_storm_of_duplicate_grpc_calls_executes_once() {
-    let world = World::start();
+    let world = World::start(RULES);
     // Four client connections, ten calls each, all with one key, all at once.
     let channels: Vec<_> = (0..4).map(|_| world.channel()).collect();
     let storm: Vec<_> = (0..40)
@@ -399,7 +263,7 @@ fn a_storm_of_duplicate_grpc_calls_executes_once() {
     for call in storm {
         match world.runtime.block_on(call).unwrap() {
             Ok(text) => {
-                assert_eq!(text, "done storm for storm");
+                assert_eq!(text, "charged storm for storm: payment 1");
                 ok += 1;
             }
             Err(s) if s.code() == Code::Aborted => {
@@ -422,24 +286,24 @@ fn a_storm_of_duplicate_grpc_calls_executes_once() {
                 channel,
                 "Attach",
                 "tool",
-                vec![
-                    ("x-agent-id", "agent-storm".to_owned()),
-                    ("x-seq", i.to_string()),
-                    ("x-work-ms", "30".to_owned()),
-                ],
+                attach("agent-storm", i, 30),
             ))
         })
         .collect();
     for call in storm {
         assert!(world.runtime.block_on(call).unwrap().is_ok());
     }
-    assert_eq!(world.runs("agent-storm"), 12);
-    assert_eq!(world.executed.lock().unwrap().max_active, 1);
+    assert_eq!(world.attaches("agent-storm"), 12);
+    let stats = world.stats();
+    assert_eq!(stats.max_overlap, 1);
+    assert_eq!(stats.lost_updates, 0);
+    assert_eq!(stats.double_charges, 0);
+    world.eventually_nothing_held();
 }
 
 #[test]
 fn a_grpc_call_its_client_gives_up_on_keeps_or_releases_its_key_as_the_rule_says() {
-    let world = World::start();
+    let world = World::start(RULES);
     let channel = world.channel();
     // The client cancels each call (RST_STREAM) 300 ms in, while the service still works.
     let give_up = |method: &'static str, key: &str| {
@@ -459,7 +323,7 @@ fn a_grpc_call_its_client_gives_up_on_keeps_or_releases_its_key_as_the_rule_says
     assert!(give_up("Hold", "r1"), "the client gave up");
     eventually("the first Hold at the service", || world.runs("r1") == 1);
     eventually("the key released", || {
-        retry("Hold", "r1").is_ok_and(|text| text == "done x for r1")
+        retry("Hold", "r1").is_ok_and(|text| text.starts_with("charged x for r1"))
     });
     assert_eq!(world.runs("r1"), 2);
     // The default (`hold`): the key stays held while the service may still run the call.
@@ -468,4 +332,194 @@ fn a_grpc_call_its_client_gives_up_on_keeps_or_releases_its_key_as_the_rule_says
     let held = retry("Charge", "h1").unwrap_err();
     assert_eq!(held.code(), Code::Aborted, "{held:?}");
     assert_eq!(world.runs("h1"), 1);
+}
+
+/// `Attach` queued, at most `max_queue` waiting, each at most `max_wait`.
+fn queued_attach(max_queue: u32, max_wait: &str) -> String {
+    format!(
+        r#"[{{"name":"attach","mode":"lock","grpc":{{"service":"pay.Payments","method":"Attach"}},
+             "key":{{"header":"x-agent-id"}},"on_conflict":"queue",
+             "queue":{{"max_wait":"{max_wait}","max_queue":{max_queue}}},"lease":"10s"}}]"#
+    )
+}
+
+/// A call beyond a full queue is RESOURCE_EXHAUSTED with pushback and never runs; the one
+/// that found a place runs after the holder, and nothing stays held.
+#[test]
+fn a_grpc_call_beyond_a_full_queue_is_resource_exhausted_and_never_runs() {
+    let world = World::start(&queued_attach(1, "20s"));
+    let channel = world.channel();
+    let send = |seq, work_ms| {
+        world.runtime.spawn(call(
+            channel.clone(),
+            "Attach",
+            format!("tool-{seq}"),
+            attach("agent-q", seq, work_ms),
+        ))
+    };
+    let holder = send(0, 800);
+    eventually("the holder at the backend", || {
+        world.attaches("agent-q") == 1
+    });
+    let waiting = send(1, 0);
+    eventually("one waiting at the sidecar", || world.stack.waiters() == 1);
+    let started = Instant::now();
+    let full = world
+        .runtime
+        .block_on(send(2, 0))
+        .unwrap()
+        .expect_err("the queue is full");
+    assert_eq!(full.code(), Code::ResourceExhausted, "{full:?}");
+    assert!(
+        full.message().contains("already waiting"),
+        "the message says why: {full:?}"
+    );
+    assert!(pushback_ms(&full) > 0);
+    assert!(
+        started.elapsed() < Duration::from_millis(700),
+        "refused at once, not after waiting"
+    );
+    for call in [holder, waiting] {
+        assert!(world.runtime.block_on(call).unwrap().is_ok());
+    }
+    let stats = world.stats();
+    assert_eq!(world.attaches("agent-q"), 2, "the refused call never ran");
+    assert_eq!(stats.order["agent:agent-q"], ["0", "1"]);
+    assert_eq!(stats.max_overlap, 1);
+    world.eventually_nothing_held();
+}
+
+/// A queued call whose wait runs out is UNAVAILABLE with pushback and never runs; its place
+/// is given up, the key is released when the holder ends, and the next call runs at once.
+#[test]
+fn a_queued_grpc_call_whose_wait_expires_is_unavailable_and_never_runs() {
+    let world = World::start(&queued_attach(8, "400ms"));
+    let channel = world.channel();
+    let send = |seq, work_ms| {
+        world.runtime.spawn(call(
+            channel.clone(),
+            "Attach",
+            format!("tool-{seq}"),
+            attach("agent-w", seq, work_ms),
+        ))
+    };
+    let holder = send(0, 1_500);
+    eventually("the holder at the backend", || {
+        world.attaches("agent-w") == 1
+    });
+    let started = Instant::now();
+    let expired = world
+        .runtime
+        .block_on(send(1, 0))
+        .unwrap()
+        .expect_err("the wait expires");
+    let waited = started.elapsed();
+    assert_eq!(expired.code(), Code::Unavailable, "{expired:?}");
+    assert!(
+        expired.message().starts_with("Waited too long"),
+        "{expired:?}"
+    );
+    assert!(pushback_ms(&expired) > 0);
+    assert!(
+        waited >= Duration::from_millis(400) && waited < Duration::from_millis(1_400),
+        "answered when its wait ran out, before the holder ended: {waited:?}"
+    );
+    assert_eq!(world.attaches("agent-w"), 1, "the expired call never ran");
+    assert!(world.runtime.block_on(holder).unwrap().is_ok());
+    world.eventually_nothing_held();
+    // The key is free: the next call runs at once.
+    let next = world.runtime.block_on(send(2, 0)).unwrap();
+    assert_eq!(next.unwrap(), "agent-w has tool-0,tool-2");
+    assert_eq!(world.stats().order["agent:agent-w"], ["0", "2"]);
+    world.eventually_nothing_held();
+}
+
+/// Over a rate limit a gRPC call is RESOURCE_EXHAUSTED with pushback and the limit as
+/// metadata: it claims nothing and never runs, while the calls within the limit run once each.
+#[test]
+fn a_rate_limited_grpc_call_is_resource_exhausted_with_pushback_and_never_runs() {
+    let world = World::start(
+        r#"[{"name":"pay","grpc":{"service":"pay.Payments","method":"Charge"},"lease":"10s",
+             "scope":{"headers":["x-user-id"]},
+             "rate":{"tier":"local","limits":[{"by":"scope","requests":1,"per":"1m","burst":2}]}}]"#,
+    );
+    let channel = world.channel();
+    let run = |key: &str| {
+        let mut metadata = charge(key, 0);
+        metadata.push(("x-user-id", "u1".to_owned()));
+        world
+            .runtime
+            .block_on(call(channel.clone(), "Charge", "a", metadata))
+    };
+    assert!(run("r1").is_ok());
+    assert!(run("r2").is_ok());
+    let limited = run("r3").unwrap_err();
+    assert_eq!(limited.code(), Code::ResourceExhausted, "{limited:?}");
+    assert!(
+        limited.message().contains("over the rate limit"),
+        "the message says why: {limited:?}"
+    );
+    // One request a minute: the next is allowed within a minute, after at least 10 s.
+    let pushback = pushback_ms(&limited);
+    assert!((10_000..=60_000).contains(&pushback), "{pushback} ms");
+    assert!(
+        metadata_of(&limited, "ratelimit").is_some(),
+        "the limit's state as metadata: {limited:?}"
+    );
+    let runs = |key: &str| {
+        world
+            .stats()
+            .started
+            .get(&format!("payment:u1:{key}"))
+            .copied()
+            .unwrap_or(0)
+    };
+    assert_eq!((runs("r1"), runs("r2"), runs("r3")), (1, 1, 0));
+    // Another caller has a budget of its own.
+    let mut other = charge("r4", 0);
+    other.push(("x-user-id", "u2".to_owned()));
+    assert!(
+        world
+            .runtime
+            .block_on(call(channel.clone(), "Charge", "a", other))
+            .is_ok()
+    );
+    world.eventually_nothing_held();
+}
+
+/// The demo's gRPC scenario through the shipped `envoy/envoy.yaml` (its `backend_grpc`
+/// HTTP/2 route and its "grpc-charges" rule): straight to the backend every hedged attempt
+/// charges; through the gateway the charge runs once, the attempts that overlap it are
+/// ABORTED with pushback and the retry after it is told it already ran.
+#[test]
+fn the_shipped_gateway_charges_a_hedged_grpc_call_once() {
+    let demo = Demo::start();
+    let stack = Stack::start();
+    let gateway = shipped(demo.addr, stack.addr, 2);
+    let direct = demo.play_direct(&scenarios::grpc_hedged_charge("hedged-direct"));
+    assert_eq!(
+        (direct.backend.charges, direct.backend.double_charges),
+        (4, 3),
+        "{:?}",
+        direct.outcomes
+    );
+    demo.reset();
+    let run = demo.play(&gateway, &scenarios::grpc_hedged_charge("hedged"));
+    let codes: Vec<_> = run.outcomes.iter().map(|o| o.grpc).collect();
+    assert_eq!(
+        codes,
+        [
+            Some(Code::Ok),
+            Some(Code::Aborted),
+            Some(Code::Aborted),
+            Some(Code::AlreadyExists)
+        ],
+        "{:?}",
+        run.outcomes
+    );
+    assert!(run.outcomes[1..3].iter().all(|o| o.retry_after.is_some()));
+    assert!(run.outcomes[3].replayed);
+    assert_eq!((run.backend.charges, run.backend.double_charges), (1, 0));
+    assert_eq!((run.succeeded(), run.refused(), run.replays()), (1, 2, 1));
+    eventually("no key held at the sidecar", || stack.held_keys() == 0);
 }

@@ -12,6 +12,8 @@
 //! - `POST /webhooks/orders` (`{"id": "evt_…", "type": "order.paid"}`) is a provider's event
 //!   delivery: it ships the order on every delivery (as long as a payment takes), so an event
 //!   delivered twice ships twice.
+//! - gRPC `pay.Payments` ([`grpc`]), on the same port (h2c beside HTTP/1.1): `Charge` charges
+//!   as `POST /payments` does, `Attach` attaches a tool as `POST /agents/{agent}/tools` does.
 //!
 //! Every mutating call honours a fencing token (`x-fencing-token`): a write carrying a token
 //! lower than one already seen for the same resource is refused with 409, the way a store
@@ -32,6 +34,8 @@ use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
+
+pub mod grpc;
 
 /// Header carrying the fencing token idemgate stamps on forwarded requests.
 pub const FENCING_HEADER: &str = "x-fencing-token";
@@ -69,6 +73,9 @@ impl Default for Timings {
 pub struct Stats {
     /// Calls that ran their work (refused and forced-status calls excluded).
     pub executions: u64,
+    /// Per resource, the calls that started their work, whether or not they finished or
+    /// committed it (a call cancelled or failed midway counts): what ran at all.
+    pub started: BTreeMap<String, u64>,
     pub engines_started: u64,
     /// Engines started for a bot that already had one: the double-click damage.
     pub duplicate_engines: u64,
@@ -153,12 +160,17 @@ pub fn router(backend: Arc<Backend>) -> Router {
         .route("/agents/{agent}/tools", post(attach_tool))
         .route("/payments", post(pay))
         .route("/webhooks/orders", post(webhook))
+        .route_service(
+            &format!("/{}/{{method}}", grpc::SERVICE),
+            grpc::Payments::new(Arc::clone(&backend)),
+        )
         .route("/stats", get(stats))
         .route("/reset", post(reset))
         .with_state(backend)
 }
 
-/// Serves the backend on `listener` until `shutdown` resolves.
+/// Serves the backend on `listener` until `shutdown` resolves: HTTP/1.1 and HTTP/2 (h2c, the
+/// gRPC service's transport) on the one port, told apart by the HTTP/2 connection preface.
 pub async fn serve(
     listener: tokio::net::TcpListener,
     backend: Arc<Backend>,
@@ -191,6 +203,7 @@ impl<'a> Execution<'a> {
     fn begin(backend: &'a Backend, resource: String, headers: &HeaderMap) -> Self {
         let fence = header(headers, FENCING_HEADER).and_then(|v| v.parse().ok());
         let mut ledger = backend.ledger();
+        *ledger.stats.started.entry(resource.clone()).or_default() += 1;
         let running = ledger.in_flight.entry(resource.clone()).or_default();
         *running += 1;
         let running = *running;
@@ -399,37 +412,62 @@ async fn run_attach_tool(
     if let Some(forced) = forced_status(&headers) {
         return forced;
     }
-    let exec = Execution::begin(&backend, format!("agent:{agent}"), &headers);
-    let (mut tools, read_version) = {
-        let ledger = backend.ledger();
-        (
-            ledger
-                .stats
-                .agent_tools
-                .get(&agent)
-                .cloned()
-                .unwrap_or_default(),
-            ledger.agent_versions.get(&agent).copied().unwrap_or(0),
-        )
-    };
+    let attaching = ToolAttach::begin(&backend, agent.clone(), &headers);
     tokio::time::sleep(work_time(&headers, backend.timings.attach)).await;
-    tools.push(attach.tool);
-    let mut ledger = backend.ledger();
-    if let Err(stale) = exec.commit(&mut ledger) {
-        return stale.into_response();
+    match attaching.write(attach.tool) {
+        Ok(tools) => Json(serde_json::json!({ "agent": agent, "tools": tools })).into_response(),
+        Err(stale) => stale.into_response(),
     }
-    let version = ledger.agent_versions.entry(agent.clone()).or_default();
-    if *version != read_version {
-        // Someone wrote since our read: this write silently drops their tool.
-        ledger.stats.lost_updates += 1;
+}
+
+/// One tool attach: the agent's tools read when it begins, written back with the tool
+/// appended when it ends — a lost update when another attach wrote in between.
+struct ToolAttach<'a> {
+    exec: Execution<'a>,
+    agent: String,
+    tools: Vec<String>,
+    read_version: u64,
+}
+
+impl<'a> ToolAttach<'a> {
+    fn begin(backend: &'a Backend, agent: String, headers: &HeaderMap) -> Self {
+        let exec = Execution::begin(backend, format!("agent:{agent}"), headers);
+        let ledger = backend.ledger();
+        let tools = ledger
+            .stats
+            .agent_tools
+            .get(&agent)
+            .cloned()
+            .unwrap_or_default();
+        let read_version = ledger.agent_versions.get(&agent).copied().unwrap_or(0);
+        drop(ledger);
+        ToolAttach {
+            exec,
+            agent,
+            tools,
+            read_version,
+        }
     }
-    *ledger.agent_versions.entry(agent.clone()).or_default() += 1;
-    ledger.stats.tool_attaches += 1;
-    ledger
-        .stats
-        .agent_tools
-        .insert(agent.clone(), tools.clone());
-    Json(serde_json::json!({ "agent": agent, "tools": tools })).into_response()
+
+    /// Writes the tools read with `tool` appended (the fencing token checked): the tools
+    /// as written.
+    fn write(mut self, tool: String) -> Result<Vec<String>, StaleFence> {
+        self.tools.push(tool);
+        let mut ledger = self.exec.backend.ledger();
+        self.exec.commit(&mut ledger)?;
+        let version = ledger.agent_versions.entry(self.agent.clone()).or_default();
+        if *version != self.read_version {
+            // Someone wrote since our read: this write silently drops their tool.
+            ledger.stats.lost_updates += 1;
+        }
+        *ledger.agent_versions.entry(self.agent.clone()).or_default() += 1;
+        ledger.stats.tool_attaches += 1;
+        ledger
+            .stats
+            .agent_tools
+            .insert(self.agent.clone(), self.tools.clone());
+        Ok(self.tools)
+    }
 }
 
 #[derive(Deserialize)]
@@ -453,28 +491,54 @@ async fn run_pay(backend: Arc<Backend>, headers: HeaderMap, payment: Payment) ->
     if let Some(forced) = forced_status(&headers) {
         return forced;
     }
-    let caller = header(&headers, "x-user-id").unwrap_or_default();
-    let key = header(&headers, "idempotency-key").unwrap_or_default();
-    let exec = Execution::begin(&backend, format!("payment:{caller}:{key}"), &headers);
+    let charging = Charge::begin(&backend, &headers);
     tokio::time::sleep(work_time(&headers, backend.timings.payment)).await;
-    let mut ledger = backend.ledger();
-    if let Err(stale) = exec.commit(&mut ledger) {
-        return stale.into_response();
+    match charging.book() {
+        Ok(id) => (
+            StatusCode::CREATED,
+            Json(
+                serde_json::json!({ "payment": id, "amount": payment.amount, "status": "charged" }),
+            ),
+        )
+            .into_response(),
+        Err(stale) => stale.into_response(),
     }
-    ledger.stats.charges += 1;
-    let id = ledger.stats.charges;
-    if !key.is_empty() {
-        let charges = ledger.charges_per_key.entry((caller, key)).or_default();
-        *charges += 1;
-        if *charges > 1 {
-            ledger.stats.double_charges += 1;
+}
+
+/// One charge for a caller (`x-user-id`) and its `Idempotency-Key`, begun before the
+/// payment's work and booked after it: a second booking for the pair is a double charge.
+struct Charge<'a> {
+    exec: Execution<'a>,
+    caller: String,
+    key: String,
+}
+
+impl<'a> Charge<'a> {
+    fn begin(backend: &'a Backend, headers: &HeaderMap) -> Self {
+        let caller = header(headers, "x-user-id").unwrap_or_default();
+        let key = header(headers, "idempotency-key").unwrap_or_default();
+        let exec = Execution::begin(backend, format!("payment:{caller}:{key}"), headers);
+        Charge { exec, caller, key }
+    }
+
+    /// Books the charge (the fencing token checked): its payment id.
+    fn book(self) -> Result<u64, StaleFence> {
+        let mut ledger = self.exec.backend.ledger();
+        self.exec.commit(&mut ledger)?;
+        ledger.stats.charges += 1;
+        let id = ledger.stats.charges;
+        if !self.key.is_empty() {
+            let charges = ledger
+                .charges_per_key
+                .entry((self.caller.clone(), self.key.clone()))
+                .or_default();
+            *charges += 1;
+            if *charges > 1 {
+                ledger.stats.double_charges += 1;
+            }
         }
+        Ok(id)
     }
-    (
-        StatusCode::CREATED,
-        Json(serde_json::json!({ "payment": id, "amount": payment.amount, "status": "charged" })),
-    )
-        .into_response()
 }
 
 async fn webhook(

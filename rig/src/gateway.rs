@@ -12,12 +12,14 @@ use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-/// The names `envoy/envoy.yaml` gives its listener, its admin endpoint and its two clusters:
+/// The names `envoy/envoy.yaml` gives its listener, its admin endpoint and its clusters:
 /// what the rig points at free ports (in process) or passes as `--set-port` (as a process).
 pub mod shipped {
     pub const LISTENER: &str = "ingress";
     pub const ADMIN: &str = "admin";
     pub const BACKEND: &str = "backend";
+    /// The backend's gRPC service over HTTP/2: the backend's own port.
+    pub const BACKEND_GRPC: &str = "backend_grpc";
     pub const SIDECAR: &str = "idemgate_sidecar";
 }
 
@@ -181,7 +183,8 @@ impl Shipped {
         self
     }
 
-    /// Starts it with the backend cluster at `backend` and the sidecar cluster at `sidecar`;
+    /// Starts it with the backend clusters (HTTP/1.1 and gRPC) at `backend` and the sidecar
+    /// cluster at `sidecar`;
     /// the listener (and admin) on free ports.
     pub fn start(&self, backend: SocketAddr, sidecar: SocketAddr) -> Result<LiveGateway> {
         let mut config = EnvoyConfig::load(&self.envoy_yaml)
@@ -193,6 +196,7 @@ impl Shipped {
         }
         config.set_port(shipped::LISTENER, 0)?;
         config.set_port(shipped::BACKEND, backend.port())?;
+        config.set_port(shipped::BACKEND_GRPC, backend.port())?;
         config.set_port(shipped::SIDECAR, sidecar.port())?;
         config.set_wasm_path(&self.module);
         if let Some(plugin) = &self.plugin {
@@ -244,6 +248,7 @@ impl Shipped {
             (shipped::LISTENER, listener),
             (shipped::ADMIN, admin),
             (shipped::BACKEND, backend.port()),
+            (shipped::BACKEND_GRPC, backend.port()),
             (shipped::SIDECAR, sidecar.port()),
         ] {
             command.args(["--set-port", &format!("{target}={port}")]);

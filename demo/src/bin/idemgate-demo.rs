@@ -217,6 +217,7 @@ async fn play_all(stack: &Urls) -> Result<()> {
         scenarios::payment_retry(&format!("pay-{run_id}")),
         scenarios::webhook_redelivery(&format!("evt_{run_id}")),
         scenarios::burst(&format!("burst-{run_id}"), 20, 50),
+        scenarios::grpc_hedged_charge(&format!("grpc-{run_id}")),
     ];
     let mut rows = Vec::new();
     for scenario in &scenarios {
@@ -298,10 +299,16 @@ fn summary(run: &Run) -> String {
     let statuses: Vec<String> = run
         .outcomes
         .iter()
-        .map(|o| match (o.status, o.replayed) {
-            (Some(s), true) => format!("{s}(replayed)"),
-            (Some(s), false) => s.to_string(),
-            (None, _) => "gave up".to_string(),
+        .map(|o| {
+            let answer = match (o.status, o.grpc) {
+                (_, Some(code)) => format!("{code:?}"),
+                (Some(s), None) => s.to_string(),
+                (None, None) => "gave up".to_string(),
+            };
+            match o.replayed {
+                true => format!("{answer}(replayed)"),
+                false => answer,
+            }
         })
         .collect();
     format!(
@@ -323,16 +330,16 @@ fn print_table(rows: &[Row]) {
         "dup",
         "2x$",
         "replays",
-        "409",
+        "refused",
         "queued",
-        "2xx",
+        "ok",
         "p50",
         "p99"
     );
     for row in rows {
         let (run, b) = (&row.run, &row.run.backend);
         println!(
-            "{:<20} {:<9} {:>5} {:>5} {:>6} {:>5} {:>5} {:>8} {:>4} {:>7} {:>4} {:>9.1?} {:>9.1?}",
+            "{:<20} {:<9} {:>5} {:>5} {:>6} {:>5} {:>5} {:>8} {:>7} {:>7} {:>4} {:>9.1?} {:>9.1?}",
             row.scenario,
             row.label,
             run.outcomes.len(),
@@ -341,7 +348,7 @@ fn print_table(rows: &[Row]) {
             b.duplicate_engines + b.duplicate_events,
             b.double_charges,
             run.replays(),
-            run.count(409),
+            run.refused(),
             row.queued.map_or("-".to_string(), |q| q.to_string()),
             run.succeeded(),
             run.latency(50),
@@ -350,6 +357,7 @@ fn print_table(rows: &[Row]) {
     }
     println!(
         "\nruns = backend executions; lost = lost updates; dup = duplicate engines or events; \
-         2x$ = double charges; queued = calls held until their turn"
+         2x$ = double charges; refused = 409 or gRPC ABORTED (another call held the key); \
+         queued = calls held until their turn; ok = 2xx or gRPC OK"
     );
 }
