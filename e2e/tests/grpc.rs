@@ -523,3 +523,40 @@ fn the_shipped_gateway_charges_a_hedged_grpc_call_once() {
     assert_eq!((run.succeeded(), run.refused(), run.replays()), (1, 2, 1));
     eventually("no key held at the sidecar", || stack.held_keys() == 0);
 }
+
+/// The shipped file's two clusters share the backend's address, one HTTP/1.1 and one
+/// HTTP/2: each keeps connections of its own protocol. HTTP calls before and after a gRPC
+/// call, on one worker, must not send the gRPC call over an HTTP/1.1 connection (nor the
+/// HTTP calls over the HTTP/2 one).
+#[test]
+fn http_and_grpc_calls_to_one_backend_port_keep_their_protocols() {
+    let demo = Demo::start();
+    let stack = Stack::start();
+    let gateway = shipped(demo.addr, stack.addr, 1);
+    let http = |key: &str| {
+        let reply = idemgate_e2e::client::http(
+            gateway.addr(),
+            "POST",
+            "/payments",
+            &[
+                ("idempotency-key", key),
+                ("x-user-id", "u1"),
+                ("content-type", "application/json"),
+            ],
+            r#"{"amount":1}"#,
+        );
+        assert_eq!(reply.status, 201, "{reply:?}");
+    };
+    let runtime = tokio::runtime::Runtime::new().unwrap();
+    http("h1");
+    let channel = runtime
+        .block_on(grpc::connect(gateway.url(), Duration::from_secs(5)))
+        .unwrap();
+    for i in 0..3 {
+        let key = format!("g{i}");
+        let answer = runtime.block_on(call(channel.clone(), "Charge", "a", charge(&key, 0)));
+        assert!(answer.is_ok(), "{answer:?}");
+        http(&format!("h{}", i + 2));
+    }
+    assert_eq!(demo.stats().charges, 7);
+}

@@ -63,13 +63,19 @@ impl Sender {
 /// Idle connections kept per endpoint.
 const MAX_IDLE: usize = 64;
 
-/// Keep-alive connections by endpoint. An HTTP/1.1 connection is returned as soon as its
-/// response head arrived and is reused once hyper reports it ready (its body was read); one
-/// HTTP/2 connection per endpoint is shared by all requests.
+/// Keep-alive connections by endpoint and protocol. An HTTP/1.1 connection is returned as
+/// soon as its response head arrived and is reused once hyper reports it ready (its body was
+/// read); one HTTP/2 connection per endpoint is shared by all requests. Two clusters on one
+/// endpoint with different protocols (a backend's REST and gRPC clusters on its one port)
+/// never share a connection: Envoy's pools belong to a cluster's per-worker entry, one per
+/// host and protocol (`ClusterEntry::httpConnPool`, source/common/upstream/cluster_manager_impl.cc).
 #[derive(Default)]
 pub(crate) struct Pool {
-    idle: RefCell<HashMap<SocketAddr, Vec<Sender>>>,
+    idle: RefCell<HashMap<Endpoint, Vec<Sender>>>,
 }
+
+/// A pool's key: the endpoint's address and whether the cluster speaks HTTP/2.
+type Endpoint = (SocketAddr, bool);
 
 async fn connect(cluster: &Cluster, address: SocketAddr) -> Result<Sender, Failure> {
     let stream = tokio::time::timeout(
@@ -97,7 +103,7 @@ async fn connect(cluster: &Cluster, address: SocketAddr) -> Result<Sender, Failu
 }
 
 impl Pool {
-    fn take_ready(&self, address: SocketAddr) -> Option<Sender> {
+    fn take_ready(&self, address: Endpoint) -> Option<Sender> {
         let mut idle = self.idle.borrow_mut();
         let list = idle.get_mut(&address)?;
         list.retain(|s| !s.is_closed());
@@ -111,7 +117,7 @@ impl Pool {
         })
     }
 
-    fn give_back(&self, address: SocketAddr, sender: Sender) {
+    fn give_back(&self, address: Endpoint, sender: Sender) {
         let mut idle = self.idle.borrow_mut();
         let list = idle.entry(address).or_default();
         let shared_h2 = matches!(sender, Sender::Http2(_))
@@ -128,7 +134,8 @@ impl Pool {
         request: http::Request<ClientBody>,
     ) -> Result<http::Response<Incoming>, Failure> {
         let address = cluster.address.ok_or(Failure::Connect)?;
-        let mut sender = match self.take_ready(address) {
+        let endpoint = (address, cluster.http2);
+        let mut sender = match self.take_ready(endpoint) {
             Some(sender) => sender,
             None => connect(cluster, address).await?,
         };
@@ -137,7 +144,7 @@ impl Pool {
             Sender::Http2(s) => s.send_request(request).await,
         }
         .map_err(|_| Failure::ResetBeforeHeaders)?;
-        self.give_back(address, sender);
+        self.give_back(endpoint, sender);
         Ok(response)
     }
 }
