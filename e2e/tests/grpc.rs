@@ -560,3 +560,70 @@ fn http_and_grpc_calls_to_one_backend_port_keep_their_protocols() {
     }
     assert_eq!(demo.stats().charges, 7);
 }
+
+/// A server stream's outcome is the status in its trailers, after its messages: the key
+/// stays claimed for the whole stream (a duplicate after the first message is ABORTED), a
+/// stream that ends INTERNAL is not stored (its retry streams again), one that ends OK is
+/// (its retry is told it already ran).
+#[test]
+fn a_server_stream_is_guarded_until_its_trailers_and_stored_by_their_status() {
+    let world = World::start(RULES);
+    let channel = world.channel();
+    let stream = |key: &str, text: &'static str| {
+        let metadata: Vec<(String, String)> = charge(key, 800)
+            .into_iter()
+            .map(|(name, value)| (name.to_owned(), value))
+            .collect();
+        let channel = channel.clone();
+        async move {
+            let mut receipts = Vec::new();
+            let mut stream = grpc::open_stream(
+                channel,
+                "Installments",
+                text,
+                &metadata,
+                Duration::from_secs(60),
+            )
+            .await?;
+            loop {
+                match stream.message().await {
+                    Ok(Some(message)) => receipts.push(message.text),
+                    Ok(None) => return Ok(receipts),
+                    Err(status) => return Err(Box::new(status)),
+                }
+            }
+        }
+    };
+    let read_all = |key: &str, text: &'static str| world.runtime.block_on(stream(key, text));
+
+    // A stream that fails after its receipts: the duplicate sent mid-stream is refused, the
+    // retry after the failure streams again.
+    let first = world.runtime.spawn(stream("s1", "fail"));
+    eventually("the first stream at the backend", || world.runs("s1") == 1);
+    std::thread::sleep(Duration::from_millis(300));
+    let busy = read_all("s1", "fail").unwrap_err();
+    assert_eq!(busy.code(), Code::Aborted, "{busy:?}");
+    let failed = world.runtime.block_on(first).unwrap().unwrap_err();
+    assert_eq!((failed.code(), failed.message()), (Code::Internal, "boom"));
+    assert_eq!(world.runs("s1"), 1);
+    eventually("the failed stream's retry to run", || {
+        let retried = read_all("s1", "fail").unwrap_err();
+        assert!(
+            matches!(retried.code(), Code::Internal | Code::Aborted),
+            "{retried:?}"
+        );
+        retried.code() == Code::Internal
+    });
+    assert_eq!(world.runs("s1"), 2);
+
+    // A stream that ends OK: every receipt arrives, and its retry is a replay.
+    let receipts = read_all("s2", "ok").unwrap();
+    assert_eq!(receipts.len(), grpc::INSTALLMENTS + 1, "{receipts:?}");
+    assert_eq!(receipts.last().map(String::as_str), Some("payment 1"));
+    let again = read_all("s2", "ok").unwrap_err();
+    assert_eq!(again.code(), Code::AlreadyExists, "{again:?}");
+    assert!(grpc::replayed(&again));
+    assert_eq!(world.runs("s2"), 1);
+    assert_eq!(world.stats().double_charges, 0);
+    world.eventually_nothing_held();
+}

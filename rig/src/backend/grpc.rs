@@ -7,9 +7,11 @@
 //! rule of its own) charges per caller (`x-user-id` metadata) and `idempotency-key` as `POST
 //! /payments` does; `Attach` attaches the tool named by the text to the agent named in
 //! `x-agent-id`, as `POST /agents/{agent}/tools` does. The HTTP services' knobs are metadata
-//! here: `x-demo-work-ms`, `x-demo-seq`, `x-fencing-token`. A text of `fail` ends the call
-//! `INTERNAL` and `missing` ends it `NOT_FOUND`, both after the work and without booking it;
-//! any other method is `UNIMPLEMENTED`.
+//! here: `x-demo-work-ms`, `x-demo-seq`, `x-fencing-token`. `Installments` is `Charge` as a
+//! server stream: a receipt message for each of [`INSTALLMENTS`] parts of its work, then the
+//! charge booked and the stream ended `OK`. A text of `fail` ends the call `INTERNAL` and
+//! `missing` ends it `NOT_FOUND`, both after the work (and a stream's receipts) and without
+//! booking it; any other method is `UNIMPLEMENTED`.
 
 use super::{Backend, Charge, ToolAttach, work_time};
 use std::convert::Infallible;
@@ -17,6 +19,7 @@ use std::sync::Arc;
 use std::time::Duration;
 use tonic::Status;
 use tonic::codec::ProstCodec;
+use tonic::codegen::tokio_stream::wrappers::ReceiverStream;
 use tonic::codegen::{BoxFuture, Context, Poll, Service, http};
 use tonic::metadata::{MetadataKey, MetadataValue};
 use tonic::transport::Channel;
@@ -30,6 +33,9 @@ pub struct Text {
     #[prost(string, tag = "1")]
     pub text: String,
 }
+
+/// Receipts an `Installments` stream sends before it ends.
+pub const INSTALLMENTS: usize = 4;
 
 /// The service, on the backend's ledger.
 #[derive(Clone)]
@@ -113,6 +119,49 @@ impl tonic::server::UnaryService<Text> for Method {
     }
 }
 
+/// `Installments`: receipts streamed while the work runs, the status in the trailers.
+struct Installments {
+    backend: Arc<Backend>,
+}
+
+impl tonic::server::ServerStreamingService<Text> for Installments {
+    type Response = Text;
+    type ResponseStream = ReceiverStream<Result<Text, Status>>;
+    type Future = BoxFuture<tonic::Response<Self::ResponseStream>, Status>;
+
+    fn call(&mut self, request: tonic::Request<Text>) -> Self::Future {
+        let backend = Arc::clone(&self.backend);
+        Box::pin(async move {
+            let headers = request.metadata().clone().into_headers();
+            let text = request.into_inner().text;
+            let (send, receipts) = tokio::sync::mpsc::channel(INSTALLMENTS + 1);
+            // The work outlives this future (it answers with the stream): a task of its own,
+            // dropped with the stream when the client goes away (its sends fail).
+            tokio::spawn(async move {
+                let charging = Charge::begin(&backend, &headers);
+                let part = work_time(&headers, backend.timings.payment) / INSTALLMENTS as u32;
+                for n in 1..=INSTALLMENTS {
+                    tokio::time::sleep(part).await;
+                    let receipt = Text {
+                        text: format!("installment {n} of {text}"),
+                    };
+                    if send.send(Ok(receipt)).await.is_err() {
+                        return;
+                    }
+                }
+                let end = match failure(&text) {
+                    Some(status) => Err(status),
+                    None => charging.book().map_err(refused).map(|id| Text {
+                        text: format!("payment {id}"),
+                    }),
+                };
+                let _ = send.send(end).await;
+            });
+            Ok(tonic::Response::new(ReceiverStream::new(receipts)))
+        })
+    }
+}
+
 impl<B> Service<http::Request<B>> for Payments
 where
     B: tonic::codegen::Body + Send + 'static,
@@ -131,14 +180,23 @@ where
         let path = request.uri().path().to_owned();
         Box::pin(async move {
             let mut grpc = tonic::server::Grpc::new(ProstCodec::<Text, Text>::default());
-            let method = |work| Method { backend, work };
             let name = path
                 .strip_prefix('/')
                 .and_then(|p| p.strip_prefix(SERVICE))
                 .and_then(|p| p.strip_prefix('/'));
             Ok(match name {
-                Some("Charge" | "Hold") => grpc.unary(method(Work::Charge), request).await,
-                Some("Attach") => grpc.unary(method(Work::Attach), request).await,
+                Some("Charge" | "Hold") => {
+                    let work = Work::Charge;
+                    grpc.unary(Method { backend, work }, request).await
+                }
+                Some("Attach") => {
+                    let work = Work::Attach;
+                    grpc.unary(Method { backend, work }, request).await
+                }
+                Some("Installments") => {
+                    grpc.server_streaming(Installments { backend }, request)
+                        .await
+                }
                 _ => Status::unimplemented(path).into_http(),
             })
         })
@@ -153,16 +211,12 @@ pub async fn connect(url: String, within: Duration) -> anyhow::Result<Channel> {
         .await?)
 }
 
-/// One unary call of `method` with `text` and `metadata`, bounded by `deadline` (sent as
-/// `grpc-timeout` and enforced here): the answer's text, or the status it ended with.
-pub async fn call(
-    channel: Channel,
-    method: &str,
+/// A request carrying `text` and `metadata`, its deadline sent as `grpc-timeout`.
+fn request(
     text: &str,
     metadata: &[(String, String)],
     deadline: Duration,
-) -> Result<String, Box<Status>> {
-    let mut client = tonic::client::Grpc::new(channel);
+) -> Result<tonic::Request<Text>, Box<Status>> {
     let mut request = tonic::Request::new(Text { text: text.into() });
     for (name, value) in metadata {
         let (Ok(name), Ok(value)) = (
@@ -176,6 +230,20 @@ pub async fn call(
         request.metadata_mut().insert(name, value);
     }
     request.set_timeout(deadline);
+    Ok(request)
+}
+
+/// One unary call of `method` with `text` and `metadata`, bounded by `deadline` (sent as
+/// `grpc-timeout` and enforced here): the answer's text, or the status it ended with.
+pub async fn call(
+    channel: Channel,
+    method: &str,
+    text: &str,
+    metadata: &[(String, String)],
+    deadline: Duration,
+) -> Result<String, Box<Status>> {
+    let mut client = tonic::client::Grpc::new(channel);
+    let request = request(text, metadata, deadline)?;
     let path = http::uri::PathAndQuery::try_from(format!("/{SERVICE}/{method}"))
         .map_err(|e| Status::invalid_argument(e.to_string()))?;
     let answer = async {
@@ -189,6 +257,35 @@ pub async fn call(
     };
     match tokio::time::timeout(deadline, answer).await {
         Ok(Ok(response)) => Ok(response.into_inner().text),
+        Ok(Err(status)) => Err(Box::new(status)),
+        Err(_) => Err(Box::new(Status::deadline_exceeded("the client gave up"))),
+    }
+}
+
+/// Opens a server stream of `method` with `text` and `metadata`, bounded by `deadline` (sent
+/// as `grpc-timeout`): the stream to read messages and the final status from.
+pub async fn open_stream(
+    channel: Channel,
+    method: &str,
+    text: &str,
+    metadata: &[(String, String)],
+    deadline: Duration,
+) -> Result<tonic::Streaming<Text>, Box<Status>> {
+    let mut client = tonic::client::Grpc::new(channel);
+    let request = request(text, metadata, deadline)?;
+    let path = http::uri::PathAndQuery::try_from(format!("/{SERVICE}/{method}"))
+        .map_err(|e| Status::invalid_argument(e.to_string()))?;
+    let opened = async {
+        client
+            .ready()
+            .await
+            .map_err(|e| Status::unavailable(e.to_string()))?;
+        client
+            .server_streaming::<Text, Text, _>(request, path, ProstCodec::default())
+            .await
+    };
+    match tokio::time::timeout(deadline, opened).await {
+        Ok(Ok(response)) => Ok(response.into_inner()),
         Ok(Err(status)) => Err(Box::new(status)),
         Err(_) => Err(Box::new(Status::deadline_exceeded("the client gave up"))),
     }
