@@ -7,7 +7,7 @@
 //! `Charge` and `Refund` (which the backend does not implement: only a call the gateway lets
 //! through would reach it) are idempotent per `idempotency-key` metadata (`Hold` too,
 //! releasing its key when the client gives up); `Attach` locks the agent named in
-//! `x-agent-id` metadata and queues duplicates.
+//! `x-agent-id` metadata and queues duplicates; `Installments` is a server-streaming `Charge`.
 
 use idemgate_demo::scenarios;
 use idemgate_e2e::live::{Demo, eventually, shipped, shipped_plugin, variant_of};
@@ -407,6 +407,8 @@ fn a_queued_grpc_call_whose_wait_expires_is_unavailable_and_never_runs() {
     eventually("the holder at the backend", || {
         world.attaches("agent-w") == 1
     });
+    // The sidecar lists the held key: what "nothing held" below is read from.
+    assert_eq!(world.stack.held_keys(), 1);
     let started = Instant::now();
     let expired = world
         .runtime
