@@ -959,14 +959,20 @@ fn a_shadow_rule_forwards_would_be_blocks_marked_logged_and_counted_per_rule() {
     assert_eq!(gw.counter("idemgate.rule.tried.granted"), 1);
     let logged = gw.host.logs_containing("(shadow: forwarded)");
     assert_eq!(logged.len(), 1, "once per request: {logged:?}");
-    assert!(logged[0].contains("rule tried rate_limited #"), "{logged:?}");
+    assert!(
+        logged[0].contains("rule tried rate_limited #"),
+        "{logged:?}"
+    );
     assert!(!logged[0].contains(KEY), "{logged:?}");
     let state = |name: &str| {
         gw.worker(0)
             .with(|vm| vm.filter_state(dup.id(), name.as_bytes()))
             .map(|v| String::from_utf8(v).unwrap())
     };
-    assert_eq!(state("idemgate.would_block").as_deref(), Some("rate_limited"));
+    assert_eq!(
+        state("idemgate.would_block").as_deref(),
+        Some("rate_limited")
+    );
     assert_eq!(state("idemgate.decision").as_deref(), Some("rejected"));
 
     // A request no rule matches loses a forged mark too.

@@ -158,7 +158,8 @@ fn the_sidecars_spans_continue_the_clients_trace_and_the_access_log_shows_the_de
         "{lines:#?}"
     );
     assert!(
-        line("e2e-trace-3").contains(" rule=- decision=- fence=- wait_ms=- would_block=- traceparent=-"),
+        line("e2e-trace-3")
+            .contains(" rule=- decision=- fence=- wait_ms=- would_block=- traceparent=-"),
         "{lines:#?}"
     );
     assert!(
