@@ -921,7 +921,10 @@ fn the_shipped_envoy_config_configures_the_filter() {
 fn a_shadow_rule_forwards_would_be_blocks_marked_logged_and_counted_per_rule() {
     const KEY: &str = "raw-key-SECRET-7";
     let stack = Stack::start();
-    let rules = r#"[{"name":"tried","match":{"path_prefix":"/payments"},"shadow":true},
+    // The shadow rule also limits each key to one request a second: a duplicate passes two
+    // would-be blocks (over the limit, then in progress here) and counts as one, the first.
+    let rules = r#"[{"name":"tried","match":{"path_prefix":"/payments"},"shadow":true,
+                     "rate":{"tier":"local","limits":[{"by":"key","requests":1,"per":"1s"}]}},
                     {"name":"enforced","match":{"path_prefix":"/orders"}}]"#;
     let gw = Gateway::boot(
         stack.addr,
@@ -945,18 +948,32 @@ fn a_shadow_rule_forwards_would_be_blocks_marked_logged_and_counted_per_rule() {
         "a client's mark never reaches the backend"
     );
 
-    // A duplicate while the first runs: forwarded, marked with the decision it escaped.
+    // A duplicate while the first runs: forwarded, marked with the first decision it escaped.
     let dup = gw.worker(0).stream();
     dup.send_request(forged(post("/payments", KEY, "{}")));
     gw.pump();
-    assert_eq!(mark(&dup).as_deref(), Some("rejected"));
+    assert_eq!(mark(&dup).as_deref(), Some("rate_limited"));
     assert_eq!(gw.counter("idemgate.rule.tried.would_block"), 1);
+    assert_eq!(gw.counter("idemgate.shadow.would_block"), 1);
     assert_eq!(gw.counter("idemgate.rule.tried.rejected"), 1);
     assert_eq!(gw.counter("idemgate.rule.tried.granted"), 1);
     let logged = gw.host.logs_containing("(shadow: forwarded)");
-    assert_eq!(logged.len(), 1, "{logged:?}");
-    assert!(logged[0].contains("rule tried rejected #"), "{logged:?}");
+    assert_eq!(logged.len(), 1, "once per request: {logged:?}");
+    assert!(
+        logged[0].contains("rule tried rate_limited #"),
+        "{logged:?}"
+    );
     assert!(!logged[0].contains(KEY), "{logged:?}");
+    let state = |name: &str| {
+        gw.worker(0)
+            .with(|vm| vm.filter_state(dup.id(), name.as_bytes()))
+            .map(|v| String::from_utf8(v).unwrap())
+    };
+    assert_eq!(
+        state("idemgate.would_block").as_deref(),
+        Some("rate_limited")
+    );
+    assert_eq!(state("idemgate.decision").as_deref(), Some("rejected"));
 
     // A request no rule matches loses a forged mark too.
     let unmatched = gw.worker(0).stream();

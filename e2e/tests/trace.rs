@@ -158,7 +158,8 @@ fn the_sidecars_spans_continue_the_clients_trace_and_the_access_log_shows_the_de
         "{lines:#?}"
     );
     assert!(
-        line("e2e-trace-3").contains(" rule=- decision=- fence=- wait_ms=- traceparent=-"),
+        line("e2e-trace-3")
+            .contains(" rule=- decision=- fence=- wait_ms=- would_block=- traceparent=-"),
         "{lines:#?}"
     );
     assert!(
@@ -168,5 +169,59 @@ fn the_sidecars_spans_continue_the_clients_trace_and_the_access_log_shows_the_de
                 && l.contains(" rule=start-bot decision=granted fence=")),
         "{lines:#?}"
     );
+    gateway.shutdown();
+}
+
+/// A call of agent `w1` through `gateway`, labelled `seq` (also its request id), that takes
+/// `work_ms` at the backend.
+fn attach(gateway: SocketAddr, seq: &str, work_ms: u64) -> idemgate_e2e::client::Reply {
+    let work = work_ms.to_string();
+    http(
+        gateway,
+        "POST",
+        "/agents/w1/tools",
+        &[
+            ("content-type", "application/json"),
+            ("x-demo-seq", seq),
+            ("x-demo-work-ms", &work),
+            ("x-request-id", seq),
+        ],
+        r#"{"tool":"t"}"#,
+    )
+}
+
+#[test]
+fn a_queued_call_whose_wait_runs_out_is_logged_as_wait_expired_with_the_time_it_waited() {
+    let stack = idemgate_e2e::stack::Stack::start();
+    let demo = Demo::start();
+    let mut plugin = idemgate_e2e::live::shipped_plugin();
+    idemgate_e2e::live::rule(&mut plugin, "attach-tool")["queue"] =
+        serde_json::json!({"max_wait": "400ms"});
+    let gateway = idemgate_rig::gateway::Shipped::default()
+        .plugin(plugin.to_string())
+        .start(demo.addr, stack.addr)
+        .expect("the shipped envoy.yaml runs (build target/idemgate.wasm: cargo xtask wasm)");
+    let g = gateway.addr();
+    let holder = std::thread::spawn(move || attach(g, "e2e-holder", 2_000));
+    demo.wait_started("agent:w1", "e2e-holder");
+    let waiter = attach(g, "e2e-waiter", 10);
+    assert_eq!(
+        (waiter.status, waiter.problem_type().as_str()),
+        (503, "urn:idemgate:problem:wait-expired"),
+        "{waiter:?}"
+    );
+    assert_eq!(holder.join().expect("the holder's client").status, 200);
+    let lines = gateway.gateway().shared().access_log();
+    let line = lines
+        .iter()
+        .find(|l| l.contains("\"e2e-waiter\""))
+        .unwrap_or_else(|| panic!("no access log line for the waiter: {lines:#?}"));
+    let waited: u64 = line
+        .split_once(" rule=attach-tool decision=wait_expired fence=- wait_ms=")
+        .and_then(|(_, rest)| rest.split_once(' '))
+        .and_then(|(ms, _)| ms.parse().ok())
+        .unwrap_or_else(|| panic!("{line}"));
+    // Its whole budget, and less than the holder took (it was still running).
+    assert!((400..2_000).contains(&waited), "{line}");
     gateway.shutdown();
 }

@@ -14,6 +14,11 @@ without a cluster.
   request (a sidecar wanting a token no filter sends) from being shipped again.
 - Image pinning: every idemgate image (the sidecar's containers, the filter's `url`) is
   referenced by `@sha256:` digest, and a separate `sha256` field is that same digest.
+- Observability as envoy/envoy.yaml ships it, which no schema sees either: every gateway
+  writes an access log in envoy.yaml's very format (the filter's decision from its filter
+  state), extracts the `rule` label with envoy.yaml's very stats tags, and (Istio) keeps the
+  filter's stats; the Envoy parts (Istio's connection-manager patch, both bootstraps' stats
+  config) parse strictly as Envoy's API (the `xds-protos` messages check_config.py uses).
 
 The idemgate configurations embedded in the bundle are checked by `idemgate check`.
 
@@ -31,6 +36,19 @@ import sys
 import jsonschema
 import kubernetes_validate
 import yaml
+
+# This file's directory comes off the import path: protobuf's generated code imports a
+# `validate` package (protoc-gen-validate), which this very file would shadow.
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != HERE]
+sys.path.insert(0, os.path.join(HERE, ".."))
+from google.protobuf import json_format  # noqa: E402
+
+import check_config  # noqa: E402  (envoy/check_config.py: the Envoy API schema)
+from envoy.config.bootstrap.v3 import bootstrap_pb2  # noqa: E402
+from envoy.extensions.filters.network.http_connection_manager.v3 import (  # noqa: E402
+    http_connection_manager_pb2,
+)
 
 KUBERNETES_VERSIONS = ["1.27.0", "1.37.0"]
 SCHEMAS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "schemas")
@@ -194,9 +212,131 @@ def pinning_problems(docs):
     return problems
 
 
+ENVOY_YAML = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "envoy.yaml")
+STATS_PREFIX = "wasmcustom.idemgate."
+
+
+def shipped_observability():
+    """(access-log format, stats tags) of envoy/envoy.yaml: what every gateway must ship."""
+    with open(ENVOY_YAML, encoding="utf-8") as f:
+        config = yaml.safe_load(f)
+    formats = [
+        log["typed_config"]["log_format"]["text_format_source"]["inline_string"]
+        for hcm in check_config.listeners_hcms(config)
+        for log in hcm.get("access_log", []) or []
+    ]
+    return formats, config.get("stats_config", {}).get("stats_tags", [])
+
+
+def envoy_problems(where, message, value):
+    """`value` parsed strictly as Envoy's `message` (its `typed_config` Anys resolved)."""
+    value = {k: v for k, v in value.items() if k != "@type"}
+    for url in check_config.type_urls(value):
+        check_config.register(url)
+    try:
+        json_format.ParseDict(value, message())
+    except json_format.ParseError as e:
+        return [f"{where}: not Envoy's {message.DESCRIPTOR.full_name}: {e}"]
+    return []
+
+
+def gateway_observability(docs):
+    """Per gateway: (where, access-log formats, stats tags, whether the filter's stats are
+    kept), and the problems found reading them."""
+    found, problems = [], []
+    by_kind = lambda kind: [d for d in docs if d.get("kind") == kind]  # noqa: E731
+    for proxy in by_kind("EnvoyProxy"):
+        where = f"EnvoyProxy/{proxy['metadata']['name']}"
+        spec = proxy.get("spec", {})
+        formats = []
+        for setting in ((spec.get("telemetry") or {}).get("accessLog") or {}).get("settings", []) or []:
+            fmt = setting.get("format") or {}
+            stdout = any(
+                s.get("type") == "File" and (s.get("file") or {}).get("path") == "/dev/stdout"
+                for s in setting.get("sinks", []) or []
+            )
+            if fmt.get("type") == "Text" and stdout:
+                formats.append(fmt.get("text"))
+        bootstrap = spec.get("bootstrap") or {}
+        stats = {}
+        if bootstrap.get("type") == "Merge":
+            value = yaml.safe_load(bootstrap.get("value") or "") or {}
+            problems += envoy_problems(f"{where}: bootstrap", bootstrap_pb2.Bootstrap, value)
+            stats = value.get("stats_config") or {}
+        # Envoy Gateway keeps every stat unless `telemetry.metrics.matches` narrows them.
+        kept = not ((spec.get("telemetry") or {}).get("metrics") or {}).get("matches")
+        found.append((where, formats, stats.get("stats_tags", []), kept))
+    plugins = by_kind("WasmPlugin") + by_kind("TrafficExtension")
+    for gateway in by_kind("Deployment"):
+        template = gateway["spec"]["template"]
+        annotations = template.get("metadata", {}).get("annotations", {}) or {}
+        if annotations.get("inject.istio.io/templates") != "gateway":
+            continue
+        where = f"Deployment/{gateway['metadata']['name']}"
+        labels = template.get("metadata", {}).get("labels", {}) or {}
+        selects = lambda selector: selector and all(  # noqa: E731
+            labels.get(k) == v for k, v in selector.items()
+        )
+        formats = []
+        for envoy_filter in by_kind("EnvoyFilter"):
+            spec = envoy_filter.get("spec", {})
+            if not selects((spec.get("workloadSelector") or {}).get("labels")):
+                continue
+            for i, patch in enumerate(spec.get("configPatches", []) or []):
+                typed = ((patch.get("patch") or {}).get("value") or {}).get("typed_config") or {}
+                if patch.get("applyTo") != "NETWORK_FILTER" or typed.get("@type") != check_config.HCM_TYPE:
+                    continue
+                problems += envoy_problems(
+                    f"EnvoyFilter/{envoy_filter['metadata']['name']}.configPatches[{i}]",
+                    http_connection_manager_pb2.HttpConnectionManager,
+                    typed,
+                )
+                for log in typed.get("access_log", []) or []:
+                    text = (
+                        ((log.get("typed_config") or {}).get("log_format") or {})
+                        .get("text_format_source", {})
+                        .get("inline_string")
+                    )
+                    formats.append(text)
+        stats = {}
+        override = annotations.get("sidecar.istio.io/bootstrapOverride")
+        maps = [c for c in by_kind("ConfigMap") if c["metadata"]["name"] == override]
+        if override and not maps:
+            problems.append(f"{where}: bootstrapOverride names ConfigMap {override!r}, not in the bundle")
+        for config_map in maps:
+            value = json.loads((config_map.get("data") or {}).get("custom_bootstrap.json") or "{}")
+            problems += envoy_problems(f"ConfigMap/{override}: custom_bootstrap.json", bootstrap_pb2.Bootstrap, value)
+            stats = value.get("stats_config") or {}
+        proxy_config = yaml.safe_load(annotations.get("proxy.istio.io/config") or "") or {}
+        prefixes = (proxy_config.get("proxyStatsMatcher") or {}).get("inclusionPrefixes", []) or []
+        kept = any(STATS_PREFIX.startswith(p) for p in prefixes)
+        if not any(selects((p.get("spec", {}).get("selector") or {}).get("matchLabels")) for p in plugins):
+            continue  # not a gateway running the filter
+        found.append((where, formats, stats.get("stats_tags", []), kept))
+    return found, problems
+
+
+def observability_problems(docs):
+    formats, tags = shipped_observability()
+    gateways, problems = gateway_observability(docs)
+    if not gateways:
+        problems.append("the bundle has no gateway running the filter")
+    for where, logged, extracted, kept in gateways:
+        if not any(f in formats for f in logged):
+            problems.append(
+                f"{where}: no stdout access log in envoy.yaml's format (the filter's decisions "
+                f"from its filter state), got {logged}"
+            )
+        if extracted != tags:
+            problems.append(f"{where}: stats tags {extracted} are not envoy.yaml's {tags}")
+        if not kept:
+            problems.append(f"{where}: the filter's stats ({STATS_PREFIX}*) are not kept")
+    return problems
+
+
 def problems(docs):
     found = [p for d in docs for p in schema_problems(d)]
-    return found + wiring_problems(docs) + pinning_problems(docs)
+    return found + wiring_problems(docs) + pinning_problems(docs) + observability_problems(docs)
 
 
 def broken_variants(docs):
@@ -245,6 +385,65 @@ def broken_variants(docs):
     yield variant("a token variable the gateway does not pass into the VM", unpass)
 
 
+def observability_variants(docs):
+    """Variants that change only what `observability_problems` reads."""
+
+    def variant(description, mutate):
+        broken = copy.deepcopy(docs)
+        mutate(broken)
+        return description, broken
+
+    def each(ds, kind):
+        return [d for d in ds if d.get("kind") == kind]
+
+    def no_access_log(ds):
+        for d in each(ds, "EnvoyProxy"):
+            d["spec"]["telemetry"]["accessLog"]["settings"] = []
+        for d in each(ds, "EnvoyFilter"):
+            for patch in d["spec"]["configPatches"]:
+                patch["patch"]["value"]["typed_config"].pop("access_log", None)
+
+    def other_format(ds):
+        drop = lambda text: text.replace(" decision=%FILTER_STATE(wasm.idemgate.decision:PLAIN)%", "")  # noqa: E731
+        for d in each(ds, "EnvoyProxy"):
+            fmt = d["spec"]["telemetry"]["accessLog"]["settings"][0]["format"]
+            fmt["text"] = drop(fmt["text"])
+        for d in each(ds, "EnvoyFilter"):
+            for patch in d["spec"]["configPatches"]:
+                for log in patch["patch"]["value"]["typed_config"].get("access_log", []):
+                    source = log["typed_config"]["log_format"]["text_format_source"]
+                    source["inline_string"] = drop(source["inline_string"])
+
+    def no_stats_tags(ds):
+        for d in each(ds, "EnvoyProxy"):
+            d["spec"].pop("bootstrap")
+        for d in each(ds, "Deployment"):
+            d["spec"]["template"]["metadata"].get("annotations", {}).pop("sidecar.istio.io/bootstrapOverride", None)
+
+    def unknown_envoy_field(ds):
+        # Beside what the other checks compare: only the strict parse can see these.
+        for d in each(ds, "EnvoyProxy"):
+            d["spec"]["bootstrap"]["value"] += "stats_flush_intervall: 5s\n"
+        for d in each(ds, "EnvoyFilter"):
+            for patch in d["spec"]["configPatches"]:
+                for log in patch["patch"]["value"]["typed_config"].get("access_log", []):
+                    log["typed_config"]["path"] = "/dev/stdout"
+
+    yield variant("a gateway without the access log", no_access_log)
+    yield variant("an access log without the decision", other_format)
+    yield variant("a gateway without the rule stats tag", no_stats_tags)
+    yield variant("an unknown Envoy field in the bootstrap or the access log", unknown_envoy_field)
+    if any(d.get("kind") == "Deployment" and "proxy.istio.io/config" in d["spec"]["template"]["metadata"].get("annotations", {}) for d in docs):
+        yield variant(
+            "an Istio gateway that drops the filter's stats",
+            lambda ds: [
+                d["spec"]["template"]["metadata"]["annotations"].pop("proxy.istio.io/config", None)
+                for d in each(ds, "Deployment")
+                if "annotations" in d["spec"]["template"]["metadata"]
+            ],
+        )
+
+
 def pinning_variants(docs):
     """Variants that change only image references: checked by `pinning_problems` alone,
     which keeps the self-test from validating every schema twice more."""
@@ -291,6 +490,7 @@ def main(argv):
         if self_test:
             checked = [(v, problems) for v in broken_variants(docs)]
             checked += [(v, pinning_problems) for v in pinning_variants(docs)]
+            checked += [(v, observability_problems) for v in observability_variants(docs)]
             for (description, broken), check in checked:
                 if check(broken):
                     print(f"{path}: rejects {description}")

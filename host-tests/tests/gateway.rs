@@ -224,6 +224,57 @@ fn access_logs_print_only_what_they_can_print_as_envoy_would() {
 }
 
 #[test]
+fn the_access_log_sees_the_request_headers_as_the_filter_and_the_router_left_them() {
+    let (backend, _) = upstream(None);
+    let (sidecar, _) = upstream(Some("lock-9"));
+    let mut value = bootstrap(backend, sidecar, Some(probe_filter())).to_value();
+    value["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]["access_log"] = serde_json::json!([{"name": "envoy.access_loggers.stdout", "typed_config": {
+            "@type": "type.googleapis.com/envoy.extensions.access_loggers.stream.v3.StdoutAccessLog",
+            "log_format": {"text_format_source": {"inline_string":
+                "%REQ(:METHOD)% added=%REQ(X-PROBE-ADDED)% timeout=%REQ(X-ENVOY-EXPECTED-RQ-TIMEOUT-MS)%\n"}}}}]);
+    let config = EnvoyConfig::from_yaml(
+        &serde_norway::to_string(&value).unwrap(),
+        &idemgate_host::target_dir().join(".."),
+    )
+    .unwrap();
+    let gateway = Gateway::start(
+        config,
+        GatewayOptions {
+            concurrency: 1,
+            ..GatewayOptions::default()
+        },
+    )
+    .unwrap();
+    let main = gateway.listener_address(LISTENER).unwrap();
+    // The filter replaces the client's header (as idemgate replaces a forged fencing token);
+    // the router adds its timeout header to the request it forwards.
+    let forged = ("x-probe-added", "forged");
+    let forwarded = http(
+        main,
+        "POST",
+        "/orders",
+        &[("x-probe", "add-header"), forged],
+        "hi",
+    );
+    assert!(forwarded.body.contains("x-probe-added: 1"), "{forwarded:?}");
+    // Answered by the filter: its edits before the reply, and nothing of the router's.
+    let refused = http(
+        main,
+        "GET",
+        "/",
+        &[("x-probe", "add-header,local-reply"), forged],
+        "",
+    );
+    assert_eq!(refused.status, 403);
+    let shared = std::sync::Arc::clone(gateway.shared());
+    eventually("both access-log lines", || shared.access_log().len() == 2);
+    assert_eq!(
+        shared.access_log(),
+        ["POST added=1 timeout=10000\n", "GET added=1 timeout=-\n"]
+    );
+}
+
+#[test]
 fn the_wasm_chain_must_end_with_the_router() {
     let err =
         parse_edited(|v| {

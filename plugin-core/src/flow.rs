@@ -186,6 +186,9 @@ pub struct Flow {
     grpc: bool,
     /// What every callout of this request carries ([`Flow::trace`]).
     trace: TraceContext,
+    /// Shadow mode already counted that it forwarded this request where a decision would
+    /// have answered it ([`Flow::shadowed`]).
+    would_block: bool,
 }
 
 impl Flow {
@@ -222,6 +225,7 @@ impl Flow {
             rate_headers: Vec::new(),
             grpc: head.grpc,
             trace: TraceContext::read(req),
+            would_block: false,
         };
         let action = if body_key {
             match key::check_request(&flow.rule, &head, req) {
@@ -271,7 +275,7 @@ impl Flow {
                     _ => Counter::InvalidKey,
                 });
                 return if self.rule.shadow {
-                    env.telemetry.count(Counter::ShadowWouldBlock);
+                    self.shadowed(env);
                     Action::pass()
                 } else {
                     Action::Respond(Refusal::of_key(e).reply(head.grpc))
@@ -566,7 +570,7 @@ impl Flow {
             return None;
         };
         if spec.shadow {
-            env.telemetry.count(Counter::ShadowWouldBlock);
+            self.shadowed(env);
             return None;
         }
         self.phase = Phase::Finished;
@@ -592,7 +596,7 @@ impl Flow {
             FailureMode::Closed => {
                 env.telemetry.count(Counter::FailedClosed);
                 if spec.shadow {
-                    env.telemetry.count(Counter::ShadowWouldBlock);
+                    self.shadowed(env);
                     None
                 } else {
                     self.phase = Phase::Finished;
@@ -740,7 +744,11 @@ impl Flow {
                 waited: true,
                 ..
             } => {
-                env.telemetry.count(Counter::Rejected);
+                // It waited from the claim on (the sidecar says no more than that it did).
+                env.telemetry.count(Counter::Queued);
+                env.telemetry
+                    .record(Histogram::QueueWaitMs, env.now_ms.saturating_sub(sent_ms));
+                env.telemetry.count(Counter::WaitExpired);
                 self.refuse(config, env, Refusal::WaitExpired { retry_after_ms })
             }
             ClaimOutcome::Busy { retry_after_ms, .. } => {
@@ -790,6 +798,16 @@ impl Flow {
         }
     }
 
+    /// Shadow mode forwards a request the decision just counted would have answered: counted
+    /// (`idemgate.shadow.would_block`, and logged by the glue) once per request, for the
+    /// first such decision — the one an enforcing rule answers with; the later steps run only
+    /// because shadow mode let the request go on (a shadow rate limit, then a duplicate).
+    fn shadowed(&mut self, env: &mut Env<'_>) {
+        if !mem::replace(&mut self.would_block, true) {
+            env.telemetry.count(Counter::ShadowWouldBlock);
+        }
+    }
+
     /// Refuses the request — or, in shadow mode, only counts that it would have and forwards.
     fn refuse(&mut self, config: &Config, env: &mut Env<'_>, refusal: Refusal) -> Action {
         self.block(config, env, refusal.reply(self.grpc))
@@ -798,7 +816,7 @@ impl Flow {
     /// Answers locally — or, in shadow mode, only counts that it would have and forwards.
     fn block(&mut self, config: &Config, env: &mut Env<'_>, reply: Reply) -> Action {
         if self.rule.shadow {
-            env.telemetry.count(Counter::ShadowWouldBlock);
+            self.shadowed(env);
             // Keep what this request holds: it goes upstream like any other.
             self.phase = Phase::upstream();
             return Action::pass();
@@ -889,7 +907,10 @@ impl Flow {
                     env.telemetry.count(Counter::LocalVetoes);
                 }
                 if self.rule.shadow {
-                    env.telemetry.count(Counter::ShadowWouldBlock);
+                    // Granted at the sidecar, but in progress here: an enforcing rule holds
+                    // the grant back (and a `reject` one refuses it), so that is the decision.
+                    env.telemetry.count(Counter::Rejected);
+                    self.shadowed(env);
                     return Some(self.forward_granted(config, grant));
                 }
                 // Only queued claims get here (`reject` holds the slot from the claim on).
@@ -897,7 +918,9 @@ impl Flow {
                     self.phase = Phase::LocalWait { grant, until_ms };
                     return None;
                 }
-                env.telemetry.count(Counter::Rejected);
+                // Its wait here is not recorded (133 bytes of the module for a path that needs
+                // the sidecar to have lost a claim): the sidecar's wait before the grant is.
+                env.telemetry.count(Counter::WaitExpired);
                 Refusal::WaitExpired { retry_after_ms }
             }
         };

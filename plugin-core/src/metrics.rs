@@ -10,7 +10,10 @@ pub enum Counter {
     Pass,
     Granted,
     Replayed,
+    /// 409 in-progress and 429 queue-full.
     Rejected,
+    /// 503: a queued request waited its whole budget.
+    WaitExpired,
     Queued,
     Mismatch,
     MissingKey,
@@ -47,11 +50,12 @@ pub enum Counter {
 }
 
 impl Counter {
-    pub const ALL: [Counter; 31] = [
+    pub const ALL: [Counter; 32] = [
         Counter::Pass,
         Counter::Granted,
         Counter::Replayed,
         Counter::Rejected,
+        Counter::WaitExpired,
         Counter::Queued,
         Counter::Mismatch,
         Counter::MissingKey,
@@ -87,6 +91,7 @@ impl Counter {
             Counter::Granted => "idemgate.requests.granted",
             Counter::Replayed => "idemgate.requests.replayed",
             Counter::Rejected => "idemgate.requests.rejected",
+            Counter::WaitExpired => "idemgate.requests.wait_expired",
             Counter::Queued => "idemgate.requests.queued",
             Counter::Mismatch => "idemgate.requests.mismatch",
             Counter::MissingKey => "idemgate.requests.missing_key",
@@ -127,6 +132,7 @@ impl Counter {
             Counter::Granted => Decision::Granted,
             Counter::Replayed => Decision::Replayed,
             Counter::Rejected => Decision::Rejected,
+            Counter::WaitExpired => Decision::WaitExpired,
             Counter::Mismatch => Decision::Mismatch,
             Counter::MissingKey => Decision::MissingKey,
             Counter::InvalidKey => Decision::InvalidKey,
@@ -148,7 +154,10 @@ impl Counter {
 pub enum Decision {
     Granted,
     Replayed,
+    /// 409 in-progress, 429 queue-full.
     Rejected,
+    /// 503 after waiting the whole budget (at the sidecar, or here after a local veto).
+    WaitExpired,
     Mismatch,
     MissingKey,
     InvalidKey,
@@ -162,10 +171,11 @@ pub enum Decision {
 }
 
 impl Decision {
-    pub const ALL: [Decision; 13] = [
+    pub const ALL: [Decision; 14] = [
         Decision::Granted,
         Decision::Replayed,
         Decision::Rejected,
+        Decision::WaitExpired,
         Decision::Mismatch,
         Decision::MissingKey,
         Decision::InvalidKey,
@@ -191,6 +201,7 @@ impl Decision {
             Decision::Granted => "granted",
             Decision::Replayed => "replayed",
             Decision::Rejected => "rejected",
+            Decision::WaitExpired => "wait_expired",
             Decision::Mismatch => "mismatch",
             Decision::MissingKey => "missing_key",
             Decision::InvalidKey => "invalid_key",
@@ -211,8 +222,9 @@ impl Decision {
 pub struct Noted {
     pub decision: Option<Decision>,
     pub wait_ms: Option<u64>,
-    /// Shadow mode forwarded the request where `decision` would have blocked it.
-    pub would_block: bool,
+    /// Shadow mode forwarded the request although this decision would have answered it: the
+    /// decision counted last before `ShadowWouldBlock` (which a flow counts once per request).
+    pub would_block: Option<Decision>,
 }
 
 impl Noted {
@@ -220,7 +232,9 @@ impl Noted {
         if let Some(decision) = counter.decision() {
             self.decision = Some(decision);
         }
-        self.would_block |= counter == Counter::ShadowWouldBlock;
+        if counter == Counter::ShadowWouldBlock && self.would_block.is_none() {
+            self.would_block = self.decision;
+        }
     }
 
     pub fn record(&mut self, histogram: Histogram, value: u64) {
@@ -286,12 +300,15 @@ mod tests {
         noted.count(Counter::Rejected);
         noted.record(Histogram::QueueWaitMs, 12);
         noted.count(Counter::ShadowWouldBlock);
+        // The reason stays the first one's, whatever is decided after it.
+        noted.count(Counter::Granted);
+        noted.count(Counter::ShadowWouldBlock);
         assert_eq!(
             noted,
             Noted {
-                decision: Some(Decision::Rejected),
+                decision: Some(Decision::Granted),
                 wait_ms: Some(12),
-                would_block: true,
+                would_block: Some(Decision::Rejected),
             }
         );
         assert_eq!(

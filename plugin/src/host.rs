@@ -451,8 +451,8 @@ pub(crate) fn set_filter_state(noted: Noted, rule: &str, fence: Option<u64>) {
     };
     set("idemgate.rule", rule);
     set("idemgate.decision", decision.name());
-    if noted.would_block {
-        set("idemgate.would_block", "true");
+    if let Some(reason) = noted.would_block {
+        set("idemgate.would_block", reason.name());
     }
     if let Some(fence) = fence {
         set("idemgate.fence", &fence.to_string());

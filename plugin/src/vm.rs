@@ -135,7 +135,8 @@ impl Vm {
 
     /// Writes what the last step on stream `stream` (rule `rule`) decided into its filter
     /// state (the stream is the current or effective context), and logs it: a shadow rule's
-    /// would-be block at info (and marks the request, `would_block_header`), a block at debug
+    /// would-be block at info, once per request (and marks the request, `would_block_header`),
+    /// a block at debug
     /// — the rule, the decision, the stored key's digest prefix and the context id, never a
     /// raw key.
     pub(crate) fn publish(&mut self, stream: u32, rule: usize) {
@@ -154,23 +155,24 @@ impl Vm {
         host::set_filter_state(noted, &rule.name, flow.and_then(Flow::fence));
         let key = flow.map_or("-", Flow::key_digest);
         // One log site for both (the module's size budget): a would-be block at info, once
-        // per step that decided it; a local answer at debug.
-        let level = if noted.would_block {
-            if let Some(header) = &config.would_block_header {
-                host::set_request_headers(&[(header.clone(), decision.name().to_owned())]);
+        // per request (the flow counts it once), with the decision that would have answered
+        // it; a local answer at debug.
+        let (level, shown) = match noted.would_block {
+            Some(reason) => {
+                if let Some(header) = &config.would_block_header {
+                    host::set_request_headers(&[(header.clone(), reason.name().to_owned())]);
+                }
+                (log::Level::Info, reason)
             }
-            log::Level::Info
-        } else if decision.blocks() {
-            log::Level::Debug
-        } else {
-            return;
+            None if decision.blocks() => (log::Level::Debug, decision),
+            None => return,
         };
         log::log!(
             level,
             "idemgate: rule {} {} #{stream}, key {key}{}",
             rule.name,
-            decision.name(),
-            if noted.would_block {
+            shown.name(),
+            if noted.would_block.is_some() {
                 " (shadow: forwarded)"
             } else {
                 ""

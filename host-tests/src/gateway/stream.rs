@@ -130,6 +130,14 @@ impl Driver {
         }
     }
 
+    /// The request headers as the wasm filter left them (`None` without one).
+    fn request_headers(&self) -> Option<HeaderMap> {
+        match (&self.chain, &self.listener.vm) {
+            (Chain::Wasm(id), Some(vm)) => vm.borrow().request_headers(*id),
+            _ => None,
+        }
+    }
+
     fn with_vm(&mut self, f: impl FnOnce(&mut crate::vm::Vm, StreamId)) {
         if let (Chain::Wasm(id), Some(vm)) = (&self.chain, &self.listener.vm) {
             f(&mut vm.borrow_mut(), *id);
@@ -588,6 +596,8 @@ async fn drive(
     let mut upstream_response: Option<Incoming> = None;
     let mut in_flight: Option<RequestGuard> = None;
     let mut upstream_started: Option<Instant> = None;
+    // The request headers as forwarded, for the access log (below).
+    let mut forwarded: Option<HeaderMap> = None;
     let suppress_envoy_headers = listener.config.suppress_envoy_headers;
     match refusal {
         // Envoy answers these before it creates the filter chain: no filter sees them.
@@ -695,6 +705,7 @@ async fn drive(
                             request.headers_mut().insert(http::header::HOST, host);
                         }
                         http_headers(&headers, request.headers_mut());
+                        forwarded = Some(headers);
                         let (done, pending) = oneshot::channel();
                         upstream_pending = Some(pending);
                         upstream_deadline = timeout.map(|t| tokio::time::Instant::now() + t);
@@ -906,9 +917,17 @@ async fn drive(
         let path = key.strip_prefix("wasm.")?;
         driver.filter_state(path.as_bytes())
     };
+    // Envoy's access log reads the connection manager's own request header map
+    // (`FilterManager::log`, source/common/http/filter_manager.cc, hands the loggers
+    // `requestHeaders()`), which the filters and then the router (`finalizeRequestHeaders`,
+    // source/common/router/router.cc) edit in place: `%REQ()%` shows the request as
+    // forwarded, or as the filters left it when it went no further, never as it arrived.
+    let request = forwarded
+        .or_else(|| driver.request_headers())
+        .unwrap_or(headers);
     let entry = super::access_log::Entry {
         start: started_at,
-        request: &headers,
+        request: &request,
         response: outcome.response_headers.as_ref(),
         status: outcome.status.unwrap_or(0),
         details: outcome.details.as_deref(),

@@ -225,6 +225,17 @@ impl Vm {
             .and_then(|s| s.filter_state.get(path).cloned())
     }
 
+    /// The stream's request headers as its filter left them (edits included), readable until
+    /// the stream's record is forgotten: what Envoy's access log reads for a request that
+    /// went no further.
+    pub fn request_headers(&self, id: StreamId) -> Option<HeaderMap> {
+        self.store
+            .data()
+            .streams
+            .get(&id)
+            .and_then(|s| s.request.headers.clone())
+    }
+
     /// Forgets a finished stream's host-side record.
     pub fn remove_stream(&mut self, id: StreamId) {
         let state = self.store.data_mut();

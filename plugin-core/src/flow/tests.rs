@@ -1703,3 +1703,4 @@ fn a_client_gone_while_its_body_is_read_leaves_nothing_held() {
 }
 
 mod grpc;
+mod observe;
