@@ -1388,21 +1388,25 @@ impl Flow {
 }
 
 /// What one tick read of the keys its parked requests wait on (see
-/// [`Flow::on_local_wait_tick`]): a key still in flight or completed reads the same for every
-/// request parked on it; a freed one is read again, as the first to see it takes it over.
+/// [`Flow::on_local_wait_tick`]): a key still in flight reads the same for every request
+/// parked on it; a completed one is read by each (once: it answers them), a freed one again
+/// (the first to see it takes it over).
 #[derive(Debug, Default)]
 pub struct Lookups {
-    seen: Vec<(String, LocalClaim)>,
+    /// Keys in flight, with their `retry_after_ms`.
+    in_flight: Vec<(String, u64)>,
 }
 
 impl Lookups {
     fn lookup(&mut self, table: &Table<'_>, key: &str, now_ms: u64) -> Option<LocalClaim> {
-        if let Some((_, found)) = self.seen.iter().find(|(k, _)| k == key) {
-            return Some(found.clone());
+        if let Some(&(_, retry_after_ms)) = self.in_flight.iter().find(|(k, _)| k == key) {
+            return Some(LocalClaim::InFlight { retry_after_ms });
         }
-        let found = table.lookup(key, now_ms)?;
-        self.seen.push((key.to_string(), found.clone()));
-        Some(found)
+        let found = table.lookup(key, now_ms);
+        if let Some(LocalClaim::InFlight { retry_after_ms }) = found {
+            self.in_flight.push((key.to_string(), retry_after_ms));
+        }
+        found
     }
 }
 
