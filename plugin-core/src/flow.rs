@@ -1389,22 +1389,27 @@ impl Flow {
 
 /// What one tick read of the keys its parked requests wait on (see
 /// [`Flow::on_local_wait_tick`]): a key still in flight reads the same for every request
-/// parked on it; a completed one is read by each (once: it answers them), a freed one again
-/// (the first to see it takes it over).
+/// parked on it after one another (the tick goes through them in stream order, so a storm's
+/// are read once); a completed one is read by each (once: it answers them), a freed one
+/// again (the first to see it takes it over).
 #[derive(Debug, Default)]
 pub struct Lookups {
-    /// Keys in flight, with their `retry_after_ms`.
-    in_flight: Vec<(String, u64)>,
+    /// The last key read in flight, with its `retry_after_ms`.
+    in_flight: Option<(String, u64)>,
 }
 
 impl Lookups {
     fn lookup(&mut self, table: &Table<'_>, key: &str, now_ms: u64) -> Option<LocalClaim> {
-        if let Some(&(_, retry_after_ms)) = self.in_flight.iter().find(|(k, _)| k == key) {
-            return Some(LocalClaim::InFlight { retry_after_ms });
+        if let Some((k, retry_after_ms)) = &self.in_flight
+            && k == key
+        {
+            return Some(LocalClaim::InFlight {
+                retry_after_ms: *retry_after_ms,
+            });
         }
         let found = table.lookup(key, now_ms);
         if let Some(LocalClaim::InFlight { retry_after_ms }) = found {
-            self.in_flight.push((key.to_string(), retry_after_ms));
+            self.in_flight = Some((key.to_string(), retry_after_ms));
         }
         found
     }
