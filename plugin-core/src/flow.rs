@@ -449,7 +449,8 @@ impl Flow {
         };
         // Idempotency mode: every duplicate of a call gets its outcome, so duplicates here
         // wait for the request holding this gateway's slot (`Phase::Parked`) rather than
-        // at the sidecar; the holder takes the slot at the claim, for its wait and lease.
+        // at the sidecar; the holder takes the slot at the claim, for one lease (a holder
+        // still queued there after it lets the next duplicate here claim too, no more).
         // Lock mode takes the slot when let through: a queued lock holding it while it
         // waited would block the earlier waiter the sidecar grants.
         let coalesce = wait.filter(|_| mode == Mode::Idempotency);
@@ -461,8 +462,7 @@ impl Flow {
                 }
                 .lookup(&self.key, env.now_ms)
             } else {
-                let hold_ms = lease_ms.saturating_add(coalesce.map_or(0, |w| w.longest_budget()));
-                Some(self.take_local(config, hold_ms, env))
+                Some(self.take_local(config, lease_ms, env))
             };
             match found {
                 None | Some(LocalClaim::Claimed(_)) => {}
