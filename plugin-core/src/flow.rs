@@ -1399,6 +1399,14 @@ pub struct Lookups {
 }
 
 impl Lookups {
+    /// Whether `flow` is parked on the key this tick last read in flight, its budget not yet
+    /// spent: retrying it would change nothing, so the glue skips it (no clock read, no
+    /// environment) — a thousand parked duplicates cost one read and a comparison each.
+    pub fn unchanged(&self, flow: &Flow, now_ms: u64) -> bool {
+        matches!(flow.phase, Phase::Parked { until_ms, .. } if now_ms < until_ms)
+            && self.in_flight.as_ref().is_some_and(|(k, _)| *k == flow.key)
+    }
+
     fn lookup(&mut self, table: &Table<'_>, key: &str, now_ms: u64) -> Option<LocalClaim> {
         if let Some((k, retry_after_ms)) = &self.in_flight
             && k == key

@@ -293,7 +293,15 @@ fn settle_waits(vm: &mut Vm) {
         return;
     }
     let mut seen = Lookups::default();
+    let now_ms = host::now_ms();
     for stream in vm.waiting_streams() {
+        if vm
+            .flows
+            .get(&stream)
+            .is_some_and(|f| seen.unchanged(f, now_ms))
+        {
+            continue;
+        }
         settle(vm, stream, &mut |config, flow, env| {
             flow.on_local_wait_tick(config, env, &mut seen)
         });

@@ -19,12 +19,18 @@ fn park(gw: &mut Gateway, req: &Req) -> Flow {
     flow
 }
 
-/// One tick over `flows` (sharing what it read, as the glue's tick does).
+/// One tick over `flows` (sharing what it read, as the glue's tick does: a flow the tick
+/// already knows is unchanged is skipped).
 fn tick_all(gw: &mut Gateway, flows: &mut [Flow]) -> Vec<Option<Action>> {
     let mut seen = Lookups::default();
     flows
         .iter_mut()
-        .map(|flow| gw.with(|c, env| flow.on_local_wait_tick(c, env, &mut seen)))
+        .map(|flow| {
+            if seen.unchanged(flow, gw.now) {
+                return None;
+            }
+            gw.with(|c, env| flow.on_local_wait_tick(c, env, &mut seen))
+        })
         .collect()
 }
 
@@ -45,6 +51,17 @@ fn duplicates_wait_here_for_the_holder_and_get_its_response_with_one_claim() {
         gw.shared.gets.get() - reads,
         1,
         "one tick reads a key once, however many wait on it"
+    );
+    let mut seen = Lookups::default();
+    assert!(
+        !seen.unchanged(&parked[0], gw.now),
+        "not read yet this tick"
+    );
+    gw.with(|c, env| parked[0].on_local_wait_tick(c, env, &mut seen));
+    assert!(seen.unchanged(&parked[1], gw.now));
+    assert!(
+        !seen.unchanged(&parked[1], gw.now + 10_000),
+        "a waiter whose budget ran out is not skipped"
     );
     gw.respond(&mut holder, "201", "application/json", &[b"{\"id\":1}"]);
     assert_eq!(release(&mut holder).0, paths::COMPLETE);
