@@ -113,6 +113,23 @@ pub fn group(modules: &Modules) -> Result<Group> {
             goal: Some(Goal::AtMost((storm::WORK_MS * 1_000 + 10_000) as f64)),
         },
         Figure {
+            name: "queue mode: the first call's own latency".into(),
+            unit: "µs",
+            value: summary_of(queued.iter().filter_map(|r| r.executed_latency_us))?,
+            baseline: None,
+            goal: None,
+        },
+        Figure {
+            name: "queue mode: duplicates p99 after the first call's answer".into(),
+            unit: "µs",
+            value: summary_of(queued.iter().filter_map(|r| {
+                let p99 = percentile(&mut r.duplicate_latencies_us.clone(), 99.0)?;
+                Some(p99 - r.executed_latency_us?)
+            }))?,
+            baseline: None,
+            goal: Some(Goal::AtMost(10_000.0)),
+        },
+        Figure {
             name: "queue mode: claims that reached the sidecar (one gateway)".into(),
             unit: "claims",
             value: summary_of(queued.iter().map(|r| r.sidecar_claims))?,
