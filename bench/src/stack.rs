@@ -25,8 +25,8 @@ pub enum Conflict {
 /// The plugin configuration of the gateway groups: `POST /agents/{agent_id}/tools` is a
 /// lock on the agent (queued or rejected per `conflict`; a queue deep enough for the
 /// hand-off group's 100 callers), `POST /payments` is idempotent per (`x-user-id`,
-/// `Idempotency-Key`) and rejects duplicates of a running call (409). Everything else
-/// matches no rule.
+/// `Idempotency-Key`) and rejects duplicates of a running call (409) or queues them as the
+/// shipped rule does (`max_wait` 10 s, `max_queue` 16). Everything else matches no rule.
 pub fn plugin_config(conflict: Conflict) -> String {
     let attach = match conflict {
         Conflict::Queue => serde_json::json!({
@@ -42,15 +42,19 @@ pub fn plugin_config(conflict: Conflict) -> String {
             "on_conflict": "reject"
         }),
     };
+    let mut payments = serde_json::json!({
+        "name": "payments", "match": {"methods": ["POST"], "path_prefix": "/payments"},
+        "mode": "idempotency", "key": {"header": "idempotency-key"},
+        "scope": {"headers": ["x-user-id"]}, "on_conflict": "reject", "lease": "30s"
+    });
+    if conflict == Conflict::Queue {
+        payments["on_conflict"] = "queue".into();
+        payments["queue"] = serde_json::json!({"max_wait": "10s"});
+    }
     serde_json::json!({
         "sidecar": {"cluster": SIDECAR, "timeout": "1s"},
         "failure_mode": "closed",
-        "rules": [
-            attach,
-            {"name": "payments", "match": {"methods": ["POST"], "path_prefix": "/payments"},
-             "mode": "idempotency", "key": {"header": "idempotency-key"},
-             "scope": {"headers": ["x-user-id"]}, "on_conflict": "reject", "lease": "30s"}
-        ]
+        "rules": [attach, payments]
     })
     .to_string()
 }

@@ -25,6 +25,8 @@ pub struct StormRun {
     pub executions: u64,
     /// Latencies of every request but the one the backend executed (µs).
     pub duplicate_latencies_us: Vec<f64>,
+    /// Latency of the one the backend executed (µs), when one was.
+    pub executed_latency_us: Option<f64>,
     /// Answers by status (`replayed` counted apart).
     pub statuses: BTreeMap<String, u64>,
     /// Claims the sidecar answered.
@@ -96,7 +98,7 @@ pub fn run(stack: &Stack, key: &str) -> Result<StormRun> {
     let metrics = runtime.block_on(client::get(stack.sidecar_addr, "/metrics"))?;
     let mut statuses = BTreeMap::new();
     let mut duplicate_latencies_us = Vec::new();
-    let mut first_seen = false;
+    let mut executed_latency_us = None;
     for (answer, latency) in &answers {
         let label = if answer.replayed {
             format!("{} replayed", answer.status)
@@ -106,8 +108,8 @@ pub fn run(stack: &Stack, key: &str) -> Result<StormRun> {
         *statuses.entry(label).or_default() += 1;
         // The executed call is the one 2xx answer that is not a replay.
         let executed = (200..300).contains(&answer.status) && !answer.replayed;
-        if executed && !first_seen {
-            first_seen = true;
+        if executed && executed_latency_us.is_none() {
+            executed_latency_us = Some(latency.as_secs_f64() * 1e6);
         } else {
             duplicate_latencies_us.push(latency.as_secs_f64() * 1e6);
         }
@@ -115,6 +117,7 @@ pub fn run(stack: &Stack, key: &str) -> Result<StormRun> {
     Ok(StormRun {
         executions: backend.stats().executions,
         duplicate_latencies_us,
+        executed_latency_us,
         statuses,
         sidecar_claims: prometheus_sum(&metrics, "idemgate_sidecar_claims_total"),
         sidecar_calls: prometheus_sum(&metrics, "idemgate_sidecar_request_seconds_count"),
@@ -139,6 +142,7 @@ mod tests {
         let run = StormRun {
             executions: 1,
             duplicate_latencies_us: vec![1.0; 999],
+            executed_latency_us: Some(1.0),
             statuses: BTreeMap::new(),
             sidecar_claims: 11.0,
             sidecar_calls: 12.0,

@@ -276,6 +276,86 @@ fn scenario_4_the_same_key_with_another_body_is_422() {
     assert_eq!(demo.stats().charges, 1);
 }
 
+/// The sidecar's claim answers so far (`idemgate_sidecar_claims_total`, every outcome).
+fn sidecar_claims(sidecar: SocketAddr) -> u64 {
+    http(sidecar, "GET", "/metrics", &[], "")
+        .body
+        .lines()
+        .filter(|l| l.starts_with("idemgate_sidecar_claims_total"))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum::<f64>() as u64
+}
+
+/// Duplicates coalesce on the gateway (the shipped payments rule: idempotency mode, queue
+/// policy, `max_queue` 16): a storm of identical payments waits on the gateway's shared
+/// data for the one call that runs, and costs the sidecar one claim, not one waiter each
+/// (before: all but 17 answered 429 queue-full). A duplicate with another body waiting
+/// beside them gets 422, not the replay.
+#[test]
+fn a_storm_of_identical_payments_waits_on_the_gateway_with_one_sidecar_claim() {
+    const STORM: usize = 300;
+    let stack = Stack::start();
+    let demo = Demo::start();
+    let gateway = shipped(demo.addr, stack.addr, 4);
+    let addr = gateway.addr();
+    let claims_before = sidecar_claims(stack.addr);
+    let start = std::sync::Arc::new(std::sync::Barrier::new(STORM));
+    let storm: Vec<_> = (0..STORM)
+        .map(|_| {
+            let start = start.clone();
+            std::thread::spawn(move || {
+                start.wait();
+                let sent = Instant::now();
+                let reply = pay(addr, "storm", Some("storm-1"), AMOUNT, 100);
+                (reply, sent.elapsed())
+            })
+        })
+        .collect();
+    let mut answers: Vec<(Reply, Duration)> =
+        storm.into_iter().map(|t| t.join().unwrap()).collect();
+    answers.sort_by_key(|(_, latency)| *latency);
+    let executed: Vec<&Reply> = answers
+        .iter()
+        .map(|(r, _)| r)
+        .filter(|r| r.header("idempotent-replayed").is_none())
+        .collect();
+    let statuses: Vec<u16> = executed.iter().map(|r| r.status).collect();
+    assert_eq!(executed.len(), 1, "answers not replayed: {statuses:?}");
+    for (reply, _) in &answers {
+        assert_eq!(
+            (reply.status, reply.body.as_str()),
+            (201, executed[0].body.as_str()),
+            "every duplicate gets the first response: {reply:?}"
+        );
+    }
+    let p99 = answers[STORM * 99 / 100 - 1].1;
+    println!(
+        "storm of {STORM}: p50 {:?}, p99 {p99:?}, slowest {:?}",
+        answers[STORM / 2].1,
+        answers[STORM - 1].1
+    );
+    assert_eq!((demo.stats().charges, demo.stats().double_charges), (1, 0));
+    let claims = sidecar_claims(stack.addr) - claims_before;
+    assert!(
+        claims <= 2,
+        "{claims} sidecar claims for one gateway's storm"
+    );
+
+    // Another body under the same key while the call runs: it waits beside a duplicate and
+    // gets 422 once the call's outcome is known; the duplicate gets the response.
+    let holder = std::thread::spawn(move || pay(addr, "u", Some("k-parked"), AMOUNT, 1_500));
+    demo.wait_started("payment:u:k-parked", "k-parked");
+    let same = std::thread::spawn(move || pay(addr, "u", Some("k-parked"), AMOUNT, 10));
+    let other = pay(addr, "u", Some("k-parked"), r#"{"amount":2}"#, 10);
+    assert_eq!(other.status, 422, "{other:?}");
+    assert_eq!(other.problem_type(), "urn:idemgate:problem:key-reused");
+    let (holder, same) = (holder.join().unwrap(), same.join().unwrap());
+    assert_eq!((holder.status, same.status), (201, 201), "{same:?}");
+    assert_eq!(same.body, holder.body);
+    assert_eq!(same.header("idempotent-replayed"), Some("true"));
+    assert_eq!(demo.stats().charges, 2);
+}
+
 /// Polls (bounded) with fresh payment keys until one goes through guarded again: the
 /// gateway's breaker let a call reach the restarted sidecar, which fenced it.
 fn wait_until_guarded(demo: &Demo, gateway: &LiveGateway, user: &str) {
@@ -298,7 +378,7 @@ fn wait_until_guarded(demo: &Demo, gateway: &LiveGateway, user: &str) {
 
 /// Scenario 5, `failure_mode: closed` (the shipped config): with the sidecar killed mid-run,
 /// calls get 503 + Retry-After and nothing runs twice — a duplicate of the call in flight
-/// is refused too; the restarted sidecar (same port) guards again without a gateway restart.
+/// gets its response from this gateway; the restarted sidecar (same port) guards again without a gateway restart.
 #[test]
 fn scenario_5_sidecar_killed_fail_closed_then_recovers() {
     let mut stack = Stack::start();
@@ -312,12 +392,14 @@ fn scenario_5_sidecar_killed_fail_closed_then_recovers() {
     let in_flight = std::thread::spawn(move || pay(addr, "u5", Some("in-flight"), AMOUNT, 2_000));
     demo.wait_started("payment:u5:in-flight", "in-flight");
     stack.kill_sidecar();
+    // A duplicate of the call in flight waits on this gateway's shared data for its outcome
+    // (the shipped rule queues duplicates), sidecar or not, and gets its response.
     let duplicate = pay(gateway.addr(), "u5", Some("in-flight"), AMOUNT, 10);
-    assert!(
-        matches!(duplicate.status, 409 | 503),
-        "the duplicate is refused: {duplicate:?}"
+    assert_eq!(
+        (duplicate.status, duplicate.header("idempotent-replayed")),
+        (201, Some("true")),
+        "{duplicate:?}"
     );
-    assert!(duplicate.header("retry-after").is_some(), "{duplicate:?}");
     for i in 0..6 {
         let reply = pay(
             gateway.addr(),
@@ -387,12 +469,21 @@ fn scenario_5_sidecar_killed_fail_local_still_catches_duplicates_on_one_gateway(
     let addr = gateway.addr();
     let first = std::thread::spawn(move || pay(addr, "u5l", Some("local-1"), AMOUNT, 2_000));
     demo.wait_started("payment:u5l:local-1", "local-1");
-    for _ in 0..4 {
-        let duplicate = pay(gateway.addr(), "u5l", Some("local-1"), AMOUNT, 10);
-        assert_in_progress(&duplicate);
-    }
+    // The shipped rule queues duplicates: they wait on this gateway for the first's outcome.
+    let duplicates: Vec<_> = (0..4)
+        .map(|_| std::thread::spawn(move || pay(addr, "u5l", Some("local-1"), AMOUNT, 10)))
+        .collect();
     let first = first.join().unwrap();
     assert_eq!(first.status, 201, "{first:?}");
+    for duplicate in duplicates {
+        let duplicate = duplicate.join().unwrap();
+        assert_eq!(
+            (duplicate.status, duplicate.header("idempotent-replayed")),
+            (201, Some("true")),
+            "{duplicate:?}"
+        );
+        assert_eq!(duplicate.body, first.body);
+    }
     let replay = pay(gateway.addr(), "u5l", Some("local-1"), AMOUNT, 10);
     assert_eq!(replay.status, 201, "{replay:?}");
     assert_eq!(replay.body, first.body, "replayed from the local tier");

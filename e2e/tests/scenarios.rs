@@ -752,46 +752,64 @@ fn shadow_mode_never_blocks() {
     assert!(missing.upstream_headers().is_some());
 }
 
+/// Queue policy, idempotency mode: a duplicate from another gateway waits at the sidecar in
+/// a long-poll; one on another worker of the gateway running the call waits on its shared
+/// data, without a claim, and is answered by that worker's poll. Both get the response.
 #[test]
-fn queued_duplicate_gets_the_stored_response() {
+fn queued_duplicates_get_the_stored_response_here_from_shared_data_elsewhere_from_the_sidecar() {
     let stack = Stack::start();
     let rules = r#"[{"match":{"path_prefix":"/payments"},"on_conflict":"queue","queue":{"max_wait":"20s"}}]"#;
     let gw = Gateway::boot(stack.addr, &config("", rules), 2);
+    let other = Gateway::boot(stack.addr, &config("", rules), 1);
     let first = gw.worker(0).stream();
     first.send_request(post("/payments", "k-q", r#"{"amount":3}"#));
     gw.pump();
     assert!(fence(&first).is_some());
+    let remote = other.worker(0).stream();
+    remote.send_request(post("/payments", "k-q", r#"{"amount":3}"#));
+    other.host.advance(std::time::Duration::from_millis(2));
+    let (w, token, path) = other.pending().pop().expect("the remote duplicate's claim");
+    assert_eq!(path, idemgate_wire::paths::CLAIM);
+    let key = claim_key(other.worker(w), token);
+    let vm = other.worker(w).clone();
+    let waiting = std::thread::spawn(move || vm.forward_callout(token));
+    stack.wait_for_queue(&key, 1);
     let dup = gw.worker(1).stream();
     dup.send_request(post("/payments", "k-q", r#"{"amount":3}"#));
     gw.host.advance(std::time::Duration::from_millis(2));
-    let (w, token, path) = gw.pending().pop().expect("the duplicate's claim");
-    assert_eq!(path, idemgate_wire::paths::CLAIM);
-    let key = claim_key(gw.worker(w), token);
-    let vm = gw.worker(w).clone();
-    let waiting = std::thread::spawn(move || vm.forward_callout(token));
-    stack.wait_for_queue(&key, 1);
     assert!(
-        dup.upstream_headers().is_none() && dup.response_status().is_none(),
-        "held, not polled"
+        gw.pending().is_empty(),
+        "no claim for a duplicate of a call running here"
     );
+    for s in [&remote, &dup] {
+        assert!(
+            s.upstream_headers().is_none() && s.response_status().is_none(),
+            "held"
+        );
+    }
     let body = br#"{"id":"pay_9","amount":3}"#;
     first.respond(
         201,
         HeaderMap::from([("content-type", "application/json")]),
         body,
     );
-    gw.pump_except(&[(w, token)]);
+    gw.pump();
+    gw.host.advance(std::time::Duration::from_millis(2));
     assert!(waiting.join().unwrap());
-    assert_eq!(dup.response_status(), Some(201));
-    assert_eq!(dup.response_body(), body);
-    assert_eq!(
-        dup.response_headers()
-            .unwrap()
-            .get("idempotent-replayed")
-            .as_deref(),
-        Some("true")
-    );
-    assert!(dup.upstream_headers().is_none(), "one upstream call");
+    for s in [&remote, &dup] {
+        assert_eq!(s.response_status(), Some(201));
+        assert_eq!(s.response_body(), body);
+        assert_eq!(
+            s.response_headers()
+                .unwrap()
+                .get("idempotent-replayed")
+                .as_deref(),
+            Some("true")
+        );
+        assert!(s.upstream_headers().is_none(), "one upstream call");
+    }
+    assert_eq!(gw.counter("idemgate.requests.queued"), 1);
+    assert_eq!(gw.counter("idemgate.requests.replayed"), 1);
 }
 
 #[test]

@@ -49,6 +49,10 @@ pub enum Action {
     Continue(Vec<(String, String)>),
     /// Keep the request paused (body being hashed).
     Pause,
+    /// Keep the request paused while it waits on this gateway's shared data for another
+    /// request here to end ([`Flow::waits_locally`]): the glue polls it with
+    /// [`Flow::on_local_wait_tick`] on a short tick until it ends.
+    Wait,
     /// Keep the request paused while the sidecar decides on it — its rate limits, or its
     /// key's claim — and dispatch this callout; the answer goes to [`Flow::on_decision`].
     Decide(Callout),
@@ -99,6 +103,12 @@ enum Phase {
     /// sidecar lost that request's claim, e.g. Redis restarted empty): the request stays
     /// paused, with its grant, until the local holder ends or the wait budget does.
     LocalWait { grant: Grant, until_ms: u64 },
+    /// A duplicate of a call another request on this gateway runs (idempotency mode, queue
+    /// policy): it waits here for that call's outcome instead of at the sidecar, so a storm
+    /// of duplicates costs the sidecar one waiter per gateway. Answered from the local entry
+    /// once it is completed; when it is freed (the call aborted, or its response too big to
+    /// keep here) one waiter takes the claim over; at `until_ms` it gets wait-expired.
+    Parked { since_ms: u64, until_ms: u64 },
     /// Forwarded: the response is watched, the key released when it completes. No grant when
     /// forwarded by the failure mode or in shadow mode.
     Upstream {
@@ -392,6 +402,7 @@ impl Flow {
                 | Phase::Claiming(_)
                 | Phase::Abandoned { .. }
                 | Phase::LocalWait { .. }
+                | Phase::Parked { .. }
         )
     }
 
@@ -410,6 +421,17 @@ impl Flow {
 
     /// The local tier, then the claim at the sidecar.
     fn claim(&mut self, config: &Config, env: &mut Env<'_>) -> Action {
+        self.claim_within(config, None, env)
+    }
+
+    /// [`Flow::claim`]; `until_ms`: the wait deadline of a parked request taking the claim
+    /// over ([`Phase::Parked`]), whose sidecar wait is what is left of its budget.
+    fn claim_within(
+        &mut self,
+        config: &Config,
+        until_ms: Option<u64>,
+        env: &mut Env<'_>,
+    ) -> Action {
         let Rule {
             mode,
             conflict,
@@ -417,12 +439,27 @@ impl Flow {
             ..
         } = *self.rule;
         let wait = match conflict {
-            Conflict::Queue(policy) if !self.rule.shadow => Some(policy),
+            Conflict::Queue(mut policy) if !self.rule.shadow => {
+                let spent = until_ms.map_or(0, |until| {
+                    env.now_ms
+                        .saturating_add(policy.budget_ms)
+                        .saturating_sub(until)
+                });
+                policy.budget_ms = policy.budget_ms.saturating_sub(spent);
+                policy.max_budget_ms = policy.max_budget_ms.saturating_sub(spent);
+                Some(policy)
+            }
             _ => None,
         };
+        // Idempotency mode: every duplicate of a call gets its outcome, so duplicates here
+        // wait for the request holding this gateway's slot (`Phase::Parked`) rather than
+        // at the sidecar; the holder takes the slot at the claim, for one lease (a holder
+        // still queued there after it lets the next duplicate here claim too, no more).
+        // Lock mode takes the slot when let through: a queued lock holding it while it
+        // waited would block the earlier waiter the sidecar grants.
+        let coalesce = wait.filter(|_| mode == Mode::Idempotency);
         if config.local.enabled {
-            let found = if wait.is_some() {
-                // Queued requests take the slot when they are let through (`Local::Off`).
+            let found = if wait.is_some() && coalesce.is_none() {
                 Table {
                     config: &config.local,
                     store: env.shared,
@@ -438,6 +475,14 @@ impl Flow {
                     if conflict == Conflict::Reject {
                         env.telemetry.count(Counter::Rejected);
                         return self.refuse(config, env, Refusal::InProgress { retry_after_ms });
+                    }
+                    if let Some(policy) = coalesce {
+                        self.phase = Phase::Parked {
+                            since_ms: env.now_ms,
+                            until_ms: until_ms
+                                .unwrap_or(env.now_ms.saturating_add(policy.budget_ms)),
+                        };
+                        return Action::Wait;
                     }
                 }
                 Some(LocalClaim::Completed(done)) => return self.replay_local(config, done, env),
@@ -725,7 +770,7 @@ impl Flow {
                     renewing: false,
                 };
                 self.go_upstream_granted(config, grant, claim.local_wait_until_ms, false, env)
-                    .unwrap_or(Action::Pause)
+                    .unwrap_or(Action::Wait)
             }
             ClaimOutcome::Completed { response, .. } => {
                 env.telemetry.count(Counter::Replayed);
@@ -947,18 +992,60 @@ impl Flow {
         }
     }
 
-    /// Whether this request, granted, waits for a holder on this gateway to end (a local
-    /// veto: `Phase::LocalWait`).
+    /// Whether this request waits for another request on this gateway to end: granted and
+    /// held back by a local veto (`Phase::LocalWait`), or a duplicate parked on the local
+    /// tier (`Phase::Parked`). The glue polls it with [`Flow::on_local_wait_tick`].
     pub fn waits_locally(&self) -> bool {
-        matches!(self.phase, Phase::LocalWait { .. })
+        matches!(self.phase, Phase::LocalWait { .. } | Phase::Parked { .. })
     }
 
-    /// The tick's retry of a local wait ([`Flow::waits_locally`]): `Some` once the wait ends (forward, or
-    /// answer locally with the grant aborted: [`Flow::take_release`]).
-    pub fn on_local_wait_tick(&mut self, config: &Config, env: &mut Env<'_>) -> Option<Action> {
+    /// The tick's retry of a local wait ([`Flow::waits_locally`]): `Some` once the wait ends —
+    /// forward, answer locally (a vetoed grant is then aborted: [`Flow::take_release`]), or,
+    /// a parked request taking the claim over, its claim. `seen` keeps what this tick read of
+    /// each key, so a thousand parked duplicates of one call cost one shared-data read.
+    pub fn on_local_wait_tick(
+        &mut self,
+        config: &Config,
+        env: &mut Env<'_>,
+        seen: &mut Lookups,
+    ) -> Option<Action> {
         match mem::replace(&mut self.phase, Phase::Finished) {
             Phase::LocalWait { grant, until_ms } => {
                 self.go_upstream_granted(config, grant, until_ms, true, env)
+            }
+            Phase::Parked { since_ms, until_ms } => {
+                let found = seen.lookup(
+                    &Table {
+                        config: &config.local,
+                        store: env.shared,
+                    },
+                    &self.key,
+                    env.now_ms,
+                );
+                let retry_after_ms = match found {
+                    Some(LocalClaim::Completed(done)) => {
+                        env.telemetry.count(Counter::Queued);
+                        env.telemetry
+                            .record(Histogram::QueueWaitMs, env.now_ms.saturating_sub(since_ms));
+                        return Some(self.replay_local(config, done, env));
+                    }
+                    Some(LocalClaim::InFlight { retry_after_ms }) => retry_after_ms,
+                    // Freed: the call aborted, or its response was not kept here.
+                    _ if env.now_ms < until_ms => {
+                        return match self.claim_within(config, Some(until_ms), env) {
+                            // Another waiter took it first.
+                            Action::Wait => None,
+                            action => Some(action),
+                        };
+                    }
+                    _ => 0,
+                };
+                if env.now_ms < until_ms {
+                    self.phase = Phase::Parked { since_ms, until_ms };
+                    return None;
+                }
+                env.telemetry.count(Counter::Rejected);
+                Some(self.refuse(config, env, Refusal::WaitExpired { retry_after_ms }))
             }
             other => {
                 self.phase = other;
@@ -1172,7 +1259,11 @@ impl Flow {
                 }
                 false
             }
-            other @ (Phase::Body { .. } | Phase::BodyKey { .. } | Phase::Finished) => {
+            // Parked: nothing held here or at the sidecar.
+            other @ (Phase::Body { .. }
+            | Phase::BodyKey { .. }
+            | Phase::Parked { .. }
+            | Phase::Finished) => {
                 self.phase = other;
                 false
             }
@@ -1316,6 +1407,42 @@ impl Flow {
             | Phase::LocalWait { grant, .. } => Some(grant.fence),
             _ => None,
         }
+    }
+}
+
+/// What one tick read of the keys its parked requests wait on (see
+/// [`Flow::on_local_wait_tick`]): a key still in flight reads the same for every request
+/// parked on it after one another (the tick goes through them in stream order, so a storm's
+/// are read once); a completed one is read by each (once: it answers them), a freed one
+/// again (the first to see it takes it over).
+#[derive(Debug, Default)]
+pub struct Lookups {
+    /// The last key read in flight, with its `retry_after_ms`.
+    in_flight: Option<(String, u64)>,
+}
+
+impl Lookups {
+    /// Whether `flow` is parked on the key this tick last read in flight, its budget not yet
+    /// spent: retrying it would change nothing, so the glue skips it (no clock read, no
+    /// environment) — a thousand parked duplicates cost one read and a comparison each.
+    pub fn unchanged(&self, flow: &Flow, now_ms: u64) -> bool {
+        matches!(flow.phase, Phase::Parked { until_ms, .. } if now_ms < until_ms)
+            && self.in_flight.as_ref().is_some_and(|(k, _)| *k == flow.key)
+    }
+
+    fn lookup(&mut self, table: &Table<'_>, key: &str, now_ms: u64) -> Option<LocalClaim> {
+        if let Some((k, retry_after_ms)) = &self.in_flight
+            && k == key
+        {
+            return Some(LocalClaim::InFlight {
+                retry_after_ms: *retry_after_ms,
+            });
+        }
+        let found = table.lookup(key, now_ms);
+        if let Some(LocalClaim::InFlight { retry_after_ms }) = found {
+            self.in_flight = Some((key.to_string(), retry_after_ms));
+        }
+        found
     }
 }
 

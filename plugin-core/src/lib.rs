@@ -53,7 +53,8 @@ mod trace;
 pub use breaker::Breaker;
 pub use config::ConfigError;
 pub use flow::{
-    Action, Answer, Callout, Flow, ReleaseResult, Route, on_leave_answer, on_release_answer,
+    Action, Answer, Callout, Flow, Lookups, ReleaseResult, Route, on_leave_answer,
+    on_release_answer,
 };
 pub use metrics::{Counter, Decision, Histogram, Noted};
 pub use ports::{Env, HostError, RequestView, SharedStore, Telemetry};

@@ -76,6 +76,8 @@ pub struct MemStore {
     interference: RefCell<Option<(String, u64)>>,
     raw_interference: RefCell<Option<(String, Vec<u8>)>>,
     pub fail: Cell<bool>,
+    /// Reads so far.
+    pub gets: Cell<usize>,
 }
 
 impl MemStore {
@@ -109,6 +111,7 @@ impl MemStore {
 
 impl SharedStore for MemStore {
     fn get(&self, key: &str) -> Result<Option<(Vec<u8>, u32)>, HostError> {
+        self.gets.set(self.gets.get() + 1);
         if self.fail.get() {
             return Err(HostError);
         }

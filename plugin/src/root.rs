@@ -10,8 +10,8 @@ use std::time::Duration;
 
 use idemgate_core::metrics::Counter;
 use idemgate_core::{
-    Action, Answer, Callout, Config, Env, Flow, ReleaseResult, TraceContext, on_leave_answer,
-    on_release_answer,
+    Action, Answer, Callout, Config, Env, Flow, Lookups, ReleaseResult, TraceContext,
+    on_leave_answer, on_release_answer,
 };
 use proxy_wasm::hostcalls;
 use proxy_wasm::traits::{Context, HttpContext, RootContext};
@@ -141,8 +141,8 @@ impl RootContext for Root {
         }
         vm.wake_queue = host::register_wake_queue(number);
         vm.metrics = Metrics::define(&config);
-        host::set_tick_ms(config.tick_ms);
         vm.config = Some(Rc::new(config));
+        vm.rearm();
         true
     }
 
@@ -153,6 +153,9 @@ impl RootContext for Root {
             return;
         };
         dispatch_queued(&mut vm, &config);
+        // A request of this worker may have ended: its parked duplicates need not wait for
+        // the poll.
+        settle_waits(&mut vm);
     }
 
     fn on_tick(&mut self) {
@@ -160,17 +163,19 @@ impl RootContext for Root {
         let Some(config) = vm.config.clone() else {
             return;
         };
-        if vm.fast_tick {
-            vm.fast_tick = false;
-            host::set_tick_ms(config.tick_ms);
-        }
-        let passed = std::mem::take(&mut vm.passed);
-        vm.metrics.add(Counter::Pass, passed);
+        vm.fast_tick = false;
         dispatch_queued(&mut vm, &config);
-        let retries = std::mem::take(&mut vm.retries);
-        dispatch_releases(&mut vm, &config, retries);
-        for (stream, renewal, waits_locally) in vm.tick_work() {
-            if let Some(callout) = renewal {
+        settle_waits(&mut vm);
+        // The rest keeps the configured period, whatever the tick's (a failed release's
+        // retry on the next regular tick is its backoff).
+        let now = host::now_ms();
+        if now >= vm.next_regular_ms {
+            vm.next_regular_ms = now.saturating_add(config.tick_ms);
+            let passed = std::mem::take(&mut vm.passed);
+            vm.metrics.add(Counter::Pass, passed);
+            let retries = std::mem::take(&mut vm.retries);
+            dispatch_releases(&mut vm, &config, retries);
+            for (stream, callout) in vm.tick_work() {
                 match dispatch(&config, &callout, vm.flows.get(&stream).map(Flow::trace)) {
                     Some(token) => {
                         vm.calls.insert(token, Call::Renew(stream));
@@ -182,12 +187,8 @@ impl RootContext for Root {
                     }
                 }
             }
-            if waits_locally {
-                settle(&mut vm, stream, &mut |config, flow, env| {
-                    flow.on_local_wait_tick(config, env)
-                });
-            }
         }
+        vm.rearm();
     }
 
     fn get_type(&self) -> Option<ContextType> {
@@ -286,6 +287,29 @@ fn dispatch(config: &Config, callout: &Callout, trace: Option<&TraceContext>) ->
     }
 }
 
+/// Retries every local wait ([`Flow::waits_locally`]), reading each waited-on key once.
+fn settle_waits(vm: &mut Vm) {
+    if !vm.waiting {
+        return;
+    }
+    let mut seen = Lookups::default();
+    let now_ms = host::now_ms();
+    for stream in vm.waiting_streams() {
+        if vm
+            .flows
+            .get(&stream)
+            .is_some_and(|f| seen.unchanged(f, now_ms))
+        {
+            continue;
+        }
+        settle(vm, stream, &mut |config, flow, env| {
+            flow.on_local_wait_tick(config, env, &mut seen)
+        });
+    }
+    // Cleared (and the poll stopped, on the tick's re-arm) once none waits.
+    vm.waiting_streams();
+}
+
 /// Applies a decision's answer (to a claim or a rate check) to its flow and, if the stream is
 /// still paused, to the stream.
 fn settle_decision(vm: &mut Vm, stream: u32, answer: Answer<'_>) {
@@ -350,6 +374,7 @@ fn settle(
         // The rate check passed: the key's claim goes out next.
         ForStream::Apply(Action::Decide(callout)) => vm.queue_decision(stream, callout),
         ForStream::Apply(Action::Pause) => {}
+        ForStream::Apply(Action::Wait) => vm.poll_waits(),
     }
 }
 

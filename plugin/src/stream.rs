@@ -33,6 +33,10 @@ impl Stream {
                 Next::Continue
             }
             Action::Pause => Next::Pause,
+            Action::Wait => {
+                vm.poll_waits();
+                Next::Pause
+            }
             Action::Decide(callout) => {
                 vm.queue_decision(self.id, callout);
                 Next::Pause

@@ -12,6 +12,12 @@ use crate::host::{self, Metrics, SharedData};
 
 pub(crate) type SharedVm = Rc<RefCell<Vm>>;
 
+/// The tick's period while a flow waits on shared data for a request on another worker
+/// (this worker's own requests wake the root when they end): shared queues notify only the
+/// VM that registered them, so a worker cannot be told, and polling one key per tick costs
+/// a shared-data read.
+pub(crate) const WAIT_POLL_MS: u64 = 1;
+
 /// What a dispatched callout was for; its answer is routed by token.
 pub(crate) enum Call {
     /// A decision callout of a stream: its claim, or its rate checks.
@@ -49,6 +55,13 @@ pub(crate) struct Vm {
     pub(crate) kicked: bool,
     /// The 1 ms fallback tick is armed (the tick goes back to its period when it fires).
     pub(crate) fast_tick: bool,
+    /// Some flow waits on this gateway's shared data ([`Flow::waits_locally`]): the tick
+    /// polls it every [`WAIT_POLL_MS`].
+    pub(crate) waiting: bool,
+    /// The tick period last set (ms; 0 = none yet).
+    pub(crate) tick_armed_ms: u64,
+    /// When the tick's regular work (renewals, release retries, counters) is next due.
+    pub(crate) next_regular_ms: u64,
     /// This VM's own shared queue: an enqueue makes Envoy run the root's `on_queue_ready` on
     /// the next turn of this worker's event loop. `None`: wake-ups fall back to a 1 ms tick.
     pub(crate) wake_queue: Option<u32>,
@@ -107,10 +120,9 @@ impl Vm {
         Some(f(config, flow, &mut env))
     }
 
-    /// The tick's work over every live flow: renewal callouts to dispatch (local-tier
-    /// entries of requests forwarded without a grant are extended on the way), and whether
-    /// the stream waits for a request on this gateway to end ([`Flow::waits_locally`]).
-    pub(crate) fn tick_work(&mut self) -> Vec<(u32, Option<Callout>, bool)> {
+    /// The tick's lease work over every live flow: renewal callouts to dispatch (local-tier
+    /// entries of requests forwarded without a grant are extended on the way).
+    pub(crate) fn tick_work(&mut self) -> Vec<(u32, Callout)> {
         let Vm {
             config,
             flows,
@@ -125,12 +137,46 @@ impl Vm {
         let mut env = host_env(breaker, metrics, *nonce, None);
         flows
             .iter_mut()
-            .filter_map(|(id, flow)| {
-                let renewal = flow.renewal_due(config, &mut env);
-                let waits = flow.waits_locally();
-                (renewal.is_some() || waits).then_some((*id, renewal, waits))
-            })
+            .filter_map(|(id, flow)| Some((*id, flow.renewal_due(config, &mut env)?)))
             .collect()
+    }
+
+    /// Streams whose flow waits on this gateway's shared data ([`Flow::waits_locally`]);
+    /// none left clears [`Vm::waiting`].
+    pub(crate) fn waiting_streams(&mut self) -> Vec<u32> {
+        let streams: Vec<u32> = self
+            .flows
+            .iter()
+            .filter(|(_, flow)| flow.waits_locally())
+            .map(|(id, _)| *id)
+            .collect();
+        self.waiting = !streams.is_empty();
+        streams
+    }
+
+    /// A flow now waits on shared data: the tick polls it.
+    pub(crate) fn poll_waits(&mut self) {
+        self.waiting = true;
+        self.rearm();
+    }
+
+    /// Sets the tick's period to what is needed now, when it differs from the one set
+    /// (setting it re-arms Envoy's timer: setting it on every event would postpone it).
+    pub(crate) fn rearm(&mut self) {
+        let Some(regular) = self.config.as_ref().map(|c| c.tick_ms) else {
+            return;
+        };
+        let period = if self.fast_tick {
+            1
+        } else if self.waiting {
+            WAIT_POLL_MS.min(regular)
+        } else {
+            regular
+        };
+        if period != self.tick_armed_ms {
+            self.tick_armed_ms = period;
+            host::set_tick_ms(period);
+        }
     }
 
     /// Writes what the last step on stream `stream` (rule `rule`) decided into its filter
@@ -226,9 +272,7 @@ impl Vm {
         {
             return;
         }
-        if !self.fast_tick {
-            self.fast_tick = true;
-            host::set_tick_ms(1);
-        }
+        self.fast_tick = true;
+        self.rearm();
     }
 }

@@ -33,8 +33,11 @@ fn wait_for_waiters(rig: &Rig, n: u64) -> String {
 
 #[test]
 fn sidecar_killed_mid_long_poll_and_restarted_loses_nothing() {
+    // Without the local tier: duplicates on one gateway would wait on its shared data for the
+    // holder; here they wait at the sidecar in long-polls, as duplicates from other gateways do.
     let mut rig = Rig::start(Options {
         rules: QUEUED_PAYMENTS,
+        plugin_extra: r#""local":{"enabled":false}"#,
         ..Options::default()
     });
     let addr = rig.addr;

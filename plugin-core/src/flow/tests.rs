@@ -277,14 +277,14 @@ fn queued_duplicate_waits_at_the_sidecar_and_gets_the_stored_response() {
         })
     );
     gw.grant(&mut first, 1);
-    // Same gateway, queue policy: the local tier defers to the sidecar's queue.
+    // Another gateway (its own shared data): its duplicate waits in the sidecar's queue.
+    let mut gw = Gateway::rules(QUEUE);
     let (mut second, claim, timeout) = gw.claim(&post("k"));
     assert_eq!(claim.key, first_claim.key);
     assert!(
         timeout > 10_000,
         "the callout outlives the longest wait budget"
     );
-    assert_eq!(gw.count(Counter::LocalHits), 1);
     let done = ClaimOutcome::Completed {
         response: StoredResponse {
             status: 201,
@@ -349,7 +349,7 @@ fn granted_after_wait(fence: u64) -> ClaimOutcome {
 }
 
 fn tick(gw: &mut Gateway, flow: &mut Flow) -> Option<Action> {
-    gw.with(|c, env| flow.on_local_wait_tick(c, env))
+    gw.with(|c, env| flow.on_local_wait_tick(c, env, &mut Lookups::default()))
 }
 
 #[test]
@@ -364,7 +364,7 @@ fn queued_claims_name_their_waiter_and_leave_when_the_client_goes() {
     assert!(name.bytes().all(|b| b.is_ascii_hexdigit()));
     assert!(Limits::default().claim(&claim).is_ok());
     gw.grant(&mut first, 1);
-    let (mut second, claim2, _) = gw.claim(&post("k"));
+    let (mut second, claim2, _) = gw.claim(&post("k2"));
     let name2 = claim2.waiter.clone().unwrap();
     assert_ne!(name, name2, "unique per claim");
     // Another gateway (its own secret) names the same request differently: the name cannot
@@ -419,7 +419,7 @@ fn queued_claims_name_their_waiter_and_leave_when_the_client_goes() {
     );
 
     // With the breaker open no leave goes out (the place ends with its budget).
-    let (mut third, _, _) = gw.claim(&post("k"));
+    let (mut third, _, _) = gw.claim(&post("k3"));
     for _ in 0..5 {
         gw.breaker.failure(&gw.config.breaker, gw.now);
     }
@@ -529,7 +529,7 @@ fn local_tier_vetoes_a_queue_grant_while_another_request_here_runs_the_key() {
     // Redis restarted empty: the sidecar forgot the holder and grants the waiter.
     assert_eq!(
         gw.answer_with(&mut waiter, &granted_after_wait(2), &[]),
-        Action::Pause,
+        Action::Wait,
         "not beside the holder this gateway sees running"
     );
     assert!(waiter.holds_request() && waiter.waits_locally());
@@ -588,21 +588,6 @@ fn a_vetoed_grant_is_given_back_on_every_other_path() {
     // The holder's slot is untouched by all this.
     assert_eq!(gw.count(Counter::LocalVetoes), 2);
     gw.respond(&mut holder, "200", "application/json", &[b"{}"]);
-
-    // Idempotency mode: the holder completes and is kept here; the waiter gets its response
-    // (never a second run) and gives its grant back.
-    let mut gw = Gateway::rules(QUEUE);
-    let (mut holder, _, _) = gw.claim(&post("k"));
-    gw.grant(&mut holder, 1);
-    let (mut waiter, _, _) = gw.claim(&post("k"));
-    assert_eq!(
-        gw.answer_with(&mut waiter, &granted_after_wait(2), &[]),
-        Action::Pause
-    );
-    gw.respond(&mut holder, "201", "application/json", &[b"{\"id\":1}"]);
-    let r = reply(tick(&mut gw, &mut waiter).unwrap());
-    assert_eq!((r.status, r.body.as_slice()), (201, &b"{\"id\":1}"[..]));
-    assert_eq!(release(&mut waiter).0, paths::ABORT);
 
     // Shadow mode never waits nor blocks: the grant is forwarded, the veto only counted.
     let mut gw = Gateway::new(&format!(
@@ -862,11 +847,17 @@ fn fail_local_decides_on_shared_data() {
         gw.answer(&mut first, Answer::Failed),
         Action::Continue(vec![("x-idemgate-degraded".into(), "local".into())])
     );
-    // Queue policy, local duplicate, sidecar down: the local tier says busy.
-    let (mut second, _, _) = gw.claim(&post("k"));
-    let r = reply(gw.answer(&mut second, Answer::Failed));
-    assert_eq!(r.status, 409);
-    assert_eq!(gw.count(Counter::FailedLocal), 2);
+    // Queue policy, local duplicate, sidecar down: it waits here for the first's outcome.
+    let (second, action) = gw.start(&post("k"));
+    let mut second = second.unwrap();
+    assert_eq!(action, Action::Wait);
+    gw.respond(&mut first, "201", "application/json", &[b"{}"]);
+    let r = reply(tick(&mut gw, &mut second).unwrap());
+    assert_eq!(
+        (r.status, header(&r, "idempotent-replayed")),
+        (201, Some("true"))
+    );
+    assert_eq!(gw.count(Counter::FailedLocal), 1);
 }
 
 #[test]
@@ -1702,5 +1693,6 @@ fn a_client_gone_while_its_body_is_read_leaves_nothing_held() {
     claim_of(&action);
 }
 
+mod coalesce;
 mod grpc;
 mod observe;
