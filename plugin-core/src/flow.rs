@@ -1044,7 +1044,11 @@ impl Flow {
                     self.phase = Phase::Parked { since_ms, until_ms };
                     return None;
                 }
-                env.telemetry.count(Counter::Rejected);
+                // Decided as a sidecar wait that runs out is: queued, for this long.
+                env.telemetry.count(Counter::Queued);
+                env.telemetry
+                    .record(Histogram::QueueWaitMs, env.now_ms.saturating_sub(since_ms));
+                env.telemetry.count(Counter::WaitExpired);
                 Some(self.refuse(config, env, Refusal::WaitExpired { retry_after_ms }))
             }
             other => {

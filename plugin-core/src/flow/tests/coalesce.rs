@@ -144,6 +144,11 @@ fn a_parked_duplicate_honours_its_wait_budget_and_a_client_abort_leaves_nothing(
         (503, types::WAIT_EXPIRED)
     );
     assert!(header(&r, "retry-after").is_some());
+    assert_eq!(
+        (gw.count(Counter::WaitExpired), gw.count(Counter::Rejected)),
+        (1, 0),
+        "a parked wait that runs out is decided `wait_expired`, as one at the sidecar is"
+    );
     assert!(parked[0].take_release().is_none());
     // The holder's entry is untouched: its response still reaches later duplicates.
     gw.respond(&mut holder, "201", "application/json", &[b"{}"]);
