@@ -38,7 +38,11 @@ fn idemgate_wasm_exports_the_proxy_wasm_abi() {
     }
     // Dropped by `cargo xtask wasm` because the filter does nothing there, and each one Envoy
     // finds exported it calls: `proxy_on_log` on every request.
-    for dropped in ["proxy_on_log", "proxy_on_grpc_receive", "proxy_on_downstream_data"] {
+    for dropped in [
+        "proxy_on_log",
+        "proxy_on_grpc_receive",
+        "proxy_on_downstream_data",
+    ] {
         assert!(
             !exports.contains(&dropped),
             "{dropped} is exported: {exports:?}"
