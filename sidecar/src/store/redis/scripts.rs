@@ -72,10 +72,18 @@ local function decode(v)
     rfp = t[12] or false, kept = t[13] or false}
 end
 
+-- Trailing absent fields are left out (`decode` reads them as absent): a released lock
+-- keeps its fence in a few bytes.
 local function encode(r)
-  return cmsgpack.pack({r.fence or false, r.owner or false, r.fp or false, r.since or false,
+  local t = {r.fence or false, r.owner or false, r.fp or false, r.since or false,
     r.at or false, r.lease or false, r.pick or false, r.q or false, r.status or false,
-    r.headers or false, r.body or false, r.rfp or false, r.kept or false})
+    r.headers or false, r.body or false, r.rfp or false, r.kept or false}
+  local n = 13
+  while n > 0 and not t[n] do
+    t[n] = nil
+    n = n - 1
+  end
+  return cmsgpack.pack(t)
 end
 
 local function clock()
@@ -283,8 +291,8 @@ else
   -- No record: the key is free, nobody is queued, no fence or response is kept — granted
   -- by this one call (fence and grant at the clock, no pick-up deadline). A record that
   -- does exist is left as it is and read instead.
-  v = redis.call('SET', state, cmsgpack.pack({now_s, owner, fp, now_s, now_s, lease, '0',
-    false, false, false, false, false, false}), 'NX', 'GET', 'PX', grant_ttl)
+  v = redis.call('SET', state, cmsgpack.pack({now_s, owner, fp, now_s, now_s, lease, '0'}),
+    'NX', 'GET', 'PX', grant_ttl)
   if not v then return {'granted', 0, now_s, lease, now_s} end
 end
 load(state, v)
