@@ -95,6 +95,22 @@ end
 local function lease_end(at, lease)
   return tonumber(at) + tonumber(lease) * 1000
 end
+
+-- How long (ms, an integer reply) the holding granted at `since` (µs) has lasted by `now`.
+local function held_ms(since, now)
+  local t = tonumber(since)
+  if not t or t > now then return 0 end
+  return math.floor((now - t) / 1000)
+end
+
+local function int(n)
+  return string.format('%.0f', n)
+end
+
+-- Takes the holder's fields out of record `r`.
+local function drop_holder(r)
+  r.owner, r.fp, r.since, r.at, r.lease, r.pick = false, false, false, false, false, false
+end
 "#
     };
 }
@@ -104,22 +120,30 @@ end
 #[cfg(feature = "testing")]
 pub(crate) const RECORD_CODEC: &str = record_codec!();
 
-/// Helpers prepended to every script that changes a lock. `queue` and `waiters` are the
-/// lock's list and hash keys; the record is loaded once (`load`), changed as a table, and
+/// The helpers of every step that changes a lock beyond its record alone (queue, hand-off,
+/// expiry with the queue). `queue` and `waiters` are the lock's list and hash keys; the
+/// record is loaded once (`load`, or `adopt` when already decoded), changed as a table, and
 /// written back once (`flush`); `now` is Redis's clock in µs and `now_s` the same as a
 /// string; `grant_ttl` (ms) is how long a record lives after a grant: the fence TTL, and at
 /// least the lease plus a second (computed by the sidecar).
-macro_rules! prelude {
+///
+/// Lua creates a closure for each `local function` as the chunk runs it, on every call: the
+/// claim, complete and abort scripts run their common case (no record yet, nobody queued)
+/// before these definitions, on the codec alone.
+macro_rules! helpers {
     () => {
-        concat!(
-            record_codec!(),
-            r#"
+        r#"
 -- The record being stepped on: changed in place, written back once by `flush` with the
 -- expiry last set (`rec_ttl`, ms; nil: keep the current one).
 local rec_key, rec, rec_exists, rec_dirty, rec_ttl
 
 local function load(state, v)
   rec_key, rec, rec_exists, rec_dirty, rec_ttl = state, decode(v), v and true, false, nil
+end
+
+-- Steps on record `r` of `state`, already read and decoded (it exists).
+local function adopt(state, r)
+  rec_key, rec, rec_exists, rec_dirty, rec_ttl = state, r, true, false, nil
 end
 
 local function touch()
@@ -146,10 +170,6 @@ local function flush()
   end
 end
 
-local function int(n)
-  return string.format('%.0f', n)
-end
-
 -- `inbox, deadline, lease, fingerprint, alive, window` of a waiter record (nil: none).
 local function parse_waiter(v)
   if not v then return nil end
@@ -159,8 +179,7 @@ local function parse_waiter(v)
 end
 
 local function clear_holder()
-  rec.owner, rec.fp, rec.since, rec.at, rec.lease, rec.pick =
-    false, false, false, false, false, false
+  drop_holder(rec)
   touch()
 end
 
@@ -179,13 +198,6 @@ local function forget_name(waiters, owner)
   if redis.call('HGET', waiters, 'w:' .. name) == owner then
     redis.call('HDEL', waiters, 'w:' .. name)
   end
-end
-
--- How long (ms, an integer reply) the holding granted at `since` (µs) has lasted by `now`.
-local function held_ms(since, now)
-  local t = tonumber(since)
-  if not t or t > now then return 0 end
-  return math.floor((now - t) / 1000)
 end
 
 -- The record lives `ttl` ms from now, and never less than the queue while one may exist.
@@ -253,7 +265,13 @@ local function release(queue, waiters, queued, last, kept, now, now_s, record_tt
   clear_holder()
 end
 "#
-        )
+    };
+}
+
+/// Codec and helpers: what every script that changes a lock starts with.
+macro_rules! prelude {
+    () => {
+        concat!(record_codec!(), helpers!())
     };
 }
 /// Claim (and re-check while queued).
@@ -272,14 +290,11 @@ end
 /// grant must see one state: otherwise two claimers both see "free" and both get a grant.
 pub(crate) static CLAIM: LazyLock<Script> = LazyLock::new(|| {
     Script::new(concat!(
-        prelude!(),
+        record_codec!(),
         r#"
 local state, queue, waiters = KEYS[1], KEYS[2], KEYS[3]
 local owner, fp, mode, lease = ARGV[1], ARGV[2], ARGV[3], ARGV[4]
-local wait_ms, max_queue = tonumber(ARGV[5]), tonumber(ARGV[6])
-local record_ttl, grant_ttl = tonumber(ARGV[7]), tonumber(ARGV[8])
-local inbox_prefix, inbox = ARGV[9], ARGV[10]
-local name, window = ARGV[11], tonumber(ARGV[12])
+local wait_ms, name, grant_ttl = tonumber(ARGV[5]), ARGV[11], ARGV[8]
 
 local now, now_s = clock()
 -- A named place given up while this claim waited: the claim ends here.
@@ -295,6 +310,12 @@ else
     'NX', 'GET', 'PX', grant_ttl)
   if not v then return {'granted', 0, now_s, lease, now_s} end
 end
+"#,
+        helpers!(),
+        r#"
+local max_queue, record_ttl = tonumber(ARGV[6]), tonumber(ARGV[7])
+local inbox_prefix, inbox, window = ARGV[9], ARGV[10], tonumber(ARGV[12])
+grant_ttl = tonumber(grant_ttl)
 load(state, v)
 
 local holder, last, queued, kept, pick = rec.owner, rec.fence, rec.q == '1', rec.kept, rec.pick
@@ -508,35 +529,50 @@ return 'released'
 /// claim may see "free" before the response it should replay is stored.
 pub(crate) static COMPLETE: LazyLock<Script> = LazyLock::new(|| {
     Script::new(concat!(
-        prelude!(),
+        record_codec!(),
         r#"
 local state, queue, waiters = KEYS[1], KEYS[2], KEYS[3]
-local record_ttl, inbox_prefix = tonumber(ARGV[7]), ARGV[8]
-load(state, redis.call('GET', state))
+local r = decode(redis.call('GET', state))
 local now, now_s = clock()
-if rec.owner ~= ARGV[1] or lease_end(rec.at, rec.lease) <= now then return 'stale' end
-local queued, since, lease, fp = rec.q == '1', rec.since, rec.lease, rec.fp
-if ARGV[3] == '1' then
-  local retention = tonumber(ARGV[2])
-  clear_holder()
+if r.owner ~= ARGV[1] or lease_end(r.at, r.lease) <= now then return 'stale' end
+local queued, storing = r.q == '1', ARGV[3] == '1'
+local reply = {'released', held_ms(r.since, now), r.lease}
+if storing then
   -- Every response field is written, so an older stored response leaves nothing behind.
-  rec.status, rec.headers, rec.body, rec.rfp, rec.kept =
-    ARGV[4], ARGV[5], ARGV[6], fp or '', int(now + retention * 1000)
-  -- The retention bounds how long the body is kept (and the fence with it: later fences
-  -- rest on the clock).
-  expire(queue, queued, retention)
+  r.status, r.headers, r.body, r.rfp, r.kept =
+    ARGV[4], ARGV[5], ARGV[6], r.fp or '', int(now + tonumber(ARGV[2]) * 1000)
+end
+if not queued then
+  -- Nobody waits (the common case): the holding ends in one write of the record, which
+  -- then lives the retention with a stored response (the retention bounds how long the
+  -- body is kept, and the fence with it: later fences rest on the clock), or keeps its
+  -- expiry.
+  drop_holder(r)
+  if storing then
+    redis.call('SET', state, encode(r), 'PX', ARGV[2])
+  else
+    redis.call('SET', state, encode(r), 'KEEPTTL')
+  end
+  return reply
+end
+"#,
+        helpers!(),
+        r#"
+local record_ttl, inbox_prefix = tonumber(ARGV[7]), ARGV[8]
+adopt(state, r)
+if storing then
+  clear_holder()
+  expire(queue, true, tonumber(ARGV[2]))
   -- Every queued waiter now gets the stored response: tell each one's process.
-  if queued then
-    for _, o in ipairs(redis.call('LRANGE', queue, 0, -1)) do
-      local inbox = parse_waiter(redis.call('HGET', waiters, o))
-      if inbox then redis.call('PUBLISH', inbox_prefix .. inbox, o) end
-    end
+  for _, o in ipairs(redis.call('LRANGE', queue, 0, -1)) do
+    local inbox = parse_waiter(redis.call('HGET', waiters, o))
+    if inbox then redis.call('PUBLISH', inbox_prefix .. inbox, o) end
   end
 else
-  release(queue, waiters, queued, rec.fence, rec.kept, now, now_s, record_ttl, inbox_prefix)
+  release(queue, waiters, true, rec.fence, rec.kept, now, now_s, record_ttl, inbox_prefix)
 end
 flush()
-return {'released', held_ms(since, now), lease}
+return reply
 "#
     ))
 });
@@ -550,17 +586,26 @@ return {'released', held_ms(since, now), lease}
 /// the next holder.
 pub(crate) static ABORT: LazyLock<Script> = LazyLock::new(|| {
     Script::new(concat!(
-        prelude!(),
+        record_codec!(),
         r#"
 local state, queue, waiters = KEYS[1], KEYS[2], KEYS[3]
-load(state, redis.call('GET', state))
+local r = decode(redis.call('GET', state))
 local now, now_s = clock()
-if rec.owner ~= ARGV[1] or lease_end(rec.at, rec.lease) <= now then return 'stale' end
-local since, lease = rec.since, rec.lease
-release(queue, waiters, rec.q == '1', rec.fence, rec.kept, now, now_s, tonumber(ARGV[2]),
-  ARGV[3])
+if r.owner ~= ARGV[1] or lease_end(r.at, r.lease) <= now then return 'stale' end
+local reply = {'released', held_ms(r.since, now), r.lease}
+if r.q ~= '1' then
+  -- Nobody waits: the key is free, the record keeps its fence and expiry.
+  drop_holder(r)
+  redis.call('SET', state, encode(r), 'KEEPTTL')
+  return reply
+end
+"#,
+        helpers!(),
+        r#"
+adopt(state, r)
+release(queue, waiters, true, rec.fence, rec.kept, now, now_s, tonumber(ARGV[2]), ARGV[3])
 flush()
-return {'released', held_ms(since, now), lease}
+return reply
 "#
     ))
 });
