@@ -407,3 +407,43 @@ impl Store for RedisStore {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::{ClaimArgs, RedisStore, Store};
+    use crate::waiters::Waiters;
+    use std::sync::Arc;
+    use std::time::Duration;
+
+    /// Every layer above a store call (verb, handler, router) embeds its future and moves it
+    /// whole, several times per request: the Cluster and Sentinel paths, boxed, must not
+    /// size a standalone server's calls (unboxed, a claim's future was ~7 KB in a debug
+    /// build; ~0.7 KB boxed).
+    #[tokio::test]
+    async fn a_store_calls_future_is_small_on_a_standalone_server() {
+        let redis = crate::testing::RedisServer::start().unwrap();
+        let crate::config::StoreConfig::Redis(cfg) = redis.store_config() else {
+            panic!("a Redis store config");
+        };
+        let timeout = Duration::from_secs(2);
+        let store = RedisStore::connect(&cfg, Arc::new(Waiters::default()), timeout, timeout)
+            .await
+            .unwrap();
+        let args = ClaimArgs {
+            key: "k",
+            mode: idemgate_wire::Mode::Lock,
+            owner: "0123456789abcdef0123456789abcdef",
+            fingerprint: None,
+            lease: Duration::from_secs(1),
+            queue: None,
+        };
+        let claim = store.claim(&args);
+        let complete = store.complete("k", args.owner, timeout, None);
+        for (what, size) in [
+            ("claim", std::mem::size_of_val(&claim)),
+            ("complete", std::mem::size_of_val(&complete)),
+        ] {
+            assert!(size <= 2048, "{what}: a {size}-byte future");
+        }
+    }
+}
