@@ -213,6 +213,9 @@ where
     })
 }
 
+/// Sidecar runs so far in this process: each claims keys no earlier run used.
+static RUNS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+
 /// What answers the bench client's claims and completes.
 #[derive(Clone)]
 pub enum Server {
@@ -247,11 +250,14 @@ pub async fn sidecar_round_trips(
     for _ in 0..concurrency.min(CONNECTIONS) {
         clients.push(H2::connect(sidecar.addr()).await?);
     }
+    // Keys of this run only: a key claimed by an earlier run still has its record (its
+    // fence, for `--fence-ttl-secs`), and claiming it is not the fresh-key path.
+    let run_id = RUNS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
     let run = closed_loop(redis, concurrency, seconds, move |w, i| {
         let client = clients.get(w % clients.len().max(1)).cloned();
         async move {
             let client = client.context("no connection")?;
-            let key = format!("bench-{w}-{i}");
+            let key = format!("bench-{run_id}-{w}-{i}");
             match client.claim(&lock_claim(key.clone(), false)).await? {
                 ClaimOutcome::Granted { owner, .. } => client.complete(&key, &owner).await,
                 other => bail!("claim answered {other:?}"),

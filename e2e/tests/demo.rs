@@ -186,7 +186,7 @@ fn the_demo_with_redis_url_uses_redis_and_prevents_the_damage() {
     assert!(stdout.contains("(Redis store)"), "{stdout}");
     assert!(stdout.contains("p99"), "the table: {stdout}");
     let keys = redis
-        .cli(&["--scan", "--pattern", "idemgate:{*}:state"])
+        .cli(&["--scan", "--pattern", "idemgate:{*}:record"])
         .expect("redis-cli");
     assert!(
         keys.lines().count() > 0,

@@ -384,7 +384,7 @@ mod tests {
         // key, which expires by itself).
         assert!(check(flags("owner")).await);
         let records = redis.cli(&["--scan", "--pattern", "idemgate:*"]).unwrap();
-        let locks: Vec<&str> = records.lines().filter(|k| k.ends_with(":state")).collect();
-        assert_eq!(locks, ["idemgate:{idemgate-check}:state"], "{records}");
+        let locks: Vec<&str> = records.lines().filter(|k| k.ends_with(":record")).collect();
+        assert_eq!(locks, ["idemgate:{idemgate-check}:record"], "{records}");
     }
 }

@@ -18,6 +18,11 @@
 
 pub mod otlp;
 
+/// The Lua functions that read and write a lock record (`decode(value)` → a table of
+/// fields, `encode(table)`, `clock()`, `lease_end(at, lease)`): what the sidecar's own
+/// scripts start with, for tests that read Redis behind its back.
+pub const RECORD_CODEC: &str = crate::store::redis::RECORD_CODEC;
+
 use crate::config::{RedisConfig, RedisTls, RedisTopology, StoreConfig};
 use std::io::{self, Read, Write};
 use std::net::{TcpListener, TcpStream};
@@ -181,6 +186,38 @@ impl RedisServer {
     /// `redis-cli` is missing or fails.
     pub fn cli(&self, args: &[&str]) -> io::Result<String> {
         redis_cli(self.port, self.password(), args)
+    }
+
+    /// One field of the lock record `record` (`<prefix>:{key}:record`; fields as the
+    /// sidecar's scripts pack them: `owner`, `fence`, `q`, ...), `None` when the field is
+    /// absent or there is no record.
+    ///
+    /// # Errors
+    /// `redis-cli` is missing or fails.
+    pub fn record_field(&self, record: &str, field: &str) -> io::Result<Option<String>> {
+        let script = format!(
+            "{}\nlocal f = decode(redis.call('GET', KEYS[1]))[ARGV[1]]\n\
+             if f then return f end\nreturn nil",
+            RECORD_CODEC
+        );
+        let out = self.cli(&["--raw", "EVAL", &script, "1", record, field])?;
+        let value = out.strip_suffix('\n').unwrap_or(&out);
+        Ok((!value.is_empty()).then(|| value.to_owned()))
+    }
+
+    /// Clears one field of the lock record `record` behind the sidecar's back (its expiry
+    /// kept), as a lost write or an operator's edit would; `false` when there is no record.
+    ///
+    /// # Errors
+    /// `redis-cli` is missing or fails.
+    pub fn clear_record_field(&self, record: &str, field: &str) -> io::Result<bool> {
+        let script = format!(
+            "{}\nlocal v = redis.call('GET', KEYS[1])\nif not v then return 0 end\n\
+             local r = decode(v)\nr[ARGV[1]] = false\n\
+             redis.call('SET', KEYS[1], encode(r), 'KEEPTTL')\nreturn 1",
+            RECORD_CODEC
+        );
+        Ok(self.cli(&["EVAL", &script, "1", record, field])?.trim() == "1")
     }
 }
 

@@ -107,7 +107,7 @@ async fn the_master_is_found_through_a_sentinel() {
     assert!(next > fence);
     let on_master = sentinel.master().cli(&["--scan"]).unwrap();
     assert!(
-        on_master.contains("idemgate:{sentinel-key}:state"),
+        on_master.contains("idemgate:{sentinel-key}:record"),
         "{on_master}"
     );
 }

@@ -73,7 +73,7 @@ async fn a_lost_notification_is_covered_by_the_recheck_interval() {
     h.redis
         .as_ref()
         .unwrap()
-        .cli(&["HDEL", "idemgate:{k-lost}:state", "owner"])
+        .clear_record_field("idemgate:{k-lost}:record", "owner")
         .unwrap();
     match waiter.await.unwrap() {
         // Bounded by the re-check interval, not by the 30 s wait budget (generous margin).
@@ -95,7 +95,7 @@ async fn password_in_the_url_is_used() {
     );
     let keys = h.redis.as_ref().unwrap().cli(&["--scan"]).unwrap();
     assert!(
-        keys.contains("custom.prefix:{k/auth%7Bx%7D}:state"),
+        keys.contains("custom.prefix:{k/auth%7Bx%7D}:record"),
         "{keys}"
     );
     let list: serde_json::Value =
@@ -134,14 +134,21 @@ async fn a_full_redis_is_not_ready() {
     let h = Harness::on_store(store, Some(redis), |_| {}).await;
     assert_eq!(h.client.get("/readyz").await.status, StatusCode::OK);
     let body = vec![b'x'; 64 * 1024];
+    // Stored bodies fill it fast; a complete is refused first (while it runs, Redis holds
+    // its body about three times over: the arguments, the script's copy, the new record),
+    // and small writes still fit for a while after it: claims fill the rest.
+    let mut storing = true;
     let mut full = false;
-    for i in 0..200 {
+    for i in 0..20_000 {
         let key = format!("k-full-{i}");
         let claim = claim_req(&key, Mode::Idempotency, 60_000);
         let reply = h.client.post(paths::CLAIM, &claim, &[]).await;
         if reply.status == StatusCode::SERVICE_UNAVAILABLE {
             full = true;
             break;
+        }
+        if !storing {
+            continue;
         }
         let (outcome, _) = idemgate_wire::decode::<ClaimOutcome>(&reply.body).unwrap();
         let (owner, _) = granted(&outcome);
@@ -155,12 +162,13 @@ async fn a_full_redis_is_not_ready() {
             }),
         };
         let reply = h.client.post(paths::COMPLETE, &complete, &body).await;
-        if reply.status == StatusCode::SERVICE_UNAVAILABLE {
-            full = true;
-            break;
-        }
+        storing = reply.status != StatusCode::SERVICE_UNAVAILABLE;
     }
     assert!(full, "Redis never filled up");
+    // Refused at the edge, where the request's own buffers tipped it over; with the limit
+    // now clearly below what Redis holds, every write is refused, the probe's too.
+    let redis = h.redis.as_ref().unwrap();
+    redis.cli(&["CONFIG", "SET", "maxmemory", "1mb"]).unwrap();
     let ready = h.client.get("/readyz").await;
     assert_eq!(ready.status, StatusCode::SERVICE_UNAVAILABLE);
 }

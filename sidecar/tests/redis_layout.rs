@@ -8,7 +8,7 @@ use idemgate_wire::{ClaimOutcome, Mode, OwnerOutcome, StoredResponse};
 use std::time::Duration;
 
 fn record(key: &str) -> String {
-    format!("idemgate:{{{key}}}:state")
+    format!("idemgate:{{{key}}}:record")
 }
 
 fn int(redis: &RedisServer, args: &[&str]) -> i64 {
@@ -26,7 +26,7 @@ async fn the_common_path_touches_one_key() {
     }
     assert_eq!(redis.cli(&["--scan"]).unwrap().trim(), record(key));
     // No waiters were ever queued: no queue mark in the record.
-    assert_eq!(int(redis, &["HEXISTS", &record(key), "q"]), 0);
+    assert_eq!(redis.record_field(&record(key), "q").unwrap(), None);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -184,7 +184,10 @@ async fn the_queue_mark_goes_with_the_last_waiter() {
     let key = "k-mark";
     let (holder, _) = granted(&h.client.claim(&claim_req(key, Mode::Lock, 30_000)).await.0);
     let waiter = h.client.queued_waiter(key).await;
-    assert_eq!(int(redis, &["HEXISTS", &record(key), "q"]), 1);
+    assert_eq!(
+        redis.record_field(&record(key), "q").unwrap().as_deref(),
+        Some("1")
+    );
     assert_eq!(
         h.client.complete(key, &holder, 1000, None).await,
         OwnerOutcome::Released
@@ -194,6 +197,74 @@ async fn the_queue_mark_goes_with_the_last_waiter() {
         h.client.complete(key, &next, 1000, None).await,
         OwnerOutcome::Released
     );
-    assert_eq!(int(redis, &["HEXISTS", &record(key), "q"]), 0);
+    assert_eq!(redis.record_field(&record(key), "q").unwrap(), None);
     assert_eq!(redis.cli(&["--scan"]).unwrap().trim(), record(key));
+}
+
+/// Commands Redis ran since the last `CONFIG RESETSTAT`, by name, as `INFO commandstats`
+/// counts them: a script's own `redis.call`s included, the test's `CONFIG` and `INFO` not.
+fn commands_run(redis: &RedisServer) -> std::collections::BTreeMap<String, u64> {
+    let info = redis.cli(&["INFO", "commandstats"]).unwrap();
+    info.lines()
+        .filter_map(|line| {
+            let (name, stats) = line.strip_prefix("cmdstat_")?.split_once(':')?;
+            let calls = stats
+                .strip_prefix("calls=")?
+                .split(',')
+                .next()?
+                .parse()
+                .ok()?;
+            let test_own = name == "info" || name.starts_with("config|");
+            (!test_own).then(|| (name.to_owned(), calls))
+        })
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_fresh_key_claim_and_complete_cost_seven_redis_commands() {
+    const PAIRS: u64 = 20;
+    let h = Harness::start(crate::util::Backend::Redis).await;
+    let redis = h.redis.as_ref().unwrap();
+    let response = StoredResponse {
+        status: 201,
+        headers: vec![("x-id".into(), "7".into())],
+    };
+    // Loads both scripts (the first EVALSHA of each meets NOSCRIPT) before counting.
+    for mode in [Mode::Lock, Mode::Idempotency] {
+        let key = format!("k-warm-{mode:?}");
+        let (owner, _) = granted(&h.client.claim(&claim_req(&key, mode, 30_000)).await.0);
+        assert_eq!(
+            h.client.complete(&key, &owner, 60_000, None).await,
+            OwnerOutcome::Released
+        );
+    }
+    for mode in [Mode::Lock, Mode::Idempotency] {
+        redis.cli(&["CONFIG", "RESETSTAT"]).unwrap();
+        for i in 0..PAIRS {
+            let key = format!("k-fresh-{mode:?}-{i}");
+            let (owner, _) = granted(&h.client.claim(&claim_req(&key, mode, 30_000)).await.0);
+            let stored = (mode == Mode::Idempotency).then(|| (response.clone(), &b"created"[..]));
+            assert_eq!(
+                h.client.complete(&key, &owner, 60_000, stored).await,
+                OwnerOutcome::Released
+            );
+        }
+        let per_pair: std::collections::BTreeMap<String, u64> = commands_run(redis)
+            .into_iter()
+            .map(|(name, calls)| {
+                assert_eq!(calls % PAIRS, 0, "{name}: {calls} calls in {PAIRS} pairs");
+                (name, calls / PAIRS)
+            })
+            .collect();
+        // The claim: `EVALSHA`, `TIME`, `SET NX GET PX` (the grant, written by the call that
+        // finds no record); the complete: `EVALSHA`, `GET`, `TIME`, `SET` (the record back,
+        // released or with its stored response, and its expiry).
+        let expected: std::collections::BTreeMap<String, u64> =
+            [("evalsha", 2), ("get", 1), ("set", 2), ("time", 2)]
+                .into_iter()
+                .map(|(name, n)| (name.to_owned(), n))
+                .collect();
+        assert_eq!(per_pair, expected, "{mode:?}");
+        assert_eq!(per_pair.values().sum::<u64>(), 7, "{mode:?}");
+    }
 }

@@ -201,7 +201,7 @@ async fn the_master_behind_a_tls_sentinel_is_reached_with_a_private_ca() {
             .master()
             .cli(&["--scan"])
             .unwrap()
-            .contains("idemgate:{sentinel-tls-key}:state")
+            .contains("idemgate:{sentinel-tls-key}:record")
     );
 }
 
@@ -223,7 +223,7 @@ async fn claims_hand_offs_and_replays_work_over_tls() {
         redis
             .cli(&["--scan"])
             .unwrap()
-            .contains("idemgate:{tls-key}:state")
+            .contains("idemgate:{tls-key}:record")
     );
 
     // Without the private CA the server is not trusted: never ready, never a grant.

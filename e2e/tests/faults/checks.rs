@@ -28,7 +28,7 @@ fn the_lock_leak_check_sees_a_lock_left_behind() {
     );
 
     assert_eq!(rig.held_keys(), ["left-behind"]);
-    assert_eq!(rig.redis_locks(), ["idemgate:{left-behind}:state"]);
+    assert_eq!(rig.redis_locks(), ["idemgate:{left-behind}:record"]);
 
     let release = http(
         rig.sidecar_addr(),

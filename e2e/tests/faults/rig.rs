@@ -202,28 +202,29 @@ impl Rig {
     }
 
     /// Lock records in Redis itself whose lease has not ended (Redis's clock), read
-    /// straight from the store's layout — `<prefix>:{key}:state` hashes, held while `owner`
-    /// is set and `at` (µs) plus `lease` (ms) is in the future — independently of the
-    /// sidecar's own listing. A Redis that cannot answer fails the test.
+    /// straight from the store's layout — `<prefix>:{key}:record` strings, decoded with the
+    /// sidecar's own record codec, held while `owner` is set and `at` (µs) plus `lease` (ms)
+    /// is in the future — independently of the sidecar's own listing. A Redis that cannot
+    /// answer fails the test.
     pub fn redis_locks(&self) -> Vec<String> {
         const HELD: &str = r"
-local t = redis.call('TIME')
-local now = tonumber(t[1]) * 1000000 + tonumber(t[2])
+local now = clock()
 local held, cursor = {}, '0'
 repeat
   local page = redis.call('SCAN', cursor, 'MATCH', ARGV[1], 'COUNT', 1000)
   cursor = page[1]
   for _, record in ipairs(page[2]) do
-    local r = redis.call('HMGET', record, 'owner', 'at', 'lease')
-    if r[1] and tonumber(r[2]) + tonumber(r[3]) * 1000 > now then
+    local r = decode(redis.call('GET', record))
+    if r.owner and lease_end(r.at, r.lease) > now then
       table.insert(held, record)
     end
   end
 until cursor == '0'
 return held
 ";
+        let script = format!("{}{HELD}", idemgate_sidecar::testing::RECORD_CODEC);
         self.redis()
-            .cli(&["--raw", "EVAL", HELD, "0", "idemgate:{*}:state"])
+            .cli(&["--raw", "EVAL", &script, "0", "idemgate:{*}:record"])
             .expect("redis-cli lists the held records")
             .lines()
             .filter(|l| !l.trim().is_empty())

@@ -6,9 +6,10 @@
 
 /// The keys of one lock, in the order the scripts take them as KEYS.
 pub(crate) struct LockKeys {
-    /// Hash, the lock's record: last fence, holder and lease deadline, stored response,
-    /// whether waiters may be queued (fields in `scripts.rs`). All the common path touches.
-    pub state: String,
+    /// String, the lock's record: last fence, holder and lease deadline, stored response,
+    /// whether waiters may be queued (packed fields, see `scripts.rs`). All the common path
+    /// touches.
+    pub record: String,
     /// List of queued owner tokens, FIFO (only while there are waiters).
     pub queue: String,
     /// Hash: owner token → `inbox|deadline_ms|lease_ms|fingerprint` of each queued waiter.
@@ -31,7 +32,7 @@ impl LockKeys {
             k
         };
         LockKeys {
-            state: with(":state"),
+            record: with(":record"),
             queue: with(":queue"),
             waiters: with(":waiters"),
         }
@@ -39,21 +40,21 @@ impl LockKeys {
 
     /// All three, as KEYS.
     pub(crate) fn all(&self) -> [&str; 3] {
-        [&self.state, &self.queue, &self.waiters]
+        [&self.record, &self.queue, &self.waiters]
     }
 }
 
 /// SCAN pattern matching every lock record (held or not).
-pub(crate) fn state_pattern(prefix: &str) -> String {
-    format!("{prefix}:{{*}}:state")
+pub(crate) fn record_pattern(prefix: &str) -> String {
+    format!("{prefix}:{{*}}:record")
 }
 
-/// The protocol key of a record found by [`state_pattern`].
-pub(crate) fn key_of_state(prefix: &str, state_key: &str) -> Option<String> {
-    let tag = state_key
+/// The protocol key of a record found by [`record_pattern`].
+pub(crate) fn key_of_record(prefix: &str, record_key: &str) -> Option<String> {
+    let tag = record_key
         .strip_prefix(prefix)?
         .strip_prefix(":{")?
-        .strip_suffix("}:state")?;
+        .strip_suffix("}:record")?;
     tag_to_key(tag)
 }
 
@@ -125,14 +126,14 @@ mod tests {
                 })
                 .collect();
             assert!(tags.iter().all(|t| *t == tags[0] && !t.is_empty()), "{key}");
-            assert_eq!(key_of_state("p", &keys.state).as_deref(), Some(key));
+            assert_eq!(key_of_record("p", &keys.record).as_deref(), Some(key));
         }
     }
 
     #[test]
     fn keys_follow_the_documented_layout() {
         let keys = LockKeys::new("idemgate", "a%b{c}d");
-        assert_eq!(keys.state, "idemgate:{a%25b%7Bc%7Dd}:state");
+        assert_eq!(keys.record, "idemgate:{a%25b%7Bc%7Dd}:record");
         assert_eq!(keys.waiters, "idemgate:{a%25b%7Bc%7Dd}:waiters");
         assert_eq!(LockKeys::new("p", "").queue, "p:{}:queue");
     }

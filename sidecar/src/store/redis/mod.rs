@@ -15,6 +15,9 @@ mod rate;
 mod reply;
 mod scripts;
 
+#[cfg(feature = "testing")]
+pub(crate) use scripts::RECORD_CODEC;
+
 use super::{
     ClaimArgs, ClaimReply, CompletedInfo, HolderInfo, KeyInfo, KeyState, LeaveStep, Release, Store,
     StoreError, StoreResult, Stored, millis,
@@ -155,22 +158,12 @@ impl RedisStore {
     /// Which of `records` (found by SCAN) are held by an unexpired lease now (Redis's
     /// clock): a record outlives its holder, keeping the fence.
     async fn held_among(&self, records: &[String]) -> StoreResult<Vec<String>> {
-        if records.is_empty() {
-            return Ok(Vec::new());
-        }
-        let (secs, micros): (u64, u64) = self.run(Op::Command(&redis::cmd("TIME"))).await?;
-        let now_us = secs.saturating_mul(1_000_000).saturating_add(micros);
+        let script = &*scripts::HELD;
         let checks = records.iter().map(|record| async move {
-            let mut cmd = redis::cmd("HMGET");
-            cmd.arg(record).arg("owner").arg("at").arg("lease");
-            let (owner, at, lease): (Option<String>, Option<u64>, Option<u64>) =
-                self.run(Op::Command(&cmd)).await?;
-            let ends = at
-                .zip(lease)
-                .map(|(at, lease)| at.saturating_add(lease.saturating_mul(1000)));
-            let held = owner.is_some() && ends.is_some_and(|end| end > now_us);
-            Ok::<_, StoreError>(if held {
-                keys::key_of_state(&self.prefix, record)
+            let cmd = evalsha(script, &[record.as_str()]);
+            let held: i64 = self.run(Op::Script(script, &cmd)).await?;
+            Ok::<_, StoreError>(if held == 1 {
+                keys::key_of_record(&self.prefix, record)
             } else {
                 None
             })
@@ -297,7 +290,7 @@ impl Store for RedisStore {
     async fn renew(&self, key: &str, owner: &str, lease: Duration) -> StoreResult<OwnerOutcome> {
         let k = self.keys(key);
         let script = &*scripts::RENEW;
-        let mut cmd = evalsha(script, &[&k.state, &k.queue]);
+        let mut cmd = evalsha(script, &[&k.record, &k.queue]);
         cmd.arg(owner).arg(millis(lease)).arg(self.record_ttl_ms);
         let renewed: i64 = self.run(Op::Script(script, &cmd)).await?;
         Ok(if renewed == 1 {
@@ -312,7 +305,7 @@ impl Store for RedisStore {
     async fn inspect(&self, key: &str) -> StoreResult<KeyInfo> {
         let k = self.keys(key);
         let script = &*scripts::INSPECT;
-        let cmd = evalsha(script, &[&k.state, &k.queue]);
+        let cmd = evalsha(script, &[&k.record, &k.queue]);
         let items: Vec<Value> = self.run(Op::Script(script, &cmd)).await?;
         let held = number(items.first())? == 1;
         let last_fence = number(items.get(4))?;
@@ -347,7 +340,7 @@ impl Store for RedisStore {
     }
 
     async fn list_held(&self, limit: usize) -> StoreResult<(Vec<String>, bool)> {
-        let pattern = keys::state_pattern(&self.prefix);
+        let pattern = keys::record_pattern(&self.prefix);
         // SCAN walks one server's keyspace: on a Cluster, every primary's in turn.
         let nodes = match &self.conn {
             Conn::Cluster(c) => {
@@ -411,6 +404,46 @@ impl Store for RedisStore {
             Ok(())
         } else {
             Err(unexpected("SET"))
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{ClaimArgs, RedisStore, Store};
+    use crate::waiters::Waiters;
+    use std::sync::Arc;
+    use std::time::Duration;
+
+    /// Every layer above a store call (verb, handler, router) embeds its future and moves it
+    /// whole, several times per request: the Cluster and Sentinel paths, boxed, must not
+    /// size a standalone server's calls (unboxed, a claim's future was ~7 KB in a debug
+    /// build; ~0.7 KB boxed).
+    #[tokio::test]
+    async fn a_store_calls_future_is_small_on_a_standalone_server() {
+        let redis = crate::testing::RedisServer::start().unwrap();
+        let crate::config::StoreConfig::Redis(cfg) = redis.store_config() else {
+            panic!("a Redis store config");
+        };
+        let timeout = Duration::from_secs(2);
+        let store = RedisStore::connect(&cfg, Arc::new(Waiters::default()), timeout, timeout)
+            .await
+            .unwrap();
+        let args = ClaimArgs {
+            key: "k",
+            mode: idemgate_wire::Mode::Lock,
+            owner: "0123456789abcdef0123456789abcdef",
+            fingerprint: None,
+            lease: Duration::from_secs(1),
+            queue: None,
+        };
+        let claim = store.claim(&args);
+        let complete = store.complete("k", args.owner, timeout, None);
+        for (what, size) in [
+            ("claim", std::mem::size_of_val(&claim)),
+            ("complete", std::mem::size_of_val(&complete)),
+        ] {
+            assert!(size <= 2048, "{what}: a {size}-byte future");
         }
     }
 }

@@ -8,9 +8,13 @@
 //! thousand concurrent claimers livelock. A script runs with nothing interleaved, so a
 //! decision is never made on stale state; that is what makes "exactly one grant" hold.
 //!
-//! Layout: one hash per lock, the *record*, is all the common path touches (a free key is
-//! claimed, completed or aborted with nobody waiting: one key, a handful of calls). Its
-//! fields:
+//! Layout: one string per lock, the *record*, is all the common path touches: its fields
+//! packed with `cmsgpack` (which Redis's Lua has built in), so a step reads the record whole
+//! with one `GET` and writes it back whole, expiry included, with one `SET` — however many
+//! fields it changes (as a hash it took `HMGET`, `HSET`/`HDEL` and `PEXPIRE`). A claim of a
+//! key with no record (a fresh key, the common case) is one `SET NX GET PX`: it writes the
+//! grant and, when a record existed after all, writes nothing and hands back the record
+//! instead. The fields, in their packed order (`false` = absent):
 //! - `fence`: the last fence issued for the key (kept while the key is free);
 //! - while held: `owner`, `fp` (fingerprint, '' = none), `since` (grant, µs), `at` (start of
 //!   the current lease: the grant or the last renewal, µs), `lease` (its length, ms) — the
@@ -26,7 +30,8 @@
 //!
 //! Shared conventions:
 //! - Time is Redis's own clock (`TIME`), never the sidecars', so skewed sidecars agree.
-//!   (Redis ≥ 5 replicates script effects, which makes `TIME` in a script safe.)
+//!   (Redis ≥ 5 replicates script effects, which makes `TIME` in a script safe; `SET` with
+//!   both `NX` and `GET` needs Redis ≥ 7.0.)
 //! - A lease is valid while `at + lease` > now: its end is decided by comparing with the clock,
 //!   not by a key expiring, so a lease that ran out is still seen (and counted once, by the
 //!   claim that finds it) and the record's fence survives it.
@@ -46,7 +51,7 @@
 //! - A waiter its caller named also has `w:<name>` → owner and `n:<owner>` → name in the
 //!   waiters hash (owner tokens are hex, so the fields never collide); a named place given up
 //!   leaves `owner` → `left` behind until its waiting claim sees it.
-//! - Numbers leave Lua as strings: Lua's own number formatting would print µs timestamps in
+//! - Numbers are kept as strings: Lua's own number formatting would print µs timestamps in
 //!   exponent notation, and `string.format('%.0f')` costs about as much as a Redis call, so
 //!   the common path stores strings it already has (the clock's, the caller's) and only
 //!   formats when it computes a new value (a fence above the clock, a retention end).
@@ -54,20 +59,115 @@
 use redis::{Cmd, Script};
 use std::sync::LazyLock;
 
-/// Helpers prepended to every script that changes a lock. `state`, `queue` and `waiters`
-/// are the lock's three keys; `now` is Redis's clock in µs and `now_s` the same as a string;
-/// `grant_ttl` (ms) is how long a record lives after a grant: the fence TTL, and at least the
-/// lease plus a second (computed by the sidecar).
-macro_rules! prelude {
+/// The record's codec, shared by every script that reads it (see the module doc for the
+/// fields). `decode` of a missing record (`false`) is a record with every field absent.
+macro_rules! record_codec {
     () => {
         r#"
+local function decode(v)
+  local t = v and cmsgpack.unpack(v) or {}
+  return {fence = t[1] or false, owner = t[2] or false, fp = t[3] or false,
+    since = t[4] or false, at = t[5] or false, lease = t[6] or false, pick = t[7] or false,
+    q = t[8] or false, status = t[9] or false, headers = t[10] or false, body = t[11] or false,
+    rfp = t[12] or false, kept = t[13] or false}
+end
+
+-- Trailing absent fields are left out (`decode` reads them as absent): a released lock
+-- keeps its fence in a few bytes.
+local function encode(r)
+  local t = {r.fence or false, r.owner or false, r.fp or false, r.since or false,
+    r.at or false, r.lease or false, r.pick or false, r.q or false, r.status or false,
+    r.headers or false, r.body or false, r.rfp or false, r.kept or false}
+  local n = 13
+  while n > 0 and not t[n] do
+    t[n] = nil
+    n = n - 1
+  end
+  return cmsgpack.pack(t)
+end
+
 local function clock()
   local t = redis.call('TIME')
   return tonumber(t[1]) * 1000000 + tonumber(t[2]), t[1] .. string.sub('00000' .. t[2], -6)
 end
 
+-- When the lease that started at `at` (µs) and lasts `lease` (ms) ends.
+local function lease_end(at, lease)
+  return tonumber(at) + tonumber(lease) * 1000
+end
+
+-- How long (ms, an integer reply) the holding granted at `since` (µs) has lasted by `now`.
+local function held_ms(since, now)
+  local t = tonumber(since)
+  if not t or t > now then return 0 end
+  return math.floor((now - t) / 1000)
+end
+
 local function int(n)
   return string.format('%.0f', n)
+end
+
+-- Takes the holder's fields out of record `r`.
+local function drop_holder(r)
+  r.owner, r.fp, r.since, r.at, r.lease, r.pick = false, false, false, false, false, false
+end
+"#
+    };
+}
+
+/// The record codec alone, for tools that read records from outside the sidecar (the
+/// `testing` helpers).
+#[cfg(feature = "testing")]
+pub(crate) const RECORD_CODEC: &str = record_codec!();
+
+/// The helpers of every step that changes a lock beyond its record alone (queue, hand-off,
+/// expiry with the queue). `queue` and `waiters` are the lock's list and hash keys; the
+/// record is loaded once (`load`, or `adopt` when already decoded), changed as a table, and
+/// written back once (`flush`); `now` is Redis's clock in µs and `now_s` the same as a
+/// string; `grant_ttl` (ms) is how long a record lives after a grant: the fence TTL, and at
+/// least the lease plus a second (computed by the sidecar).
+///
+/// Lua creates a closure for each `local function` as the chunk runs it, on every call: the
+/// claim, complete and abort scripts run their common case (no record yet, nobody queued)
+/// before these definitions, on the codec alone.
+macro_rules! helpers {
+    () => {
+        r#"
+-- The record being stepped on: changed in place, written back once by `flush` with the
+-- expiry last set (`rec_ttl`, ms; nil: keep the current one).
+local rec_key, rec, rec_exists, rec_dirty, rec_ttl
+
+local function load(state, v)
+  rec_key, rec, rec_exists, rec_dirty, rec_ttl = state, decode(v), v and true, false, nil
+end
+
+-- Steps on record `r` of `state`, already read and decoded (it exists).
+local function adopt(state, r)
+  rec_key, rec, rec_exists, rec_dirty, rec_ttl = state, r, true, false, nil
+end
+
+local function touch()
+  rec_dirty = true
+end
+
+local function set_ttl(ttl)
+  rec_ttl, rec_dirty = ttl, true
+end
+
+-- The record's expiry from now (ms), as last set in this step.
+local function record_pttl()
+  return rec_ttl or redis.call('PTTL', rec_key)
+end
+
+-- Writes the record back if the step changed it. A record that did not exist is only
+-- written with an expiry: without one the step merely cleared fields of nothing.
+local function flush()
+  if not rec_dirty then return end
+  if rec_ttl then
+    redis.call('SET', rec_key, encode(rec), 'PX', rec_ttl)
+  elseif rec_exists then
+    redis.call('SET', rec_key, encode(rec), 'KEEPTTL')
+  end
 end
 
 -- `inbox, deadline, lease, fingerprint, alive, window` of a waiter record (nil: none).
@@ -78,7 +178,17 @@ local function parse_waiter(v)
   return inbox, tonumber(deadline), tonumber(lease), fp, tonumber(alive), tonumber(window)
 end
 
-local HOLDER = {'owner', 'fp', 'since', 'at', 'lease', 'pick'}
+local function clear_holder()
+  drop_holder(rec)
+  touch()
+end
+
+local function clear_queue_mark()
+  if rec.q then
+    rec.q = false
+    touch()
+  end
+end
 
 -- Drops the name of `owner`'s place, if it has one (and the name still points to it).
 local function forget_name(waiters, owner)
@@ -90,50 +200,33 @@ local function forget_name(waiters, owner)
   end
 end
 
--- How long (ms, an integer reply) the holding granted at `since` (µs) has lasted by `now`.
-local function held_ms(since, now)
-  local t = tonumber(since)
-  if not t or t > now then return 0 end
-  return math.floor((now - t) / 1000)
-end
-
--- When the lease that started at `at` (µs) and lasts `lease` (ms) ends.
-local function lease_end(at, lease)
-  return tonumber(at) + tonumber(lease) * 1000
-end
-
 -- The record lives `ttl` ms from now, and never less than the queue while one may exist.
-local function expire(state, queue, queued, ttl)
+local function expire(queue, queued, ttl)
   if queued then ttl = math.max(ttl, redis.call('PTTL', queue)) end
-  redis.call('PEXPIRE', state, ttl)
+  set_ttl(ttl)
 end
 
 -- Grants a free key (no valid holder) for `lease` ms (a string); returns the fence (a
 -- string). `last` is the record's fence (false: none); `kept` the end of a stored
 -- response's retention (false: none), which the record's expiry must not cut short;
 -- `pick` the hand-off's pick-up deadline in ms ('0': none, the claimant has it now).
-local function grant(state, queue, queued, owner, fp, lease, now, now_s, last, kept, grant_ttl,
-    pick)
+local function grant(queue, queued, owner, fp, lease, now, now_s, last, kept, grant_ttl, pick)
   local f = now_s
   if last and tonumber(last) >= now then f = int(tonumber(last) + 1) end
-  redis.call('HSET', state, 'fence', f, 'owner', owner, 'fp', fp, 'since', now_s, 'at', now_s,
-    'lease', lease, 'pick', pick)
+  rec.fence, rec.owner, rec.fp, rec.since, rec.at, rec.lease, rec.pick =
+    f, owner, fp, now_s, now_s, lease, pick
   local ttl = grant_ttl
   if kept then ttl = math.max(ttl, math.ceil((tonumber(kept) - now) / 1000)) end
-  if queued or kept then
-    expire(state, queue, queued, ttl)
-  else
-    redis.call('PEXPIRE', state, ttl)
-  end
+  expire(queue, queued, ttl)
   return f
 end
 
 -- Takes `owner` out of the queue; the record's queue mark goes once the queue is empty.
-local function dequeue(state, queue, waiters, owner)
+local function dequeue(queue, waiters, owner)
   redis.call('LREM', queue, 0, owner)
   redis.call('HDEL', waiters, owner)
   forget_name(waiters, owner)
-  if redis.call('LLEN', queue) == 0 then redis.call('HDEL', state, 'q') end
+  if redis.call('LLEN', queue) == 0 then clear_queue_mark() end
 end
 
 -- Hands a free key to the first queued waiter whose wait has not ended and that is still
@@ -141,11 +234,11 @@ end
 -- while the record's queue mark is set. Returns the new holder's owner, fence and lease
 -- (nil when nobody is left waiting: then the mark goes). Its grant TTL: the fence TTL, at
 -- least its lease plus a second; it must be picked up within the waiter's window.
-local function promote(state, queue, waiters, last, kept, now, now_s, record_ttl, inbox_prefix)
+local function promote(queue, waiters, last, kept, now, now_s, record_ttl, inbox_prefix)
   while true do
     local owner = redis.call('LPOP', queue)
     if not owner then
-      redis.call('HDEL', state, 'q')
+      clear_queue_mark()
       return nil
     end
     local inbox, deadline, lease, fp, alive, window =
@@ -155,8 +248,7 @@ local function promote(state, queue, waiters, last, kept, now, now_s, record_ttl
     if inbox and deadline * 1000 > now and alive * 1000 > now then
       local ttl = math.max(record_ttl, lease + 1000)
       local pick = int(math.floor(now / 1000) + window)
-      local f = grant(state, queue, true, owner, fp, int(lease), now, now_s, last, kept, ttl,
-        pick)
+      local f = grant(queue, true, owner, fp, int(lease), now, now_s, last, kept, ttl, pick)
       redis.call('PUBLISH', inbox_prefix .. inbox, owner)
       return owner, f, lease
     end
@@ -164,21 +256,27 @@ local function promote(state, queue, waiters, last, kept, now, now_s, record_ttl
 end
 
 -- Ends the current holding: to the next waiter if there is one, else the key is free.
-local function release(state, queue, waiters, queued, last, kept, now, now_s, record_ttl,
+local function release(queue, waiters, queued, last, kept, now, now_s, record_ttl,
     inbox_prefix)
-  if queued and promote(state, queue, waiters, last, kept, now, now_s, record_ttl, inbox_prefix)
+  if queued and promote(queue, waiters, last, kept, now, now_s, record_ttl, inbox_prefix)
   then
     return
   end
-  redis.call('HDEL', state, unpack(HOLDER))
+  clear_holder()
 end
 "#
     };
 }
 
+/// Codec and helpers: what every script that changes a lock starts with.
+macro_rules! prelude {
+    () => {
+        concat!(record_codec!(), helpers!())
+    };
+}
 /// Claim (and re-check while queued).
 ///
-/// KEYS: state, queue, waiters.
+/// KEYS: record, queue, waiters.
 /// ARGV: owner, fingerprint ('' = none), mode ('idempotency'|'lock'), lease_ms,
 ///       wait_ms ('0' = do not queue), max_queue, record_ttl_ms, grant_ttl_ms, inbox_prefix,
 ///       inbox, waiter name ('' = none), alive window_ms.
@@ -192,26 +290,36 @@ end
 /// grant must see one state: otherwise two claimers both see "free" and both get a grant.
 pub(crate) static CLAIM: LazyLock<Script> = LazyLock::new(|| {
     Script::new(concat!(
-        prelude!(),
+        record_codec!(),
         r#"
 local state, queue, waiters = KEYS[1], KEYS[2], KEYS[3]
 local owner, fp, mode, lease = ARGV[1], ARGV[2], ARGV[3], ARGV[4]
-local wait_ms, max_queue = tonumber(ARGV[5]), tonumber(ARGV[6])
-local record_ttl, grant_ttl = tonumber(ARGV[7]), tonumber(ARGV[8])
-local inbox_prefix, inbox = ARGV[9], ARGV[10]
-local name, window = ARGV[11], tonumber(ARGV[12])
+local wait_ms, name, grant_ttl = tonumber(ARGV[5]), ARGV[11], ARGV[8]
 
 local now, now_s = clock()
-local r
-if mode == 'idempotency' then
-  r = redis.call('HMGET', state, 'owner', 'at', 'lease', 'fence', 'q', 'fp', 'since', 'kept',
-    'pick', 'status', 'rfp', 'headers', 'body')
+-- A named place given up while this claim waited: the claim ends here.
+local left = name ~= '' and wait_ms > 0 and redis.call('HGET', waiters, owner) == 'left'
+local v
+if left then
+  v = redis.call('GET', state)
 else
-  r = redis.call('HMGET', state, 'owner', 'at', 'lease', 'fence', 'q', 'fp', 'since', 'kept',
-    'pick')
+  -- No record: the key is free, nobody is queued, no fence or response is kept — granted
+  -- by this one call (fence and grant at the clock, no pick-up deadline). A record that
+  -- does exist is left as it is and read instead.
+  v = redis.call('SET', state, cmsgpack.pack({now_s, owner, fp, now_s, now_s, lease, '0'}),
+    'NX', 'GET', 'PX', grant_ttl)
+  if not v then return {'granted', 0, now_s, lease, now_s} end
 end
-local holder, last, queued, kept, pick = r[1], r[4], r[5] == '1', r[8], r[9]
-local holder_end = holder and lease_end(r[2], r[3])
+"#,
+        helpers!(),
+        r#"
+local max_queue, record_ttl = tonumber(ARGV[6]), tonumber(ARGV[7])
+local inbox_prefix, inbox, window = ARGV[9], ARGV[10], tonumber(ARGV[12])
+grant_ttl = tonumber(grant_ttl)
+load(state, v)
+
+local holder, last, queued, kept, pick = rec.owner, rec.fence, rec.q == '1', rec.kept, rec.pick
+local holder_end = holder and lease_end(rec.at, rec.lease)
 -- A lease that ran out leaves its holder in the record: the key is free, and this claim is
 -- the one that notices (and reports) it. Every path below that does not grant clears it.
 -- So does a hand-off its waiter did not pick up in time (its process died meanwhile),
@@ -223,14 +331,7 @@ if holder and (holder_end <= now or (holder ~= owner and pick and pick ~= '0'
   expired = 1
 end
 local function clear_expired()
-  if expired == 1 then redis.call('HDEL', state, unpack(HOLDER)) end
-end
-
--- A named place given up while this claim waited: the claim ends here.
-if name ~= '' and wait_ms > 0 and redis.call('HGET', waiters, owner) == 'left' then
-  redis.call('HDEL', waiters, owner)
-  clear_expired()
-  return {'left', expired}
+  if expired == 1 then clear_holder() end
 end
 
 local function differs(a, b)
@@ -238,7 +339,7 @@ local function differs(a, b)
 end
 
 local function leave_queue()
-  if queued then dequeue(state, queue, waiters, owner) end
+  if queued then dequeue(queue, waiters, owner) end
 end
 
 -- `ttl`: the holder's lease left (ms); `age`, `held_lease`: how long it has held the key
@@ -270,61 +371,79 @@ local function busy_or_queue(ttl, age, held_lease)
     if redis.call('PTTL', queue) < keep then
       redis.call('PEXPIRE', queue, keep)
       redis.call('PEXPIRE', waiters, keep)
-      if redis.call('PTTL', state) < keep then redis.call('PEXPIRE', state, keep) end
+      if record_pttl() < keep then set_ttl(keep) end
     end
-    if not queued then redis.call('HSET', state, 'q', '1') end
+    if not queued then
+      rec.q = '1'
+      touch()
+    end
     pos = len
     len = len + 1
   end
   return {'queued', expired, pos, len, ttl}
 end
 
-if mode == 'idempotency' and r[10] then
-  if tonumber(kept) > now then
-    leave_queue()
+local function step()
+  if left then
+    redis.call('HDEL', waiters, owner)
     clear_expired()
-    if differs(r[11], fp) then return {'mismatch', expired} end
-    return {'completed', expired, r[10], r[12], r[13]}
+    return {'left', expired}
   end
-  -- The retention is over (the record outlived it for its queue or a later grant).
-  redis.call('HDEL', state, 'status', 'headers', 'body', 'rfp', 'kept')
-  kept = false
+
+  if mode == 'idempotency' and rec.status then
+    if tonumber(kept) > now then
+      leave_queue()
+      clear_expired()
+      if differs(rec.rfp, fp) then return {'mismatch', expired} end
+      return {'completed', expired, rec.status, rec.headers, rec.body}
+    end
+    -- The retention is over (the record outlived it for its queue or a later grant).
+    rec.status, rec.headers, rec.body, rec.rfp, rec.kept = false, false, false, false, false
+    touch()
+    kept = false
+  end
+
+  if holder then
+    if holder == owner then
+      if pick and pick ~= '0' then
+        rec.pick = '0'
+        touch()
+      end
+      return {'granted', expired, last, rec.lease, rec.since}
+    end
+    if mode == 'idempotency' and differs(rec.fp, fp) then
+      leave_queue()
+      return {'mismatch', expired}
+    end
+    return busy_or_queue(math.ceil((holder_end - now) / 1000), held_ms(rec.since, now), rec.lease)
+  end
+
+  -- Free. Whoever is first in line goes first (waiters whose wait ended are skipped).
+  if queued then
+    local head = redis.call('LINDEX', queue, 0)
+    if head and head ~= owner then
+      local o, f, l = promote(queue, waiters, last, kept, now, now_s, record_ttl, inbox_prefix)
+      if o == owner then return {'granted', expired, f, l, now_s} end
+      if o then return busy_or_queue(l, 0, l) end
+      queued = false
+    elseif head == owner then
+      dequeue(queue, waiters, owner)
+    end
+  end
+  local f = grant(queue, queued, owner, fp, lease, now, now_s, last, kept, grant_ttl, '0')
+  return {'granted', expired, f, lease, now_s}
 end
 
-if holder then
-  if holder == owner then
-    if pick and pick ~= '0' then redis.call('HSET', state, 'pick', '0') end
-    return {'granted', expired, last, r[3], r[7]}
-  end
-  if mode == 'idempotency' and differs(r[6], fp) then
-    leave_queue()
-    return {'mismatch', expired}
-  end
-  return busy_or_queue(math.ceil((holder_end - now) / 1000), held_ms(r[7], now), r[3])
-end
-
--- Free. Whoever is first in line goes first (waiters whose wait ended are skipped).
-if queued then
-  local head = redis.call('LINDEX', queue, 0)
-  if head and head ~= owner then
-    local o, f, l = promote(state, queue, waiters, last, kept, now, now_s, record_ttl,
-      inbox_prefix)
-    if o == owner then return {'granted', expired, f, l, now_s} end
-    if o then return busy_or_queue(l, 0, l) end
-    queued = false
-  elseif head == owner then
-    dequeue(state, queue, waiters, owner)
-  end
-end
-local f = grant(state, queue, queued, owner, fp, lease, now, now_s, last, kept, grant_ttl, '0')
-return {'granted', expired, f, lease, now_s}
+local reply = step()
+flush()
+return reply
 "#
     ))
 });
 
 /// Leave the queue (wait budget over, caller gone, shutdown).
 ///
-/// KEYS: state, queue, waiters.
+/// KEYS: record, queue, waiters.
 /// ARGV: owner, release_if_granted ('1'|'0'), record_ttl_ms, inbox_prefix.
 /// Returns `{'granted', fence, lease_ms, since_us}` | `{'left', holder_ttl_ms, queue_len}`.
 ///
@@ -337,24 +456,25 @@ pub(crate) static LEAVE: LazyLock<Script> = LazyLock::new(|| {
 local state, queue, waiters = KEYS[1], KEYS[2], KEYS[3]
 local owner, release_if_granted = ARGV[1], ARGV[2]
 local record_ttl, inbox_prefix = tonumber(ARGV[3]), ARGV[4]
-local r = redis.call('HMGET', state, 'owner', 'at', 'lease', 'fence', 'since', 'q', 'kept')
+load(state, redis.call('GET', state))
 local now, now_s = clock()
-local held = r[1] and lease_end(r[2], r[3]) > now
+local last, kept, queued = rec.fence, rec.kept, rec.q == '1'
+local held = rec.owner and lease_end(rec.at, rec.lease) > now
 local ttl = 0
-if held then ttl = math.ceil((lease_end(r[2], r[3]) - now) / 1000) end
-if held and r[1] == owner then
-  if release_if_granted ~= '1' then return {'granted', r[4], r[3], r[5]} end
-  release(state, queue, waiters, r[6] == '1', r[4], r[7], now, now_s, record_ttl, inbox_prefix)
+if held then ttl = math.ceil((lease_end(rec.at, rec.lease) - now) / 1000) end
+if held and rec.owner == owner then
+  if release_if_granted ~= '1' then return {'granted', rec.fence, rec.lease, rec.since} end
+  release(queue, waiters, queued, last, kept, now, now_s, record_ttl, inbox_prefix)
   ttl = 0
 else
   -- Whatever the mark says: a waiter leaving is worth one LREM to be sure.
-  dequeue(state, queue, waiters, owner)
-  if not held and r[6] == '1' then
-    local o, _, l = promote(state, queue, waiters, r[4], r[7], now, now_s, record_ttl,
-      inbox_prefix)
+  dequeue(queue, waiters, owner)
+  if not held and queued then
+    local o, _, l = promote(queue, waiters, last, kept, now, now_s, record_ttl, inbox_prefix)
     if o then ttl = l end
   end
 end
+flush()
 return {'left', ttl, redis.call('LLEN', queue)}
 "#
     ))
@@ -362,7 +482,7 @@ return {'left', ttl, redis.call('LLEN', queue)}
 
 /// Leave by name: the caller gave up the place it named in its claim.
 ///
-/// KEYS: state, queue, waiters. ARGV: waiter name, record_ttl_ms, inbox_prefix.
+/// KEYS: record, queue, waiters. ARGV: waiter name, record_ttl_ms, inbox_prefix.
 /// Returns 'released' (the place was removed) | 'stale' (no such place: never queued,
 /// answered, or already handed the key — that grant stands).
 ///
@@ -378,7 +498,8 @@ local owner = redis.call('HGET', waiters, 'w:' .. name)
 if not owner then return 'stale' end
 local now, now_s = clock()
 local inbox, deadline = parse_waiter(redis.call('HGET', waiters, owner))
-dequeue(state, queue, waiters, owner)
+load(state, redis.call('GET', state))
+dequeue(queue, waiters, owner)
 -- Its claim may still be waiting (on any sidecar): it must end, not queue again. The mark
 -- lives as long as that wait could (the hash may have just emptied and lost its expiry).
 redis.call('HSET', waiters, owner, 'left')
@@ -386,10 +507,10 @@ local keep = 1000
 if deadline then keep = math.max(keep, deadline - math.floor(now / 1000) + 1000) end
 if redis.call('PTTL', waiters) < keep then redis.call('PEXPIRE', waiters, keep) end
 if inbox then redis.call('PUBLISH', inbox_prefix .. inbox, owner) end
-local r = redis.call('HMGET', state, 'owner', 'at', 'lease', 'fence', 'q', 'kept')
-if r[5] == '1' and not (r[1] and lease_end(r[2], r[3]) > now) then
-  promote(state, queue, waiters, r[4], r[6], now, now_s, record_ttl, inbox_prefix)
+if rec.q == '1' and not (rec.owner and lease_end(rec.at, rec.lease) > now) then
+  promote(queue, waiters, rec.fence, rec.kept, now, now_s, record_ttl, inbox_prefix)
 end
+flush()
 return 'released'
 "#
     ))
@@ -397,7 +518,7 @@ return 'released'
 
 /// Complete: owner-checked store-and-release.
 ///
-/// KEYS: state, queue, waiters.
+/// KEYS: record, queue, waiters.
 /// ARGV: owner, retention_ms, store ('1'|'0'), status, headers_json, body, record_ttl_ms,
 ///       inbox_prefix.
 /// Returns `{'released', held_ms, lease_ms}` (how long the holding lasted, the lease it ran
@@ -408,63 +529,90 @@ return 'released'
 /// claim may see "free" before the response it should replay is stored.
 pub(crate) static COMPLETE: LazyLock<Script> = LazyLock::new(|| {
     Script::new(concat!(
-        prelude!(),
+        record_codec!(),
         r#"
 local state, queue, waiters = KEYS[1], KEYS[2], KEYS[3]
-local record_ttl, inbox_prefix = tonumber(ARGV[7]), ARGV[8]
-local r = redis.call('HMGET', state, 'owner', 'at', 'lease', 'q', 'fence', 'fp', 'kept',
-  'since')
+local r = decode(redis.call('GET', state))
 local now, now_s = clock()
-if r[1] ~= ARGV[1] or lease_end(r[2], r[3]) <= now then return 'stale' end
-local queued = r[4] == '1'
-if ARGV[3] == '1' then
-  local retention = tonumber(ARGV[2])
-  redis.call('HDEL', state, unpack(HOLDER))
+if r.owner ~= ARGV[1] or lease_end(r.at, r.lease) <= now then return 'stale' end
+local queued, storing = r.q == '1', ARGV[3] == '1'
+local reply = {'released', held_ms(r.since, now), r.lease}
+if storing then
   -- Every response field is written, so an older stored response leaves nothing behind.
-  redis.call('HSET', state, 'status', ARGV[4], 'headers', ARGV[5], 'body', ARGV[6],
-    'rfp', r[6] or '', 'kept', int(now + retention * 1000))
-  -- The retention bounds how long the body is kept (and the fence with it: later fences
-  -- rest on the clock).
-  expire(state, queue, queued, retention)
+  r.status, r.headers, r.body, r.rfp, r.kept =
+    ARGV[4], ARGV[5], ARGV[6], r.fp or '', int(now + tonumber(ARGV[2]) * 1000)
+end
+if not queued then
+  -- Nobody waits (the common case): the holding ends in one write of the record, which
+  -- then lives the retention with a stored response (the retention bounds how long the
+  -- body is kept, and the fence with it: later fences rest on the clock), or keeps its
+  -- expiry.
+  drop_holder(r)
+  if storing then
+    redis.call('SET', state, encode(r), 'PX', ARGV[2])
+  else
+    redis.call('SET', state, encode(r), 'KEEPTTL')
+  end
+  return reply
+end
+"#,
+        helpers!(),
+        r#"
+local record_ttl, inbox_prefix = tonumber(ARGV[7]), ARGV[8]
+adopt(state, r)
+if storing then
+  clear_holder()
+  expire(queue, true, tonumber(ARGV[2]))
   -- Every queued waiter now gets the stored response: tell each one's process.
-  if queued then
-    for _, o in ipairs(redis.call('LRANGE', queue, 0, -1)) do
-      local inbox = parse_waiter(redis.call('HGET', waiters, o))
-      if inbox then redis.call('PUBLISH', inbox_prefix .. inbox, o) end
-    end
+  for _, o in ipairs(redis.call('LRANGE', queue, 0, -1)) do
+    local inbox = parse_waiter(redis.call('HGET', waiters, o))
+    if inbox then redis.call('PUBLISH', inbox_prefix .. inbox, o) end
   end
 else
-  release(state, queue, waiters, queued, r[5], r[7], now, now_s, record_ttl, inbox_prefix)
+  release(queue, waiters, true, rec.fence, rec.kept, now, now_s, record_ttl, inbox_prefix)
 end
-return {'released', held_ms(r[8], now), r[3]}
+flush()
+return reply
 "#
     ))
 });
 
 /// Abort: owner-checked release without storing; hands the key to the next waiter.
 ///
-/// KEYS: state, queue, waiters. ARGV: owner, record_ttl_ms, inbox_prefix.
+/// KEYS: record, queue, waiters. ARGV: owner, record_ttl_ms, inbox_prefix.
 /// Returns `{'released', held_ms, lease_ms}` (as complete) | 'stale'.
 ///
 /// Atomic for the same reason as complete: check-then-release in two steps could release
 /// the next holder.
 pub(crate) static ABORT: LazyLock<Script> = LazyLock::new(|| {
     Script::new(concat!(
-        prelude!(),
+        record_codec!(),
         r#"
 local state, queue, waiters = KEYS[1], KEYS[2], KEYS[3]
-local r = redis.call('HMGET', state, 'owner', 'at', 'lease', 'q', 'fence', 'kept', 'since')
+local r = decode(redis.call('GET', state))
 local now, now_s = clock()
-if r[1] ~= ARGV[1] or lease_end(r[2], r[3]) <= now then return 'stale' end
-release(state, queue, waiters, r[4] == '1', r[5], r[6], now, now_s, tonumber(ARGV[2]), ARGV[3])
-return {'released', held_ms(r[7], now), r[3]}
+if r.owner ~= ARGV[1] or lease_end(r.at, r.lease) <= now then return 'stale' end
+local reply = {'released', held_ms(r.since, now), r.lease}
+if r.q ~= '1' then
+  -- Nobody waits: the key is free, the record keeps its fence and expiry.
+  drop_holder(r)
+  redis.call('SET', state, encode(r), 'KEEPTTL')
+  return reply
+end
+"#,
+        helpers!(),
+        r#"
+adopt(state, r)
+release(queue, waiters, true, rec.fence, rec.kept, now, now_s, tonumber(ARGV[2]), ARGV[3])
+flush()
+return reply
 "#
     ))
 });
 
 /// Renew: owner-checked lease extension (the sidecar caps `lease_ms` before calling).
 ///
-/// KEYS: state, queue. ARGV: owner, lease_ms, record_ttl_ms. Returns 1 (renewed) | 0 (stale).
+/// KEYS: record, queue. ARGV: owner, lease_ms, record_ttl_ms. Returns 1 (renewed) | 0 (stale).
 ///
 /// Atomic because extending someone else's lease (the next holder's, after ours ran out)
 /// would keep a key locked for a caller that no longer owns it.
@@ -474,12 +622,13 @@ pub(crate) static RENEW: LazyLock<Script> = LazyLock::new(|| {
         r#"
 local state, queue = KEYS[1], KEYS[2]
 local lease, record_ttl = tonumber(ARGV[2]), tonumber(ARGV[3])
-local r = redis.call('HMGET', state, 'owner', 'at', 'lease', 'q')
+load(state, redis.call('GET', state))
 local now, now_s = clock()
-if r[1] ~= ARGV[1] or lease_end(r[2], r[3]) <= now then return 0 end
-redis.call('HSET', state, 'at', now_s, 'lease', ARGV[2])
+if rec.owner ~= ARGV[1] or lease_end(rec.at, rec.lease) <= now then return 0 end
+rec.at, rec.lease = now_s, ARGV[2]
 -- The record must outlive the renewed lease, however long the key has been held.
-expire(state, queue, r[4] == '1', math.max(record_ttl, lease + 1000))
+expire(queue, rec.q == '1', math.max(record_ttl, lease + 1000))
+flush()
 return 1
 "#
     ))
@@ -487,7 +636,7 @@ return 1
 
 /// Force release by an operator: releases whoever validly holds the key, hands it on.
 ///
-/// KEYS: state, queue, waiters. ARGV: record_ttl_ms, inbox_prefix.
+/// KEYS: record, queue, waiters. ARGV: record_ttl_ms, inbox_prefix.
 /// Returns the released holder's fence (as a string) or false when the key was free.
 ///
 /// Atomic so the fence reported (and audited) is the one actually released.
@@ -496,11 +645,14 @@ pub(crate) static FORCE_RELEASE: LazyLock<Script> = LazyLock::new(|| {
         prelude!(),
         r#"
 local state, queue, waiters = KEYS[1], KEYS[2], KEYS[3]
-local r = redis.call('HMGET', state, 'owner', 'at', 'lease', 'q', 'fence', 'kept')
+load(state, redis.call('GET', state))
 local now, now_s = clock()
-if not r[1] or lease_end(r[2], r[3]) <= now then return false end
-release(state, queue, waiters, r[4] == '1', r[5], r[6], now, now_s, tonumber(ARGV[1]), ARGV[2])
-return r[5]
+if not rec.owner or lease_end(rec.at, rec.lease) <= now then return false end
+local fence = rec.fence
+release(queue, waiters, rec.q == '1', rec.fence, rec.kept, now, now_s, tonumber(ARGV[1]),
+  ARGV[2])
+flush()
+return fence
 "#
     ))
 });
@@ -536,35 +688,52 @@ return {1, string.format('%.0f', next), remaining, 0, string.format('%.0f', next
 
 /// Inspect: a consistent snapshot of one key for operators (reads only).
 ///
-/// KEYS: state, queue.
+/// KEYS: record, queue.
 /// Returns `{held(0|1), holder_age_ms, lease_remaining_ms, queue_len, last_fence,
 ///           resp_status|false, retention_remaining_ms}`.
 ///
 /// A script so that the holder, queue and response are read at one instant.
 pub(crate) static INSPECT: LazyLock<Script> = LazyLock::new(|| {
-    Script::new(
+    Script::new(concat!(
+        record_codec!(),
         r#"
-local r = redis.call('HMGET', KEYS[1], 'owner', 'at', 'lease', 'since', 'fence', 'status', 'kept')
-local t = redis.call('TIME')
-local now = tonumber(t[1]) * 1000000 + tonumber(t[2])
+local r = decode(redis.call('GET', KEYS[1]))
+local now = clock()
 local function remaining_ms(deadline)
   return math.max(math.ceil((deadline - now) / 1000), 0)
 end
-local held = r[1] and tonumber(r[2]) + tonumber(r[3]) * 1000 > now
+local held = r.owner and lease_end(r.at, r.lease) > now
 local lease_left, age_ms = 0, 0
 if held then
-  lease_left = remaining_ms(tonumber(r[2]) + tonumber(r[3]) * 1000)
-  age_ms = math.floor((now - tonumber(r[4])) / 1000)
+  lease_left = remaining_ms(lease_end(r.at, r.lease))
+  age_ms = math.floor((now - tonumber(r.since)) / 1000)
 end
 local status, kept_left = false, 0
-if r[6] and tonumber(r[7]) > now then
-  status = r[6]
-  kept_left = remaining_ms(tonumber(r[7]))
+if r.status and tonumber(r.kept) > now then
+  status = r.status
+  kept_left = remaining_ms(tonumber(r.kept))
 end
-return {held and 1 or 0, age_ms, lease_left, redis.call('LLEN', KEYS[2]), r[5] or '0', status,
-  kept_left}
-"#,
-    )
+return {held and 1 or 0, age_ms, lease_left, redis.call('LLEN', KEYS[2]), r.fence or '0',
+  status, kept_left}
+"#
+    ))
+});
+
+/// Whether one record (found by the admin listing's SCAN) is held by an unexpired lease
+/// now, on Redis's clock: a record outlives its holder, keeping the fence.
+///
+/// KEYS: record. Returns 1 (held) | 0.
+pub(crate) static HELD: LazyLock<Script> = LazyLock::new(|| {
+    Script::new(concat!(
+        record_codec!(),
+        r#"
+local v = redis.call('GET', KEYS[1])
+if not v then return 0 end
+local r = decode(v)
+if r.owner and lease_end(r.at, r.lease) > clock() then return 1 end
+return 0
+"#
+    ))
 });
 
 /// `EVALSHA <sha> <numkeys> <keys...>`, ready for the script's ARGV: built straight into one
