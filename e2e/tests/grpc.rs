@@ -65,6 +65,22 @@ impl World {
             .expect("the gateway accepts h2c")
     }
 
+    /// Starts `Attach` call `seq` for `agent` (`work_ms` of work at the backend) on `channel`.
+    fn spawn_attach(
+        &self,
+        channel: &tonic::transport::Channel,
+        agent: &str,
+        seq: usize,
+        work_ms: u64,
+    ) -> tokio::task::JoinHandle<Result<String, Box<Status>>> {
+        self.runtime.spawn(call(
+            channel.clone(),
+            "Attach",
+            format!("tool-{seq}"),
+            attach(agent, seq, work_ms),
+        ))
+    }
+
     fn stats(&self) -> Stats {
         self.backend.backend().stats()
     }
@@ -211,21 +227,14 @@ fn grpc_calls_run_once_per_key_and_every_decision_is_a_grpc_status() {
 fn queued_grpc_calls_run_one_at_a_time_in_fifo_order() {
     let world = World::start(RULES);
     let channel = world.channel();
-    let attach = |seq: usize, work_ms: u64| {
-        call(
-            channel.clone(),
-            "Attach",
-            format!("tool-{seq}"),
-            attach("agent-1", seq, work_ms),
-        )
-    };
-    let first = world.runtime.spawn(attach(0, 800));
+    let send = |seq, work_ms| world.spawn_attach(&channel, "agent-1", seq, work_ms);
+    let first = send(0, 800);
     eventually("the first Attach at the service", || {
         world.attaches("agent-1") == 1
     });
     let mut queued = Vec::new();
     for seq in 1..=4 {
-        queued.push(world.runtime.spawn(attach(seq, 50)));
+        queued.push(send(seq, 50));
         // Each joins the queue before the next is sent: the queue's order is the send order.
         eventually(&format!("{seq} waiting at the sidecar"), || {
             world.stack.waiters() == seq as u64
@@ -349,14 +358,7 @@ fn queued_attach(max_queue: u32, max_wait: &str) -> String {
 fn a_grpc_call_beyond_a_full_queue_is_resource_exhausted_and_never_runs() {
     let world = World::start(&queued_attach(1, "20s"));
     let channel = world.channel();
-    let send = |seq, work_ms| {
-        world.runtime.spawn(call(
-            channel.clone(),
-            "Attach",
-            format!("tool-{seq}"),
-            attach("agent-q", seq, work_ms),
-        ))
-    };
+    let send = |seq, work_ms| world.spawn_attach(&channel, "agent-q", seq, work_ms);
     let holder = send(0, 800);
     eventually("the holder at the backend", || {
         world.attaches("agent-q") == 1
@@ -395,14 +397,7 @@ fn a_grpc_call_beyond_a_full_queue_is_resource_exhausted_and_never_runs() {
 fn a_queued_grpc_call_whose_wait_expires_is_unavailable_and_never_runs() {
     let world = World::start(&queued_attach(8, "400ms"));
     let channel = world.channel();
-    let send = |seq, work_ms| {
-        world.runtime.spawn(call(
-            channel.clone(),
-            "Attach",
-            format!("tool-{seq}"),
-            attach("agent-w", seq, work_ms),
-        ))
-    };
+    let send = |seq, work_ms| world.spawn_attach(&channel, "agent-w", seq, work_ms);
     let holder = send(0, 1_500);
     eventually("the holder at the backend", || {
         world.attaches("agent-w") == 1
