@@ -745,8 +745,7 @@ impl Flow {
             _ => 0,
         };
         if waited_ms > 0 {
-            env.telemetry.count(Counter::Queued);
-            env.telemetry.record(Histogram::QueueWaitMs, waited_ms);
+            note_queued(env, waited_ms);
         }
         let Some(claim) = claim else {
             // Abandoned: a grant goes back at once.
@@ -790,9 +789,7 @@ impl Flow {
                 ..
             } => {
                 // It waited from the claim on (the sidecar says no more than that it did).
-                env.telemetry.count(Counter::Queued);
-                env.telemetry
-                    .record(Histogram::QueueWaitMs, env.now_ms.saturating_sub(sent_ms));
+                note_queued(env, env.now_ms.saturating_sub(sent_ms));
                 env.telemetry.count(Counter::WaitExpired);
                 self.refuse(config, env, Refusal::WaitExpired { retry_after_ms })
             }
@@ -1024,9 +1021,7 @@ impl Flow {
                 );
                 let retry_after_ms = match found {
                     Some(LocalClaim::Completed(done)) => {
-                        env.telemetry.count(Counter::Queued);
-                        env.telemetry
-                            .record(Histogram::QueueWaitMs, env.now_ms.saturating_sub(since_ms));
+                        note_queued(env, env.now_ms.saturating_sub(since_ms));
                         return Some(self.replay_local(config, done, env));
                     }
                     Some(LocalClaim::InFlight { retry_after_ms }) => retry_after_ms,
@@ -1045,9 +1040,7 @@ impl Flow {
                     return None;
                 }
                 // Decided as a sidecar wait that runs out is: queued, for this long.
-                env.telemetry.count(Counter::Queued);
-                env.telemetry
-                    .record(Histogram::QueueWaitMs, env.now_ms.saturating_sub(since_ms));
+                note_queued(env, env.now_ms.saturating_sub(since_ms));
                 env.telemetry.count(Counter::WaitExpired);
                 Some(self.refuse(config, env, Refusal::WaitExpired { retry_after_ms }))
             }
@@ -1573,6 +1566,12 @@ fn parse_owner(answer: Answer<'_>) -> Option<OwnerOutcome> {
     };
     let (outcome, payload): (OwnerOutcome, &[u8]) = idemgate_wire::decode_answer(body).ok()?;
     payload.is_empty().then_some(outcome)
+}
+
+/// A request that waited for its turn (at the sidecar or on this gateway), for `waited_ms`.
+fn note_queued(env: &mut Env<'_>, waited_ms: u64) {
+    env.telemetry.count(Counter::Queued);
+    env.telemetry.record(Histogram::QueueWaitMs, waited_ms);
 }
 
 #[cfg(test)]
