@@ -220,15 +220,54 @@ fn commands_run(redis: &RedisServer) -> std::collections::BTreeMap<String, u64> 
         .collect()
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_fresh_key_claim_and_complete_cost_seven_redis_commands() {
+/// Commands per pair of `PAIRS` claim+complete pairs on fresh keys in `mode` (idempotency
+/// mode: with a fingerprint, and the complete stores a response), the claim sent to `claims`
+/// and the complete to `completes`.
+async fn commands_per_fresh_pair(
+    redis: &RedisServer,
+    claims: &crate::util::Client,
+    completes: &crate::util::Client,
+    mode: Mode,
+    what: &str,
+) -> std::collections::BTreeMap<String, u64> {
     const PAIRS: u64 = 20;
-    let h = Harness::start(crate::util::Backend::Redis).await;
-    let redis = h.redis.as_ref().unwrap();
     let response = StoredResponse {
         status: 201,
         headers: vec![("x-id".into(), "7".into())],
     };
+    redis.cli(&["CONFIG", "RESETSTAT"]).unwrap();
+    for i in 0..PAIRS {
+        let key = format!("k-fresh-{what}-{mode:?}-{i}");
+        let mut req = claim_req(&key, mode, 30_000);
+        let stored = (mode == Mode::Idempotency).then(|| {
+            req.fingerprint = Some(format!("{:064x}", i));
+            (response.clone(), &b"created"[..])
+        });
+        let (owner, _) = granted(&claims.claim(&req).await.0);
+        assert_eq!(
+            completes.complete(&key, &owner, 60_000, stored).await,
+            OwnerOutcome::Released
+        );
+    }
+    commands_run(redis)
+        .into_iter()
+        .map(|(name, calls)| {
+            assert_eq!(calls % PAIRS, 0, "{name}: {calls} calls in {PAIRS} pairs");
+            (name, calls / PAIRS)
+        })
+        .collect()
+}
+
+fn breakdown(counts: &[(&str, u64)]) -> std::collections::BTreeMap<String, u64> {
+    counts.iter().map(|(n, c)| ((*n).to_owned(), *c)).collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_fresh_key_claim_and_complete_cost_five_redis_commands() {
+    let h = Harness::start(crate::util::Backend::Redis).await;
+    let redis = h.redis.as_ref().unwrap();
+    // A second sidecar on the same Redis, which answers none of the claims.
+    let other = Harness::on_store(redis.store_config(), None, |_| {}).await;
     // Loads both scripts (the first EVALSHA of each meets NOSCRIPT) before counting.
     for mode in [Mode::Lock, Mode::Idempotency] {
         let key = format!("k-warm-{mode:?}");
@@ -239,32 +278,25 @@ async fn a_fresh_key_claim_and_complete_cost_seven_redis_commands() {
         );
     }
     for mode in [Mode::Lock, Mode::Idempotency] {
-        redis.cli(&["CONFIG", "RESETSTAT"]).unwrap();
-        for i in 0..PAIRS {
-            let key = format!("k-fresh-{mode:?}-{i}");
-            let (owner, _) = granted(&h.client.claim(&claim_req(&key, mode, 30_000)).await.0);
-            let stored = (mode == Mode::Idempotency).then(|| (response.clone(), &b"created"[..]));
-            assert_eq!(
-                h.client.complete(&key, &owner, 60_000, stored).await,
-                OwnerOutcome::Released
-            );
-        }
-        let per_pair: std::collections::BTreeMap<String, u64> = commands_run(redis)
-            .into_iter()
-            .map(|(name, calls)| {
-                assert_eq!(calls % PAIRS, 0, "{name}: {calls} calls in {PAIRS} pairs");
-                (name, calls / PAIRS)
-            })
-            .collect();
         // The claim: `EVALSHA`, `TIME`, `SET NX GET PX` (the grant, written by the call that
-        // finds no record); the complete: `EVALSHA`, `GET`, `TIME`, `SET` (the record back,
-        // released or with its stored response, and its expiry).
-        let expected: std::collections::BTreeMap<String, u64> =
-            [("evalsha", 2), ("get", 1), ("set", 2), ("time", 2)]
-                .into_iter()
-                .map(|(name, n)| (name.to_owned(), n))
-                .collect();
-        assert_eq!(per_pair, expected, "{mode:?}");
-        assert_eq!(per_pair.values().sum::<u64>(), 7, "{mode:?}");
+        // finds no record); the complete, on the sidecar that answered the claim: `EVALSHA`,
+        // `SET XX GET` (the record released, or with its stored response and expiry, written
+        // before it is read; the record it replaced is checked after).
+        let same = commands_per_fresh_pair(redis, &h.client, &h.client, mode, "same").await;
+        assert_eq!(
+            same,
+            breakdown(&[("evalsha", 2), ("set", 2), ("time", 1)]),
+            "{mode:?}"
+        );
+        assert_eq!(same.values().sum::<u64>(), 5, "{mode:?}");
+        // A complete on a sidecar that did not answer the claim reads the record and Redis's
+        // clock first: `EVALSHA`, `GET`, `TIME`, `SET`.
+        let elsewhere =
+            commands_per_fresh_pair(redis, &h.client, &other.client, mode, "elsewhere").await;
+        assert_eq!(
+            elsewhere,
+            breakdown(&[("evalsha", 2), ("get", 1), ("set", 2), ("time", 2)]),
+            "{mode:?}"
+        );
     }
 }

@@ -2,6 +2,7 @@
 //! server, a Sentinel-managed master or a Cluster, plus this process's notification inbox.
 //!
 //! - `conn`: connections by topology (and `Op`, what one call sends);
+//! - `held`: the grants this sidecar answered, so their complete writes without reading;
 //! - `inbox`: this process's wake-up channel;
 //! - `keys`: every key and channel name; `scripts`: every Lua script;
 //! - `reply`: decoding script replies;
@@ -9,6 +10,7 @@
 //!   store timeout.
 
 mod conn;
+mod held;
 mod inbox;
 mod keys;
 mod rate;
@@ -19,17 +21,18 @@ mod scripts;
 pub(crate) use scripts::RECORD_CODEC;
 
 use super::{
-    ClaimArgs, ClaimReply, CompletedInfo, HolderInfo, KeyInfo, KeyState, LeaveStep, Release, Store,
-    StoreError, StoreResult, Stored, millis,
+    ClaimArgs, ClaimReply, ClaimStep, CompletedInfo, HolderInfo, KeyInfo, KeyState, LeaveStep,
+    Release, Store, StoreError, StoreResult, Stored, millis,
 };
 use crate::config::RedisConfig;
 use crate::waiters::Waiters;
 use bytes::Bytes;
 use conn::{Conn, Op, cluster_primaries};
+use held::HeldGrants;
 use idemgate_wire::{Mode, OwnerOutcome};
 use keys::LockKeys;
 use redis::cluster_routing::{RoutingInfo, SingleNodeRoutingInfo};
-use redis::{FromRedisValue, RedisError, Script, Value};
+use redis::{FromRedisValue, RedisError, Value};
 use reply::{count, decode_claim, grant_at, number, owner_outcome, text, unexpected};
 use scripts::evalsha;
 use std::future::Future;
@@ -47,6 +50,8 @@ pub(crate) struct RedisStore {
     record_ttl_ms: u64,
     timeout: Duration,
     subscriber: JoinHandle<()>,
+    /// The grants answered here, for their complete or abort.
+    held: HeldGrants,
 }
 
 impl Drop for RedisStore {
@@ -91,6 +96,7 @@ impl RedisStore {
             record_ttl_ms: millis(fence_ttl),
             timeout,
             subscriber,
+            held: HeldGrants::default(),
         })
     }
 
@@ -140,19 +146,51 @@ impl RedisStore {
         self.bounded(self.conn.send(op)).await
     }
 
-    async fn release_script(
-        &self,
-        script: &Script,
-        key: &str,
-        owner: Option<&str>,
-    ) -> StoreResult<Value> {
+    async fn force_release_script(&self, key: &str) -> StoreResult<Value> {
         let k = self.keys(key);
+        let script = &*scripts::FORCE_RELEASE;
         let mut cmd = evalsha(script, &k.all());
-        if let Some(owner) = owner {
-            cmd.arg(owner);
-        }
         cmd.arg(self.record_ttl_ms).arg(&self.inbox_prefix);
         self.run(Op::Script(script, &cmd)).await
+    }
+
+    /// Complete (storing `response` for its retention, if any) or abort: one script.
+    async fn release(
+        &self,
+        key: &str,
+        owner: &str,
+        response: Option<(Duration, Stored)>,
+    ) -> StoreResult<Release> {
+        let k = self.keys(key);
+        let (store, retention, status, headers, body) = match response {
+            Some((retention, stored)) => (
+                "1",
+                millis(retention).max(1),
+                stored.response.status,
+                serde_json::to_string(&stored.response.headers)?,
+                stored.body,
+            ),
+            None => ("0", 0, 0, String::new(), Bytes::new()),
+        };
+        let script = &*scripts::COMPLETE;
+        let mut cmd = evalsha(script, &k.all());
+        cmd.arg(owner)
+            .arg(retention)
+            .arg(store)
+            .arg(status)
+            .arg(headers)
+            .arg(body.as_ref())
+            .arg(self.record_ttl_ms)
+            .arg(&self.inbox_prefix);
+        match self.held.take(key, owner) {
+            Some(grant) => cmd
+                .arg(grant.fence)
+                .arg(&*grant.fingerprint)
+                .arg(grant.clock_now_us()),
+            None => cmd.arg("").arg("").arg(""),
+        };
+        let reply: Value = self.run(Op::Script(script, &cmd)).await?;
+        reply::release(&reply)
     }
 
     /// Which of `records` (found by SCAN) are held by an unexpired lease now (Redis's
@@ -210,8 +248,23 @@ impl Store for RedisStore {
             .arg(&self.inbox)
             .arg(waiter)
             .arg(alive_ms);
+        let sent = std::time::Instant::now();
         let items: Vec<Value> = self.run(Op::Script(script, &cmd)).await?;
-        decode_claim(&items)
+        let reply = decode_claim(&items)?;
+        if let ClaimStep::Granted(grant) = &reply.step
+            && let Ok(clock_us) = number(items.get(5))
+        {
+            self.held.insert(
+                args.key,
+                args.owner,
+                grant.fence,
+                args.fingerprint.unwrap_or(""),
+                Duration::from_millis(grant.lease_ms),
+                clock_us,
+                sent,
+            );
+        }
+        Ok(reply)
     }
 
     async fn leave(
@@ -256,35 +309,12 @@ impl Store for RedisStore {
         retention: Duration,
         response: Option<Stored>,
     ) -> StoreResult<Release> {
-        let k = self.keys(key);
-        let (store, status, headers, body) = match response {
-            Some(stored) => (
-                "1",
-                stored.response.status,
-                serde_json::to_string(&stored.response.headers)?,
-                stored.body,
-            ),
-            None => ("0", 0, String::new(), Bytes::new()),
-        };
-        let script = &*scripts::COMPLETE;
-        let mut cmd = evalsha(script, &k.all());
-        cmd.arg(owner)
-            .arg(millis(retention).max(1))
-            .arg(store)
-            .arg(status)
-            .arg(headers)
-            .arg(body.as_ref())
-            .arg(self.record_ttl_ms)
-            .arg(&self.inbox_prefix);
-        let reply: Value = self.run(Op::Script(script, &cmd)).await?;
-        reply::release(&reply)
+        self.release(key, owner, response.map(|stored| (retention, stored)))
+            .await
     }
 
     async fn abort(&self, key: &str, owner: &str) -> StoreResult<Release> {
-        let reply = self
-            .release_script(&scripts::ABORT, key, Some(owner))
-            .await?;
-        reply::release(&reply)
+        self.release(key, owner, None).await
     }
 
     async fn renew(&self, key: &str, owner: &str, lease: Duration) -> StoreResult<OwnerOutcome> {
@@ -381,9 +411,7 @@ impl Store for RedisStore {
     }
 
     async fn force_release(&self, key: &str) -> StoreResult<Option<u64>> {
-        let reply = self
-            .release_script(&scripts::FORCE_RELEASE, key, None)
-            .await?;
+        let reply = self.force_release_script(key).await?;
         match reply {
             Value::Nil => Ok(None),
             other => Ok(Some(number(Some(&other))?)),

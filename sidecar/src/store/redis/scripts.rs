@@ -281,7 +281,9 @@ macro_rules! prelude {
 ///       wait_ms ('0' = do not queue), max_queue, record_ttl_ms, grant_ttl_ms, inbox_prefix,
 ///       inbox, waiter name ('' = none), alive window_ms.
 /// Returns `{outcome, lease_expired(0|1), ...}`:
-///   `completed, status, headers_json, body` | `mismatch` | `granted, fence, lease_ms, since_us`
+///   `completed, status, headers_json, body` | `mismatch`
+///   | `granted, fence, lease_ms, since_us, now_us` (`now_us`: the clock of this step, which is
+///     the grant's own time except for a hand-off picked up now)
 ///   | `busy, ttl_ms, queue_len, age_ms, holder_lease_ms`
 ///   | `queue_full, ttl_ms, queue_len, age_ms, holder_lease_ms`
 ///   | `queued, position, queue_len, holder_ttl_ms` | `left`.
@@ -308,7 +310,7 @@ else
   -- does exist is left as it is and read instead.
   v = redis.call('SET', state, cmsgpack.pack({now_s, owner, fp, now_s, now_s, lease, '0'}),
     'NX', 'GET', 'PX', grant_ttl)
-  if not v then return {'granted', 0, now_s, lease, now_s} end
+  if not v then return {'granted', 0, now_s, lease, now_s, now_s} end
 end
 "#,
         helpers!(),
@@ -409,7 +411,7 @@ local function step()
         rec.pick = '0'
         touch()
       end
-      return {'granted', expired, last, rec.lease, rec.since}
+      return {'granted', expired, last, rec.lease, rec.since, now_s}
     end
     if mode == 'idempotency' and differs(rec.fp, fp) then
       leave_queue()
@@ -423,7 +425,7 @@ local function step()
     local head = redis.call('LINDEX', queue, 0)
     if head and head ~= owner then
       local o, f, l = promote(queue, waiters, last, kept, now, now_s, record_ttl, inbox_prefix)
-      if o == owner then return {'granted', expired, f, l, now_s} end
+      if o == owner then return {'granted', expired, f, l, now_s, now_s} end
       if o then return busy_or_queue(l, 0, l) end
       queued = false
     elseif head == owner then
@@ -431,7 +433,7 @@ local function step()
     end
   end
   local f = grant(queue, queued, owner, fp, lease, now, now_s, last, kept, grant_ttl, '0')
-  return {'granted', expired, f, lease, now_s}
+  return {'granted', expired, f, lease, now_s, now_s}
 end
 
 local reply = step()
@@ -516,26 +518,82 @@ return 'released'
     ))
 });
 
-/// Complete: owner-checked store-and-release.
+/// Complete and abort: owner-checked store-and-release (abort stores nothing).
 ///
 /// KEYS: record, queue, waiters.
 /// ARGV: owner, retention_ms, store ('1'|'0'), status, headers_json, body, record_ttl_ms,
-///       inbox_prefix.
+///       inbox_prefix, fence, fingerprint, now_us — the last three from the grant this
+///       sidecar answered (`held.rs`), or '' when it did not answer it.
 /// Returns `{'released', held_ms, lease_ms}` (how long the holding lasted, the lease it ran
 /// under: what the wait hints learn from) | 'stale'.
 ///
 /// Atomic because the owner check, the stored response and the release must be one step:
 /// a holder whose lease just ran out must not overwrite the next holder's state, and no
 /// claim may see "free" before the response it should replay is stored.
+///
+/// With the grant known, the record is written *before* it is read: `SET XX GET` writes what
+/// the release writes when nobody waits (the fence, and the response with its retention as
+/// the expiry) and hands back the record it replaced, which is then checked — one call in
+/// place of `GET`, `TIME` and `SET`. The clock is the sidecar's reading of Redis's
+/// (`held.rs`: the grant's time plus what has passed since the claim was sent, never behind
+/// Redis's own). Anything else — another owner, a lease that seems over, waiters queued, a
+/// grant other than the one assumed — re-reads Redis's clock and either puts the record back
+/// as it was (`stale`) or writes the release again from the record it read.
 pub(crate) static COMPLETE: LazyLock<Script> = LazyLock::new(|| {
     Script::new(concat!(
         record_codec!(),
         r#"
 local state, queue, waiters = KEYS[1], KEYS[2], KEYS[3]
-local r = decode(redis.call('GET', state))
-local now, now_s = clock()
-if r.owner ~= ARGV[1] or lease_end(r.at, r.lease) <= now then return 'stale' end
-local queued, storing = r.q == '1', ARGV[3] == '1'
+local owner, storing, fence = ARGV[1], ARGV[3] == '1', ARGV[9]
+local r, now, now_s
+if fence ~= '' then
+  local fp, retention = ARGV[10], ARGV[2]
+  now = tonumber(ARGV[11])
+  local v
+  if storing then
+    v = redis.call('SET', state, encode({fence = fence, status = ARGV[4], headers = ARGV[5],
+      body = ARGV[6], rfp = fp, kept = int(now + tonumber(retention) * 1000)}),
+      'XX', 'GET', 'PX', retention)
+  else
+    v = redis.call('SET', state, encode({fence = fence}), 'XX', 'GET', 'KEEPTTL')
+  end
+  -- No record (`XX` wrote nothing): no holder.
+  if not v then return 'stale' end
+  r = decode(v)
+  if r.owner == owner and lease_end(r.at, r.lease) > now and r.fence == fence
+      and r.fp == fp and r.q ~= '1' and (storing or not r.status) then
+    return {'released', held_ms(r.since, now), r.lease}
+  end
+  now, now_s = clock()
+  if r.owner ~= owner or lease_end(r.at, r.lease) <= now then
+    -- Put back what the write replaced. Without a stored response its expiry was kept
+    -- (`KEEPTTL`); with one it was replaced, and the record gets at least the expiry it had:
+    -- what its holder's grant or renewal gave it, its stored response's retention, its
+    -- queue's, or the fence TTL for a record that only keeps a fence.
+    if not storing then
+      redis.call('SET', state, v, 'KEEPTTL')
+      return 'stale'
+    end
+    local record_ttl = tonumber(ARGV[7])
+    local until_us = 0
+    if r.owner then
+      until_us = lease_end(r.at, math.max(record_ttl, tonumber(r.lease) + 1000))
+    end
+    if r.kept then until_us = math.max(until_us, tonumber(r.kept)) end
+    if until_us == 0 then until_us = now + record_ttl * 1000 end
+    if r.q == '1' then
+      until_us = math.max(until_us, now + redis.call('PTTL', queue) * 1000)
+    end
+    redis.call('SET', state, v, 'PX', math.max(1, math.ceil((until_us - now) / 1000)))
+    return 'stale'
+  end
+  -- Still this owner's, but the write assumed another record: written again below.
+else
+  r = decode(redis.call('GET', state))
+  now, now_s = clock()
+  if r.owner ~= owner or lease_end(r.at, r.lease) <= now then return 'stale' end
+end
+local queued = r.q == '1'
 local reply = {'released', held_ms(r.since, now), r.lease}
 if storing then
   -- Every response field is written, so an older stored response leaves nothing behind.
@@ -571,39 +629,6 @@ if storing then
 else
   release(queue, waiters, true, rec.fence, rec.kept, now, now_s, record_ttl, inbox_prefix)
 end
-flush()
-return reply
-"#
-    ))
-});
-
-/// Abort: owner-checked release without storing; hands the key to the next waiter.
-///
-/// KEYS: record, queue, waiters. ARGV: owner, record_ttl_ms, inbox_prefix.
-/// Returns `{'released', held_ms, lease_ms}` (as complete) | 'stale'.
-///
-/// Atomic for the same reason as complete: check-then-release in two steps could release
-/// the next holder.
-pub(crate) static ABORT: LazyLock<Script> = LazyLock::new(|| {
-    Script::new(concat!(
-        record_codec!(),
-        r#"
-local state, queue, waiters = KEYS[1], KEYS[2], KEYS[3]
-local r = decode(redis.call('GET', state))
-local now, now_s = clock()
-if r.owner ~= ARGV[1] or lease_end(r.at, r.lease) <= now then return 'stale' end
-local reply = {'released', held_ms(r.since, now), r.lease}
-if r.q ~= '1' then
-  -- Nobody waits: the key is free, the record keeps its fence and expiry.
-  drop_holder(r)
-  redis.call('SET', state, encode(r), 'KEEPTTL')
-  return reply
-end
-"#,
-        helpers!(),
-        r#"
-adopt(state, r)
-release(queue, waiters, true, rec.fence, rec.kept, now, now_s, tonumber(ARGV[2]), ARGV[3])
 flush()
 return reply
 "#

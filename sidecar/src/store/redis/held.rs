@@ -1,0 +1,194 @@
+//! The grants this sidecar answered that may still be held: what their complete or abort
+//! needs to write the record without reading it first (`scripts.rs`, `COMPLETE`) — the
+//! fence and fingerprint the record holds, and a reading of Redis's clock.
+//!
+//! A complete or abort usually comes back to the sidecar that answered the claim (one beside
+//! each gateway); one that does not, or whose grant was dropped here, takes the script's
+//! reading path, as every complete did before. Nothing here is trusted: the script checks
+//! the record it replaced against the grant assumed, and an entry that does not match
+//! (another key, a forged token) costs a second write, never a wrong one.
+//!
+//! The clock: the claim's reply carries Redis's clock as its script read it, which happened
+//! after the claim was sent. So that reading plus the time passed since sending (with 0.1 %
+//! on top for the two clocks' drift) is never behind Redis's clock; it is ahead by at most
+//! the claim's way to Redis. A lease that seems over by it is checked again on Redis's own
+//! clock by the script, so the lease still ends exactly when it ends.
+
+use std::collections::HashMap;
+use std::hash::{BuildHasher, RandomState};
+use std::sync::{Mutex, PoisonError};
+use std::time::{Duration, Instant};
+
+/// Shards of the table (each its own lock) and entries per shard: at most 16,384 grants in
+/// flight are remembered (~2 MB); more only send the extra completes down the reading path.
+const SHARDS: usize = 16;
+const PER_SHARD: usize = 1024;
+
+/// One remembered grant.
+pub(super) struct HeldGrant {
+    pub fence: u64,
+    /// The claim's fingerprint ('' for none), as the record holds it.
+    pub fingerprint: Box<str>,
+    /// Redis's clock (µs) as the claim's script read it, and when the claim was sent.
+    clock_us: u64,
+    sent: Instant,
+    key_hash: u64,
+    /// Past this the lease (as granted) is over: the entry may be dropped to make room.
+    forget_after: Instant,
+}
+
+impl HeldGrant {
+    /// Redis's clock now, never behind it (module docs), in µs.
+    pub(super) fn clock_now_us(&self) -> u64 {
+        let passed = u64::try_from(self.sent.elapsed().as_micros()).unwrap_or(u64::MAX);
+        self.clock_us
+            .saturating_add(passed)
+            .saturating_add(passed / 1000)
+            .saturating_add(1)
+    }
+}
+
+pub(super) struct HeldGrants {
+    shards: Box<[Mutex<HashMap<u128, HeldGrant>>]>,
+    hasher: RandomState,
+}
+
+impl Default for HeldGrants {
+    fn default() -> Self {
+        HeldGrants {
+            shards: (0..SHARDS).map(|_| Mutex::default()).collect(),
+            hasher: RandomState::new(),
+        }
+    }
+}
+
+/// An owner token (32 hex digits, from `random_token`) as a number; anything else is not one
+/// of this sidecar's.
+fn token_id(owner: &str) -> Option<u128> {
+    let mut bytes = [0u8; 16];
+    hex::decode_to_slice(owner, &mut bytes).ok()?;
+    Some(u128::from_be_bytes(bytes))
+}
+
+impl HeldGrants {
+    fn shard(&self, id: u128) -> Option<std::sync::MutexGuard<'_, HashMap<u128, HeldGrant>>> {
+        // The token is random: its low bits spread the shards.
+        let shard = self.shards.get((id as usize) % SHARDS)?;
+        Some(shard.lock().unwrap_or_else(PoisonError::into_inner))
+    }
+
+    /// Remembers the grant of `key` to `owner` answered by a claim sent at `sent`, whose reply
+    /// read Redis's clock as `clock_us`.
+    pub(super) fn insert(
+        &self,
+        key: &str,
+        owner: &str,
+        fence: u64,
+        fingerprint: &str,
+        lease: Duration,
+        clock_us: u64,
+        sent: Instant,
+    ) {
+        let Some(id) = token_id(owner) else { return };
+        let key_hash = self.hasher.hash_one(key);
+        let Some(mut shard) = self.shard(id) else {
+            return;
+        };
+        if shard.len() >= PER_SHARD {
+            let now = Instant::now();
+            shard.retain(|_, grant| grant.forget_after > now);
+            if shard.len() >= PER_SHARD {
+                return;
+            }
+        }
+        shard.insert(
+            id,
+            HeldGrant {
+                fence,
+                fingerprint: fingerprint.into(),
+                clock_us,
+                sent,
+                key_hash,
+                forget_after: sent.checked_add(lease).unwrap_or(sent),
+            },
+        );
+    }
+
+    /// Takes out the grant of `key` to `owner`, if this sidecar answered it.
+    pub(super) fn take(&self, key: &str, owner: &str) -> Option<HeldGrant> {
+        let id = token_id(owner)?;
+        let mut shard = self.shard(id)?;
+        if shard.get(&id)?.key_hash != self.hasher.hash_one(key) {
+            return None;
+        }
+        shard.remove(&id)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const OWNER: &str = "0123456789abcdef0123456789abcdef";
+
+    fn insert(grants: &HeldGrants, key: &str, owner: &str, lease_ms: u64) {
+        grants.insert(
+            key,
+            owner,
+            7,
+            "fp",
+            Duration::from_millis(lease_ms),
+            1_000_000,
+            Instant::now(),
+        );
+    }
+
+    #[test]
+    fn a_grant_is_taken_once_and_only_for_its_key() {
+        let grants = HeldGrants::default();
+        insert(&grants, "k", OWNER, 30_000);
+        assert!(grants.take("other", OWNER).is_none());
+        let grant = grants.take("k", OWNER).unwrap();
+        assert_eq!((grant.fence, &*grant.fingerprint), (7, "fp"));
+        assert!(grants.take("k", OWNER).is_none());
+        // Not one of this sidecar's tokens: never remembered, never found.
+        insert(&grants, "k", "not-hex", 30_000);
+        assert!(grants.take("k", "not-hex").is_none());
+    }
+
+    #[test]
+    fn the_clock_is_never_behind_the_reading_plus_the_time_since_sending() {
+        let grants = HeldGrants::default();
+        let sent = Instant::now();
+        grants.insert("k", OWNER, 7, "", Duration::from_secs(30), 5_000_000, sent);
+        std::thread::sleep(Duration::from_millis(20));
+        let grant = grants.take("k", OWNER).unwrap();
+        let micros = |d: Duration| u64::try_from(d.as_micros()).unwrap();
+        let before = micros(sent.elapsed());
+        let clock = grant.clock_now_us();
+        let after = micros(sent.elapsed());
+        assert!(clock > 5_000_000 + before);
+        // With the drift allowance, and not more than that.
+        assert!(clock <= 5_000_000 + after + after / 1000 + 1);
+    }
+
+    #[test]
+    fn a_full_table_makes_room_from_leases_over_and_else_remembers_nothing_more() {
+        let grants = HeldGrants::default();
+        let token = |i: usize| format!("{:032x}", i * SHARDS);
+        // One shard (same low bits), filled with grants whose lease is over.
+        for i in 0..PER_SHARD {
+            insert(&grants, "k", &token(i), 0);
+        }
+        insert(&grants, "k", &token(PER_SHARD), 30_000);
+        assert!(grants.take("k", &token(PER_SHARD)).is_some());
+        assert!(grants.take("k", &token(0)).is_none());
+        // Full of leases still running: the newest is not remembered, the others stay.
+        for i in 0..PER_SHARD {
+            insert(&grants, "k", &token(i), 30_000);
+        }
+        insert(&grants, "k", &token(PER_SHARD), 30_000);
+        assert!(grants.take("k", &token(PER_SHARD)).is_none());
+        assert!(grants.take("k", &token(1)).is_some());
+    }
+}
