@@ -300,3 +300,100 @@ async fn a_fresh_key_claim_and_complete_cost_five_redis_commands() {
         );
     }
 }
+
+/// A complete of a grant this sidecar answered writes the record before reading it; when the
+/// record was not that grant's any more, it is put back as it was, with (at least) the expiry
+/// it had: another holder keeps its claim, another's stored response keeps its retention,
+/// and a lease that ran out stays a lease that ran out.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stale_complete_that_wrote_first_puts_the_record_back() {
+    const RETENTION_MS: u64 = 60_000;
+    let h = Harness::start(crate::util::Backend::Redis).await;
+    let redis = h.redis.as_ref().unwrap();
+    let pttl = |key: &str| int(redis, &["PTTL", &record(key)]);
+    let stored = |body: &'static [u8]| {
+        let response = StoredResponse {
+            status: 201,
+            headers: vec![],
+        };
+        Some((response, body))
+    };
+    let expired_grant = |key: &'static str| {
+        let client = &h.client;
+        async move {
+            let req = claim_req(key, Mode::Idempotency, 300);
+            let (owner, fence) = granted(&client.claim(&req).await.0);
+            client
+                .wait_for_key(key, "the lease to run out", |info| info.holder.is_none())
+                .await;
+            (owner, fence)
+        }
+    };
+    let req = |key| claim_req(key, Mode::Idempotency, 30_000);
+
+    // Another holder: its claim stands, nothing is replayed, its record outlives its lease.
+    let key = "k-stale-held";
+    let (a, _) = expired_grant(key).await;
+    let (b, b_fence) = granted(&h.client.claim(&req(key)).await.0);
+    assert_eq!(
+        h.client
+            .complete(key, &a, RETENTION_MS, stored(b"from a"))
+            .await,
+        OwnerOutcome::Stale
+    );
+    let info = h.client.inspect(key).await;
+    assert_eq!(info.holder.map(|holder| holder.fence), Some(b_fence));
+    assert!(matches!(
+        h.client.claim(&req(key)).await.0,
+        ClaimOutcome::Busy { .. }
+    ));
+    assert!(pttl(key) > 30_000, "{}", pttl(key));
+    assert_eq!(
+        h.client
+            .complete(key, &b, RETENTION_MS, stored(b"from b"))
+            .await,
+        OwnerOutcome::Released
+    );
+
+    // Another's stored response: replayed as it was, kept for its retention, not longer.
+    let key = "k-stale-kept";
+    let (a, _) = expired_grant(key).await;
+    let (b, _) = granted(&h.client.claim(&req(key)).await.0);
+    assert_eq!(
+        h.client
+            .complete(key, &b, RETENTION_MS, stored(b"from b"))
+            .await,
+        OwnerOutcome::Released
+    );
+    assert_eq!(
+        h.client
+            .complete(key, &a, 24 * 3600 * 1000, stored(b"from a"))
+            .await,
+        OwnerOutcome::Stale
+    );
+    match h.client.claim(&req(key)).await {
+        (ClaimOutcome::Completed { .. }, body) => assert_eq!(&body[..], b"from b"),
+        other => panic!("unexpected {other:?}"),
+    }
+    let ttl = pttl(key);
+    assert!((1..=60_000).contains(&ttl), "{ttl}");
+
+    // Nobody claimed since the lease ran out: refused, and the record is the expired grant
+    // with the expiry its grant gave it (the fence TTL), so the next claim is granted.
+    let key = "k-stale-expired";
+    let (a, a_fence) = expired_grant(key).await;
+    let granted_ttl = pttl(key);
+    assert_eq!(
+        h.client
+            .complete(key, &a, RETENTION_MS, stored(b"from a"))
+            .await,
+        OwnerOutcome::Stale
+    );
+    let ttl = pttl(key);
+    assert!(
+        (granted_ttl - 60_000..=granted_ttl).contains(&ttl),
+        "{ttl} after {granted_ttl}"
+    );
+    let (_, fence) = granted(&h.client.claim(&req(key)).await.0);
+    assert!(fence > a_fence);
+}
