@@ -48,6 +48,17 @@ impl HeldGrant {
     }
 }
 
+/// A grant as a claim answered it.
+pub(super) struct Answered<'a> {
+    pub fence: u64,
+    pub fingerprint: &'a str,
+    pub lease: Duration,
+    /// Redis's clock (µs) as the claim's script read it.
+    pub clock_us: u64,
+    /// When the claim was sent.
+    pub sent: Instant,
+}
+
 pub(super) struct HeldGrants {
     shards: Box<[Mutex<HashMap<u128, HeldGrant>>]>,
     hasher: RandomState,
@@ -77,18 +88,8 @@ impl HeldGrants {
         Some(shard.lock().unwrap_or_else(PoisonError::into_inner))
     }
 
-    /// Remembers the grant of `key` to `owner` answered by a claim sent at `sent`, whose reply
-    /// read Redis's clock as `clock_us`.
-    pub(super) fn insert(
-        &self,
-        key: &str,
-        owner: &str,
-        fence: u64,
-        fingerprint: &str,
-        lease: Duration,
-        clock_us: u64,
-        sent: Instant,
-    ) {
+    /// Remembers the grant of `key` to `owner`.
+    pub(super) fn insert(&self, key: &str, owner: &str, grant: &Answered<'_>) {
         let Some(id) = token_id(owner) else { return };
         let key_hash = self.hasher.hash_one(key);
         let Some(mut shard) = self.shard(id) else {
@@ -104,12 +105,12 @@ impl HeldGrants {
         shard.insert(
             id,
             HeldGrant {
-                fence,
-                fingerprint: fingerprint.into(),
-                clock_us,
-                sent,
+                fence: grant.fence,
+                fingerprint: grant.fingerprint.into(),
+                clock_us: grant.clock_us,
+                sent: grant.sent,
                 key_hash,
-                forget_after: sent.checked_add(lease).unwrap_or(sent),
+                forget_after: grant.sent.checked_add(grant.lease).unwrap_or(grant.sent),
             },
         );
     }
@@ -132,15 +133,14 @@ mod tests {
     const OWNER: &str = "0123456789abcdef0123456789abcdef";
 
     fn insert(grants: &HeldGrants, key: &str, owner: &str, lease_ms: u64) {
-        grants.insert(
-            key,
-            owner,
-            7,
-            "fp",
-            Duration::from_millis(lease_ms),
-            1_000_000,
-            Instant::now(),
-        );
+        let grant = Answered {
+            fence: 7,
+            fingerprint: "fp",
+            lease: Duration::from_millis(lease_ms),
+            clock_us: 1_000_000,
+            sent: Instant::now(),
+        };
+        grants.insert(key, owner, &grant);
     }
 
     #[test]
@@ -160,7 +160,14 @@ mod tests {
     fn the_clock_is_never_behind_the_reading_plus_the_time_since_sending() {
         let grants = HeldGrants::default();
         let sent = Instant::now();
-        grants.insert("k", OWNER, 7, "", Duration::from_secs(30), 5_000_000, sent);
+        let grant = Answered {
+            fence: 7,
+            fingerprint: "",
+            lease: Duration::from_secs(30),
+            clock_us: 5_000_000,
+            sent,
+        };
+        grants.insert("k", OWNER, &grant);
         std::thread::sleep(Duration::from_millis(20));
         let grant = grants.take("k", OWNER).unwrap();
         let micros = |d: Duration| u64::try_from(d.as_micros()).unwrap();

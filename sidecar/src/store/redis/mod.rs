@@ -254,15 +254,14 @@ impl Store for RedisStore {
         if let ClaimStep::Granted(grant) = &reply.step
             && let Ok(clock_us) = number(items.get(5))
         {
-            self.held.insert(
-                args.key,
-                args.owner,
-                grant.fence,
-                args.fingerprint.unwrap_or(""),
-                Duration::from_millis(grant.lease_ms),
+            let answered = held::Answered {
+                fence: grant.fence,
+                fingerprint: args.fingerprint.unwrap_or(""),
+                lease: Duration::from_millis(grant.lease_ms),
                 clock_us,
                 sent,
-            );
+            };
+            self.held.insert(args.key, args.owner, &answered);
         }
         Ok(reply)
     }
