@@ -5,8 +5,8 @@
 //! A complete or abort usually comes back to the sidecar that answered the claim (one beside
 //! each gateway); one that does not, or whose grant was dropped here, takes the script's
 //! reading path, as every complete did before. Nothing here is trusted: the script checks
-//! the record it replaced against the grant assumed, and an entry that does not match
-//! (another key, a forged token) costs a second write, never a wrong one.
+//! the record it replaced against the grant assumed, and an entry that does not match (a
+//! token sent with another key, a forged one) costs a second write, never a wrong one.
 //!
 //! The clock: the claim's reply carries Redis's clock as its script read it, which happened
 //! after the claim was sent. So that reading plus the time passed since sending (with 0.1 %
@@ -15,7 +15,7 @@
 //! clock by the script, so the lease still ends exactly when it ends.
 
 use std::collections::HashMap;
-use std::hash::{BuildHasher, RandomState};
+use std::hash::{BuildHasherDefault, Hasher};
 use std::sync::{Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
@@ -32,7 +32,6 @@ pub(super) struct HeldGrant {
     /// Redis's clock (µs) as the claim's script read it, and when the claim was sent.
     clock_us: u64,
     sent: Instant,
-    key_hash: u64,
     /// Past this the lease (as granted) is over: the entry may be dropped to make room.
     forget_after: Instant,
 }
@@ -59,16 +58,37 @@ pub(super) struct Answered<'a> {
     pub sent: Instant,
 }
 
+/// Hashes a token id by its low bits. Only this sidecar's own random tokens are inserted, so
+/// nobody can choose ids that collide; a lookup with a chosen id finds nothing or one entry.
+#[derive(Default)]
+struct TokenHasher(u64);
+
+impl Hasher for TokenHasher {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+
+    fn write(&mut self, bytes: &[u8]) {
+        for &b in bytes {
+            self.0 = self.0.rotate_left(8) ^ u64::from(b);
+        }
+    }
+
+    fn write_u128(&mut self, id: u128) {
+        self.0 = id as u64;
+    }
+}
+
+type Table = HashMap<u128, HeldGrant, BuildHasherDefault<TokenHasher>>;
+
 pub(super) struct HeldGrants {
-    shards: Box<[Mutex<HashMap<u128, HeldGrant>>]>,
-    hasher: RandomState,
+    shards: Box<[Mutex<Table>]>,
 }
 
 impl Default for HeldGrants {
     fn default() -> Self {
         HeldGrants {
             shards: (0..SHARDS).map(|_| Mutex::default()).collect(),
-            hasher: RandomState::new(),
         }
     }
 }
@@ -82,16 +102,15 @@ fn token_id(owner: &str) -> Option<u128> {
 }
 
 impl HeldGrants {
-    fn shard(&self, id: u128) -> Option<std::sync::MutexGuard<'_, HashMap<u128, HeldGrant>>> {
-        // The token is random: its low bits spread the shards.
-        let shard = self.shards.get((id as usize) % SHARDS)?;
+    fn shard(&self, id: u128) -> Option<std::sync::MutexGuard<'_, Table>> {
+        // The token is random: its high bits spread the shards, its low bits a shard's table.
+        let shard = self.shards.get(((id >> 96) as usize) % SHARDS)?;
         Some(shard.lock().unwrap_or_else(PoisonError::into_inner))
     }
 
-    /// Remembers the grant of `key` to `owner`.
-    pub(super) fn insert(&self, key: &str, owner: &str, grant: &Answered<'_>) {
+    /// Remembers the grant to `owner`.
+    pub(super) fn insert(&self, owner: &str, grant: &Answered<'_>) {
         let Some(id) = token_id(owner) else { return };
-        let key_hash = self.hasher.hash_one(key);
         let Some(mut shard) = self.shard(id) else {
             return;
         };
@@ -109,20 +128,16 @@ impl HeldGrants {
                 fingerprint: grant.fingerprint.into(),
                 clock_us: grant.clock_us,
                 sent: grant.sent,
-                key_hash,
                 forget_after: grant.sent.checked_add(grant.lease).unwrap_or(grant.sent),
             },
         );
     }
 
-    /// Takes out the grant of `key` to `owner`, if this sidecar answered it.
-    pub(super) fn take(&self, key: &str, owner: &str) -> Option<HeldGrant> {
+    /// Takes out the grant to `owner`, if this sidecar answered it (for whichever key: the
+    /// script checks the record).
+    pub(super) fn take(&self, owner: &str) -> Option<HeldGrant> {
         let id = token_id(owner)?;
-        let mut shard = self.shard(id)?;
-        if shard.get(&id)?.key_hash != self.hasher.hash_one(key) {
-            return None;
-        }
-        shard.remove(&id)
+        self.shard(id)?.remove(&id)
     }
 }
 
@@ -132,7 +147,7 @@ mod tests {
 
     const OWNER: &str = "0123456789abcdef0123456789abcdef";
 
-    fn insert(grants: &HeldGrants, key: &str, owner: &str, lease_ms: u64) {
+    fn insert(grants: &HeldGrants, owner: &str, lease_ms: u64) {
         let grant = Answered {
             fence: 7,
             fingerprint: "fp",
@@ -140,20 +155,19 @@ mod tests {
             clock_us: 1_000_000,
             sent: Instant::now(),
         };
-        grants.insert(key, owner, &grant);
+        grants.insert(owner, &grant);
     }
 
     #[test]
-    fn a_grant_is_taken_once_and_only_for_its_key() {
+    fn a_grant_is_taken_once() {
         let grants = HeldGrants::default();
-        insert(&grants, "k", OWNER, 30_000);
-        assert!(grants.take("other", OWNER).is_none());
-        let grant = grants.take("k", OWNER).unwrap();
+        insert(&grants, OWNER, 30_000);
+        let grant = grants.take(OWNER).unwrap();
         assert_eq!((grant.fence, &*grant.fingerprint), (7, "fp"));
-        assert!(grants.take("k", OWNER).is_none());
+        assert!(grants.take(OWNER).is_none());
         // Not one of this sidecar's tokens: never remembered, never found.
-        insert(&grants, "k", "not-hex", 30_000);
-        assert!(grants.take("k", "not-hex").is_none());
+        insert(&grants, "not-hex", 30_000);
+        assert!(grants.take("not-hex").is_none());
     }
 
     #[test]
@@ -167,9 +181,9 @@ mod tests {
             clock_us: 5_000_000,
             sent,
         };
-        grants.insert("k", OWNER, &grant);
+        grants.insert(OWNER, &grant);
         std::thread::sleep(Duration::from_millis(20));
-        let grant = grants.take("k", OWNER).unwrap();
+        let grant = grants.take(OWNER).unwrap();
         let micros = |d: Duration| u64::try_from(d.as_micros()).unwrap();
         let before = micros(sent.elapsed());
         let clock = grant.clock_now_us();
@@ -182,20 +196,20 @@ mod tests {
     #[test]
     fn a_full_table_makes_room_from_leases_over_and_else_remembers_nothing_more() {
         let grants = HeldGrants::default();
-        let token = |i: usize| format!("{:032x}", i * SHARDS);
-        // One shard (same low bits), filled with grants whose lease is over.
+        // One shard (same high bits), filled with grants whose lease is over.
+        let token = |i: usize| format!("{:032x}", i);
         for i in 0..PER_SHARD {
-            insert(&grants, "k", &token(i), 0);
+            insert(&grants, &token(i), 0);
         }
-        insert(&grants, "k", &token(PER_SHARD), 30_000);
-        assert!(grants.take("k", &token(PER_SHARD)).is_some());
-        assert!(grants.take("k", &token(0)).is_none());
+        insert(&grants, &token(PER_SHARD), 30_000);
+        assert!(grants.take(&token(PER_SHARD)).is_some());
+        assert!(grants.take(&token(0)).is_none());
         // Full of leases still running: the newest is not remembered, the others stay.
         for i in 0..PER_SHARD {
-            insert(&grants, "k", &token(i), 30_000);
+            insert(&grants, &token(i), 30_000);
         }
-        insert(&grants, "k", &token(PER_SHARD), 30_000);
-        assert!(grants.take("k", &token(PER_SHARD)).is_none());
-        assert!(grants.take("k", &token(1)).is_some());
+        insert(&grants, &token(PER_SHARD), 30_000);
+        assert!(grants.take(&token(PER_SHARD)).is_none());
+        assert!(grants.take(&token(1)).is_some());
     }
 }

@@ -182,7 +182,7 @@ impl RedisStore {
             .arg(body.as_ref())
             .arg(self.record_ttl_ms)
             .arg(&self.inbox_prefix);
-        match self.held.take(key, owner) {
+        match self.held.take(owner) {
             Some(grant) => cmd
                 .arg(grant.fence)
                 .arg(&*grant.fingerprint)
@@ -251,9 +251,13 @@ impl Store for RedisStore {
         let sent = std::time::Instant::now();
         let items: Vec<Value> = self.run(Op::Script(script, &cmd)).await?;
         let reply = decode_claim(&items)?;
-        if let ClaimStep::Granted(grant) = &reply.step
-            && let Ok(clock_us) = number(items.get(5))
-        {
+        if let ClaimStep::Granted(grant) = &reply.step {
+            // The script's clock: the grant's time, unless the grant was a hand-off made
+            // earlier and picked up by this step (then the step's clock follows).
+            let clock_us = match items.get(5) {
+                None => grant.granted_at_us,
+                clock => number(clock)?,
+            };
             let answered = held::Answered {
                 fence: grant.fence,
                 fingerprint: args.fingerprint.unwrap_or(""),
@@ -261,7 +265,7 @@ impl Store for RedisStore {
                 clock_us,
                 sent,
             };
-            self.held.insert(args.key, args.owner, &answered);
+            self.held.insert(args.owner, &answered);
         }
         Ok(reply)
     }

@@ -24,6 +24,11 @@ pub(super) fn text(v: Option<&Value>) -> Option<String> {
 pub(super) fn number(v: Option<&Value>) -> StoreResult<u64> {
     match v {
         Some(Value::Int(i)) => u64::try_from(*i).map_err(|_| unexpected("negative number")),
+        // Parsed in place: every claim reply carries a few (fence, lease, grant time).
+        Some(Value::BulkString(b)) => std::str::from_utf8(b)
+            .ok()
+            .and_then(|s| s.parse().ok())
+            .ok_or_else(|| unexpected("number expected")),
         other => text(other)
             .and_then(|s| s.parse().ok())
             .ok_or_else(|| unexpected("number expected")),

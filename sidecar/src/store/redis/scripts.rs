@@ -287,8 +287,8 @@ macro_rules! prelude {
 ///       inbox, waiter name ('' = none), alive window_ms.
 /// Returns `{outcome, lease_expired(0|1), ...}`:
 ///   `completed, status, headers_json, body` | `mismatch`
-///   | `granted, fence, lease_ms, since_us, now_us` (`now_us`: the clock of this step, which is
-///     the grant's own time except for a hand-off picked up now)
+///   | `granted, fence, lease_ms, since_us[, now_us]` (`now_us`, the clock of this step, only
+///     where it is not the grant's own time: a hand-off picked up now)
 ///   | `busy, ttl_ms, queue_len, age_ms, holder_lease_ms`
 ///   | `queue_full, ttl_ms, queue_len, age_ms, holder_lease_ms`
 ///   | `queued, position, queue_len, holder_ttl_ms` | `left`.
@@ -315,7 +315,7 @@ else
   -- does exist is left as it is and read instead.
   v = redis.call('SET', state, cmsgpack.pack({now_s, owner, fp, now_s, now_s, lease, '0'}),
     'NX', 'GET', 'PX', grant_ttl)
-  if not v then return {'granted', 0, now_s, lease, now_s, now_s} end
+  if not v then return {'granted', 0, now_s, lease, now_s} end
 end
 "#,
         helpers!(),
@@ -430,7 +430,7 @@ local function step()
     local head = redis.call('LINDEX', queue, 0)
     if head and head ~= owner then
       local o, f, l = promote(queue, waiters, last, kept, now, now_s, record_ttl, inbox_prefix)
-      if o == owner then return {'granted', expired, f, l, now_s, now_s} end
+      if o == owner then return {'granted', expired, f, l, now_s} end
       if o then return busy_or_queue(l, 0, l) end
       queued = false
     elseif head == owner then
@@ -438,7 +438,7 @@ local function step()
     end
   end
   local f = grant(queue, queued, owner, fp, lease, now, now_s, last, kept, grant_ttl, '0')
-  return {'granted', expired, f, lease, now_s, now_s}
+  return {'granted', expired, f, lease, now_s}
 end
 
 local reply = step()
