@@ -64,9 +64,29 @@
 use redis::{Cmd, Script};
 use std::sync::LazyLock;
 
-/// The record's codec, shared by every script that reads it (see the module doc for the
-/// fields). `decode` of a missing record (`false`) is a record with every field absent.
+/// Redis's clock: µs as a number, and the same as a string.
+macro_rules! clock {
+    () => {
+        r#"
+local function clock()
+  local t = redis.call('TIME')
+  return tonumber(t[1]) * 1000000 + tonumber(t[2]), t[1] .. string.sub('00000' .. t[2], -6)
+end
+"#
+    };
+}
+
+/// The record's codec and clock, shared by every script that reads it (see the module doc
+/// for the fields). `decode` of a missing record (`false`) is a record with every field
+/// absent.
 macro_rules! record_codec {
+    () => {
+        concat!(clock!(), codec!())
+    };
+}
+
+/// The record's codec without the clock (`record_codec`).
+macro_rules! codec {
     () => {
         r#"
 local function decode(v)
@@ -89,11 +109,6 @@ local function encode(r)
     n = n - 1
   end
   return cmsgpack.pack(t)
-end
-
-local function clock()
-  local t = redis.call('TIME')
-  return tonumber(t[1]) * 1000000 + tonumber(t[2]), t[1] .. string.sub('00000' .. t[2], -6)
 end
 
 -- When the lease that started at `at` (µs) and lasts `lease` (ms) ends.
@@ -134,7 +149,7 @@ pub(crate) const RECORD_CODEC: &str = record_codec!();
 ///
 /// Lua creates a closure for each `local function` as the chunk runs it, on every call: the
 /// claim, complete and abort scripts run their common case (no record yet, nobody queued)
-/// before these definitions, on the codec alone.
+/// before these definitions, on the codec alone (the claim's fresh grant on the clock alone).
 macro_rules! helpers {
     () => {
         r#"
@@ -296,8 +311,10 @@ macro_rules! prelude {
 /// Atomic because the stored-response check, the holder check, the queue order and the
 /// grant must see one state: otherwise two claimers both see "free" and both get a grant.
 pub(crate) static CLAIM: LazyLock<Script> = LazyLock::new(|| {
+    // The fresh key's grant runs before the codec's functions are defined: Lua creates a
+    // closure for each as the chunk runs past it, on every call.
     Script::new(concat!(
-        record_codec!(),
+        clock!(),
         r#"
 local state, queue, waiters = KEYS[1], KEYS[2], KEYS[3]
 local owner, fp, mode, lease = ARGV[1], ARGV[2], ARGV[3], ARGV[4]
@@ -318,6 +335,7 @@ else
   if not v then return {'granted', 0, now_s, lease, now_s} end
 end
 "#,
+        codec!(),
         helpers!(),
         r#"
 local max_queue, record_ttl = tonumber(ARGV[6]), tonumber(ARGV[7])
