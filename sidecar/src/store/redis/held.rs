@@ -81,8 +81,16 @@ impl Hasher for TokenHasher {
 
 type Table = HashMap<u128, HeldGrant, BuildHasherDefault<TokenHasher>>;
 
+#[derive(Default)]
+struct Shard {
+    grants: Table,
+    /// While full of leases still running: the earliest of their ends, before which sweeping
+    /// again would find nothing to drop (so a full shard costs one scan, not one per claim).
+    full_until: Option<Instant>,
+}
+
 pub(super) struct HeldGrants {
-    shards: Box<[Mutex<Table>]>,
+    shards: Box<[Mutex<Shard>]>,
 }
 
 impl Default for HeldGrants {
@@ -102,7 +110,7 @@ fn token_id(owner: &str) -> Option<u128> {
 }
 
 impl HeldGrants {
-    fn shard(&self, id: u128) -> Option<std::sync::MutexGuard<'_, Table>> {
+    fn shard(&self, id: u128) -> Option<std::sync::MutexGuard<'_, Shard>> {
         // The token is random: its high bits spread the shards, its low bits a shard's table.
         let shard = self.shards.get(((id >> 96) as usize) % SHARDS)?;
         Some(shard.lock().unwrap_or_else(PoisonError::into_inner))
@@ -114,14 +122,26 @@ impl HeldGrants {
         let Some(mut shard) = self.shard(id) else {
             return;
         };
-        if shard.len() >= PER_SHARD {
+        if shard.grants.len() >= PER_SHARD {
             let now = Instant::now();
-            shard.retain(|_, grant| grant.forget_after > now);
-            if shard.len() >= PER_SHARD {
+            if shard.full_until.is_some_and(|until| until > now) {
+                return;
+            }
+            let mut earliest: Option<Instant> = None;
+            shard.grants.retain(|_, grant| {
+                let running = grant.forget_after > now;
+                if running {
+                    earliest =
+                        Some(earliest.map_or(grant.forget_after, |e| e.min(grant.forget_after)));
+                }
+                running
+            });
+            if shard.grants.len() >= PER_SHARD {
+                shard.full_until = earliest;
                 return;
             }
         }
-        shard.insert(
+        shard.grants.insert(
             id,
             HeldGrant {
                 fence: grant.fence,
@@ -137,7 +157,7 @@ impl HeldGrants {
     /// script checks the record).
     pub(super) fn take(&self, owner: &str) -> Option<HeldGrant> {
         let id = token_id(owner)?;
-        self.shard(id)?.remove(&id)
+        self.shard(id)?.grants.remove(&id)
     }
 }
 
@@ -209,7 +229,12 @@ mod tests {
             insert(&grants, &token(i), 30_000);
         }
         insert(&grants, &token(PER_SHARD), 30_000);
+        insert(&grants, &token(PER_SHARD + 1), 30_000);
         assert!(grants.take(&token(PER_SHARD)).is_none());
+        assert!(grants.take(&token(PER_SHARD + 1)).is_none());
+        // A complete makes room again at once.
         assert!(grants.take(&token(1)).is_some());
+        insert(&grants, &token(PER_SHARD), 30_000);
+        assert!(grants.take(&token(PER_SHARD)).is_some());
     }
 }
