@@ -396,4 +396,26 @@ async fn a_stale_complete_that_wrote_first_puts_the_record_back() {
     );
     let (_, fence) = granted(&h.client.claim(&req(key)).await.0);
     assert!(fence > a_fence);
+
+    // A live owner's token sent with another key: that key's holder keeps it, and the
+    // owner still completes its own key (by reading first: its grant was taken).
+    let (mine, theirs) = ("k-stale-mine", "k-stale-theirs");
+    let (a, _) = granted(&h.client.claim(&req(mine)).await.0);
+    let (b, b_fence) = granted(&h.client.claim(&req(theirs)).await.0);
+    assert_eq!(
+        h.client
+            .complete(theirs, &a, RETENTION_MS, stored(b"from a"))
+            .await,
+        OwnerOutcome::Stale
+    );
+    let info = h.client.inspect(theirs).await;
+    assert_eq!(info.holder.map(|holder| holder.fence), Some(b_fence));
+    for (key, owner) in [(theirs, &b), (mine, &a)] {
+        assert_eq!(
+            h.client
+                .complete(key, owner, RETENTION_MS, stored(b"own"))
+                .await,
+            OwnerOutcome::Released
+        );
+    }
 }
