@@ -228,6 +228,7 @@ async fn commands_per_fresh_pair(
     claims: &crate::util::Client,
     completes: &crate::util::Client,
     mode: Mode,
+    queued: bool,
     what: &str,
 ) -> std::collections::BTreeMap<String, u64> {
     const PAIRS: u64 = 20;
@@ -239,6 +240,10 @@ async fn commands_per_fresh_pair(
     for i in 0..PAIRS {
         let key = format!("k-fresh-{what}-{mode:?}-{i}");
         let mut req = claim_req(&key, mode, 30_000);
+        if queued {
+            // As a queueing rule's filter claims: willing to wait, its place named.
+            req = crate::util::named_waiting(req, &format!("w-{key}"), 10_000, 16);
+        }
         let stored = (mode == Mode::Idempotency).then(|| {
             req.fingerprint = Some(format!("{:064x}", i));
             (response.clone(), &b"created"[..])
@@ -282,17 +287,24 @@ async fn a_fresh_key_claim_and_complete_cost_five_redis_commands() {
         // finds no record); the complete, on the sidecar that answered the claim: `EVALSHA`,
         // `SET XX GET` (the record released, or with its stored response and expiry, written
         // before it is read; the record it replaced is checked after).
-        let same = commands_per_fresh_pair(redis, &h.client, &h.client, mode, "same").await;
-        assert_eq!(
-            same,
-            breakdown(&[("evalsha", 2), ("set", 2), ("time", 1)]),
-            "{mode:?}"
-        );
-        assert_eq!(same.values().sum::<u64>(), 5, "{mode:?}");
+        // The same whether the claim would queue behind a holder (with its place named, as
+        // the shipped payments rule claims) or not: a fresh key has no queue to look at.
+        for queued in [false, true] {
+            let what = format!("same-{queued}");
+            let same =
+                commands_per_fresh_pair(redis, &h.client, &h.client, mode, queued, &what).await;
+            assert_eq!(
+                same,
+                breakdown(&[("evalsha", 2), ("set", 2), ("time", 1)]),
+                "{mode:?}, queued: {queued}"
+            );
+            assert_eq!(same.values().sum::<u64>(), 5, "{mode:?}");
+        }
         // A complete on a sidecar that did not answer the claim reads the record and Redis's
         // clock first: `EVALSHA`, `GET`, `TIME`, `SET`.
         let elsewhere =
-            commands_per_fresh_pair(redis, &h.client, &other.client, mode, "elsewhere").await;
+            commands_per_fresh_pair(redis, &h.client, &other.client, mode, false, "elsewhere")
+                .await;
         assert_eq!(
             elsewhere,
             breakdown(&[("evalsha", 2), ("get", 1), ("set", 2), ("time", 2)]),

@@ -321,19 +321,17 @@ local owner, fp, mode, lease = ARGV[1], ARGV[2], ARGV[3], ARGV[4]
 local wait_ms, name, grant_ttl = tonumber(ARGV[5]), ARGV[11], ARGV[8]
 
 local now, now_s = clock()
--- A named place given up while this claim waited: the claim ends here.
+-- No record: the key is free, nobody is queued, no fence or response is kept — granted by
+-- this one call (fence and grant at the clock, no pick-up deadline). A record that does
+-- exist is left as it is and read instead.
+local v = redis.call('SET', state, cmsgpack.pack({now_s, owner, fp, now_s, now_s, lease, '0'}),
+  'NX', 'GET', 'PX', grant_ttl)
+if not v then return {'granted', 0, now_s, lease, now_s} end
+-- A named place given up while this claim waited: the claim ends here. Asked only once a
+-- record exists: a place is given up only in a queue, behind a holder, so a key with no
+-- record has none (were its record gone meanwhile, the grant above goes to a request that
+-- left, whose filter gives an abandoned request's grant straight back).
 local left = name ~= '' and wait_ms > 0 and redis.call('HGET', waiters, owner) == 'left'
-local v
-if left then
-  v = redis.call('GET', state)
-else
-  -- No record: the key is free, nobody is queued, no fence or response is kept — granted
-  -- by this one call (fence and grant at the clock, no pick-up deadline). A record that
-  -- does exist is left as it is and read instead.
-  v = redis.call('SET', state, cmsgpack.pack({now_s, owner, fp, now_s, now_s, lease, '0'}),
-    'NX', 'GET', 'PX', grant_ttl)
-  if not v then return {'granted', 0, now_s, lease, now_s} end
-end
 "#,
         codec!(),
         helpers!(),
