@@ -1,5 +1,6 @@
 //! Hashing: every digest the filter makes (stored keys, fingerprints, rate keys, waiter names)
-//! is a SHA-256 over length-prefixed parts under a domain name, spelled as lower-case hex.
+//! is a SHA-256 over length-prefixed parts under a domain name, spelled as lower-case hex; and
+//! numbers spelled in decimal without the formatter (slot names, replies' numbers).
 
 use alloc::string::String;
 use sha2::{Digest, Sha256};
@@ -52,6 +53,20 @@ pub(crate) fn hex(bytes: &[u8]) -> String {
     String::from_utf8(digits).unwrap_or_default()
 }
 
+/// `n` in decimal, written into `buf`: integers' `Display` goes through the formatter.
+pub(crate) fn decimal(mut n: u64, buf: &mut [u8; 20]) -> &str {
+    let mut at = buf.len();
+    for slot in buf.iter_mut().rev() {
+        *slot = b'0' + (n % 10) as u8;
+        at -= 1;
+        n /= 10;
+        if n == 0 {
+            break;
+        }
+    }
+    core::str::from_utf8(buf.get(at..).unwrap_or_default()).unwrap_or_default()
+}
+
 /// The first 32 bits of a hex digest (0 when it is not one): where a key's slots start in the
 /// shared-data tables.
 pub(crate) fn prefix_u32(hex_digest: &str) -> u32 {
@@ -67,5 +82,15 @@ mod tests {
     fn hex_spells_every_byte_in_lower_case() {
         assert_eq!(super::hex(&[0x00, 0x0f, 0xa5, 0xff]), "000fa5ff");
         assert_eq!(super::hex(&[]), "");
+    }
+
+    #[test]
+    fn decimal_spells_every_magnitude() {
+        for n in [0, 9, 10, 99, 100, 1_500, u64::from(u32::MAX), u64::MAX] {
+            assert_eq!(
+                super::decimal(n, &mut [0; 20]),
+                alloc::string::ToString::to_string(&n)
+            );
+        }
     }
 }

@@ -9,12 +9,11 @@
 //! Memory is bounded by `slots × (entry header + max_response_bytes + stored headers)`
 //! whatever the traffic. The table is never authoritative across gateways: the sidecar is.
 
-use alloc::format;
 use alloc::string::String;
 use alloc::vec::Vec;
 use idemgate_wire::StoredResponse;
 
-use crate::hash::prefix_u32;
+use crate::hash::{decimal, prefix_u32};
 use crate::ports::{HostError, SharedStore};
 use crate::spec::LocalConfig;
 
@@ -40,10 +39,12 @@ pub(crate) struct LocalResponse {
     pub(crate) body: Vec<u8>,
 }
 
+/// A slot's entry; its key borrowed from the bytes read (or from the caller): a scan reads
+/// up to `probes` entries and keeps only what it returns.
 #[derive(Debug, Clone, PartialEq, Eq)]
-struct Entry {
+struct Entry<'k> {
     state: State,
-    key: String,
+    key: &'k str,
     owner: u64,
     expires_ms: u64,
     completed: Option<LocalResponse>,
@@ -84,7 +85,16 @@ pub(crate) struct Table<'a> {
 }
 
 pub(crate) fn slot_key(slot: u32) -> String {
-    format!("idemgate.v1.slot.{slot}")
+    slot_name("idemgate.v1.slot.", slot)
+}
+
+/// `prefix` and the slot's number: a shared-data key of one of the tables (`format!` costs
+/// a slot read several hundred instructions more).
+pub(crate) fn slot_name(prefix: &str, slot: u32) -> String {
+    let mut name = String::with_capacity(prefix.len() + 10);
+    name.push_str(prefix);
+    name.push_str(decimal(slot.into(), &mut [0; 20]));
+    name
 }
 
 impl Table<'_> {
@@ -107,10 +117,8 @@ impl Table<'_> {
             let Ok(current) = self.store.get(&slot_key(slot)) else {
                 return Scan::Unavailable;
             };
-            let (entry, cas) = match current {
-                None => (None, None),
-                Some((bytes, cas)) => (decode(&bytes), Some(cas)),
-            };
+            let (bytes, cas) = current.map_or((Vec::new(), None), |(b, cas)| (b, Some(cas)));
+            let entry = decode(&bytes);
             let live = entry.filter(|e| e.state != State::Free && e.expires_ms > now_ms);
             let evicts = match live {
                 Some(e) if e.key == key => {
@@ -158,7 +166,7 @@ impl Table<'_> {
             };
             let entry = Entry {
                 state: State::InFlight,
-                key: key.into(),
+                key,
                 owner,
                 expires_ms: now_ms.saturating_add(lease_ms),
                 completed: None,
@@ -192,14 +200,14 @@ impl Table<'_> {
         let entry = match completed {
             Some((done, expires_ms)) => Entry {
                 state: State::Completed,
-                key: key.into(),
+                key,
                 owner: hold.owner,
                 expires_ms,
                 completed: Some(done),
             },
             None => Entry {
                 state: State::Free,
-                key: String::new(),
+                key: "",
                 owner: 0,
                 expires_ms: 0,
                 completed: None,
@@ -214,7 +222,7 @@ impl Table<'_> {
     pub(crate) fn extend(&self, hold: Hold, key: &str, expires_ms: u64) -> bool {
         let entry = Entry {
             state: State::InFlight,
-            key: key.into(),
+            key,
             owner: hold.owner,
             expires_ms,
             completed: None,
@@ -248,7 +256,7 @@ impl Table<'_> {
 pub(crate) fn in_flight_bytes(key: &str, owner: u64, expires_ms: u64) -> Vec<u8> {
     encode(&Entry {
         state: State::InFlight,
-        key: key.into(),
+        key,
         owner,
         expires_ms,
         completed: None,
@@ -257,7 +265,7 @@ pub(crate) fn in_flight_bytes(key: &str, owner: u64, expires_ms: u64) -> Vec<u8>
 
 // === entry codec: fixed header, then (completed only) the response ===
 
-fn encode(e: &Entry) -> Vec<u8> {
+fn encode(e: &Entry<'_>) -> Vec<u8> {
     let mut out = Vec::with_capacity(96 + e.completed.as_ref().map_or(0, |c| c.body.len()));
     out.extend_from_slice(MAGIC);
     out.push(e.state as u8);
@@ -306,14 +314,17 @@ impl<'a> Reader<'a> {
         let n = self.u32()? as usize;
         self.take(n)
     }
+    fn str(&mut self) -> Option<&'a str> {
+        core::str::from_utf8(self.bytes()?).ok()
+    }
     fn string(&mut self) -> Option<String> {
-        core::str::from_utf8(self.bytes()?).ok().map(String::from)
+        self.str().map(String::from)
     }
 }
 
 /// `None` for anything that is not an entry (another plugin's data, a torn format): such a
 /// slot is treated as free and overwritten.
-fn decode(bytes: &[u8]) -> Option<Entry> {
+fn decode(bytes: &[u8]) -> Option<Entry<'_>> {
     let mut r = Reader(bytes);
     if r.take(3)? != MAGIC {
         return None;
@@ -324,7 +335,7 @@ fn decode(bytes: &[u8]) -> Option<Entry> {
         [2] => State::Completed,
         _ => return None,
     };
-    let key = r.string()?;
+    let key = r.str()?;
     let owner = r.u64()?;
     let expires_ms = r.u64()?;
     let completed = if state == State::Completed {
@@ -553,9 +564,10 @@ pub(crate) mod tests {
 
     #[test]
     fn codec_round_trips_and_rejects_truncation() {
+        let key = key(5);
         let e = Entry {
             state: State::Completed,
-            key: key(5),
+            key: &key,
             owner: 3,
             expires_ms: 9,
             completed: Some(done(b"hi")),

@@ -12,13 +12,12 @@
 //! `RateLimit` fields of draft-ietf-httpapi-ratelimit-headers; under it, optionally the same
 //! fields on the forwarded response.
 
-use alloc::format;
 use alloc::string::{String, ToString};
 use alloc::vec::Vec;
 use idemgate_wire::{GcraStep, Rate, RateResult, gcra};
 
-use crate::hash::{PartHasher, prefix_u32};
-use crate::local::INSERT_CAS;
+use crate::hash::{PartHasher, decimal, prefix_u32};
+use crate::local::{INSERT_CAS, slot_name};
 use crate::ports::{HostError, RequestView, SharedStore};
 use crate::spec::{Limit, LimitBy, RateSpec, Rule};
 
@@ -88,30 +87,46 @@ impl Verdict {
     /// back, so `q/w` is the sustained rate), with what remains and when (`t`: the wait
     /// when over the limit, else until the full burst is back).
     pub(crate) fn headers(&self) -> Vec<(String, String)> {
+        if self.results.is_empty() {
+            return Vec::new();
+        }
         let mut policy = String::new();
         let mut current = String::new();
+        let mut digits = [0; 20];
+        // Pushed piece by piece: `format!` per field cost a 429 several thousand instructions.
         for (limit, result) in &self.results {
-            let sep = if policy.is_empty() { "" } else { ", " };
             let window_s = limit.rate.window_us().div_ceil(1_000_000).max(1);
-            policy.push_str(&format!(
-                "{sep}\"{}\";q={};w={window_s}",
-                limit.by.name(),
-                limit.rate.burst
-            ));
             let wait_ms = if result.allowed {
                 result.reset_ms
             } else {
                 result.retry_after_ms
             };
-            current.push_str(&format!(
-                "{sep}\"{}\";r={};t={}",
-                limit.by.name(),
-                result.remaining,
-                wait_ms.div_ceil(1_000)
-            ));
-        }
-        if policy.is_empty() {
-            return Vec::new();
+            for (field, params) in [
+                (
+                    &mut policy,
+                    [("q", u64::from(limit.rate.burst)), ("w", window_s)],
+                ),
+                (
+                    &mut current,
+                    [
+                        ("r", u64::from(result.remaining)),
+                        ("t", wait_ms.div_ceil(1_000)),
+                    ],
+                ),
+            ] {
+                if !field.is_empty() {
+                    field.push_str(", ");
+                }
+                field.push('"');
+                field.push_str(limit.by.name());
+                field.push('"');
+                for (name, value) in params {
+                    field.push(';');
+                    field.push_str(name);
+                    field.push('=');
+                    field.push_str(decimal(value, &mut digits));
+                }
+            }
         }
         alloc::vec![
             ("ratelimit-policy".to_string(), policy),
@@ -138,7 +153,7 @@ const MAGIC: &[u8; 3] = b"IR1";
 const ROUNDS: u32 = 16;
 
 pub(crate) fn slot_key(slot: u32) -> String {
-    format!("idemgate.v1.rate.{slot}")
+    slot_name("idemgate.v1.rate.", slot)
 }
 
 impl RateTable<'_> {
