@@ -13,7 +13,7 @@ use alloc::string::String;
 use alloc::vec::Vec;
 use idemgate_wire::StoredResponse;
 
-use crate::hash::{decimal, prefix_u32};
+use crate::hash::{decimal, prefix_u32, same_key};
 use crate::ports::{HostError, SharedStore};
 use crate::spec::LocalConfig;
 
@@ -121,7 +121,7 @@ impl Table<'_> {
             let entry = decode(&bytes);
             let live = entry.filter(|e| e.state != State::Free && e.expires_ms > now_ms);
             let evicts = match live {
-                Some(e) if e.key == key => {
+                Some(e) if same_key(e.key, key) => {
                     return Scan::Live(match e.completed {
                         Some(done) if e.state == State::Completed => LocalClaim::Completed(done),
                         _ => LocalClaim::InFlight {
@@ -238,7 +238,10 @@ impl Table<'_> {
                 return false;
             };
             match decode(&current) {
-                Some(e) if e.key == key && e.owner == hold.owner && e.state == State::InFlight => {}
+                Some(e)
+                    if same_key(e.key, key)
+                        && e.owner == hold.owner
+                        && e.state == State::InFlight => {}
                 _ => return false,
             }
             match self.store.set(&slot, bytes, Some(cas)) {

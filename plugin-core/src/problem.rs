@@ -280,15 +280,20 @@ fn problem_json(
     out
 }
 
-/// `text` as the inside of a JSON string: `"` and `\` escaped (the constants have no control
-/// characters, which would need more).
+/// `text` as the inside of a JSON string: `"` and `\\` escaped (the constants have no control
+/// characters, which would need more), copied a run at a time.
 fn json_string_content(out: &mut Vec<u8>, text: &str) {
-    for &b in text.as_bytes() {
-        if matches!(b, b'"' | b'\\') {
-            out.push(b'\\');
-        }
-        out.push(b);
+    let mut rest = text.as_bytes();
+    while let Some(at) = rest.iter().position(|b| matches!(b, b'"' | b'\\')) {
+        let (run, escaped) = rest.split_at(at);
+        out.extend_from_slice(run);
+        let Some((&b, tail)) = escaped.split_first() else {
+            break;
+        };
+        out.extend_from_slice(&[b'\\', b]);
+        rest = tail;
     }
+    out.extend_from_slice(rest);
 }
 
 /// What a gRPC call replayed with when its first run ended OK: the response message cannot

@@ -16,7 +16,7 @@ use alloc::string::{String, ToString};
 use alloc::vec::Vec;
 use idemgate_wire::{GcraStep, Rate, RateResult, gcra};
 
-use crate::hash::{PartHasher, decimal, prefix_u32};
+use crate::hash::{PartHasher, decimal, prefix_u32, same_key};
 use crate::local::{INSERT_CAS, slot_name};
 use crate::ports::{HostError, RequestView, SharedStore};
 use crate::spec::{Limit, LimitBy, RateSpec, Rule};
@@ -90,10 +90,11 @@ impl Verdict {
         if self.results.is_empty() {
             return Vec::new();
         }
-        let mut policy = String::new();
-        let mut current = String::new();
+        // Sized once and pushed a piece at a time: `format!` per field, or growing the
+        // strings as they fill, cost a 429 several thousand instructions.
+        let mut policy = String::with_capacity(40 * self.results.len());
+        let mut current = String::with_capacity(40 * self.results.len());
         let mut digits = [0; 20];
-        // Pushed piece by piece: `format!` per field cost a 429 several thousand instructions.
         for (limit, result) in &self.results {
             let window_s = limit.rate.window_us().div_ceil(1_000_000).max(1);
             let wait_ms = if result.allowed {
@@ -101,31 +102,25 @@ impl Verdict {
             } else {
                 result.retry_after_ms
             };
-            for (field, params) in [
+            for (field, [(first, a), (second, b)]) in [
                 (
                     &mut policy,
-                    [("q", u64::from(limit.rate.burst)), ("w", window_s)],
+                    [("\";q=", u64::from(limit.rate.burst)), (";w=", window_s)],
                 ),
                 (
                     &mut current,
                     [
-                        ("r", u64::from(result.remaining)),
-                        ("t", wait_ms.div_ceil(1_000)),
+                        ("\";r=", u64::from(result.remaining)),
+                        (";t=", wait_ms.div_ceil(1_000)),
                     ],
                 ),
             ] {
-                if !field.is_empty() {
-                    field.push_str(", ");
-                }
-                field.push('"');
+                field.push_str(if field.is_empty() { "\"" } else { ", \"" });
                 field.push_str(limit.by.name());
-                field.push('"');
-                for (name, value) in params {
-                    field.push(';');
-                    field.push_str(name);
-                    field.push('=');
-                    field.push_str(decimal(value, &mut digits));
-                }
+                field.push_str(first);
+                field.push_str(decimal(a, &mut digits));
+                field.push_str(second);
+                field.push_str(decimal(b, &mut digits));
             }
         }
         alloc::vec![
@@ -175,7 +170,7 @@ impl RateTable<'_> {
                 };
                 let entry = decode(&bytes).filter(|(_, tat)| *tat > now_us);
                 match entry {
-                    Some((k, tat)) if k == key => {
+                    Some((k, tat)) if same_key(k, key) => {
                         mine = Some((slot, cas, tat));
                         break;
                     }

@@ -360,10 +360,7 @@ impl Metrics {
     }
 
     pub(crate) fn add(&mut self, counter: Counter, n: u64) {
-        let id = Counter::ALL
-            .iter()
-            .position(|c| *c == counter)
-            .and_then(|i| self.counters.get(i));
+        let id = self.counters.get(counter.index());
         if let (Some(&id), Ok(n)) = (id, i64::try_from(n))
             && id != 0
             && n > 0
@@ -398,10 +395,9 @@ impl Telemetry for Metrics {
         self.add(counter, 1);
         self.noted.count(counter);
         if let Some(decision) = counter.decision() {
-            let at = Decision::ALL.iter().position(|d| *d == decision);
             let id = self
                 .rule_metrics()
-                .and_then(|r| at.and_then(|at| r.decisions.get(at)));
+                .and_then(|r| r.decisions.get(decision.index()));
             increment(id.copied().unwrap_or(0));
         }
         if counter == Counter::ShadowWouldBlock {
