@@ -44,7 +44,7 @@ pub(crate) struct LocalResponse {
 #[derive(Debug, Clone, PartialEq, Eq)]
 struct Entry<'k> {
     state: State,
-    key: &'k str,
+    key: &'k [u8],
     owner: u64,
     expires_ms: u64,
     completed: Option<LocalResponse>,
@@ -121,7 +121,7 @@ impl Table<'_> {
             let entry = decode(&bytes);
             let live = entry.filter(|e| e.state != State::Free && e.expires_ms > now_ms);
             let evicts = match live {
-                Some(e) if same_key(e.key, key) => {
+                Some(e) if same_key(e.key, key.as_bytes()) => {
                     return Scan::Live(match e.completed {
                         Some(done) if e.state == State::Completed => LocalClaim::Completed(done),
                         _ => LocalClaim::InFlight {
@@ -166,7 +166,7 @@ impl Table<'_> {
             };
             let entry = Entry {
                 state: State::InFlight,
-                key,
+                key: key.as_bytes(),
                 owner,
                 expires_ms: now_ms.saturating_add(lease_ms),
                 completed: None,
@@ -200,14 +200,14 @@ impl Table<'_> {
         let entry = match completed {
             Some((done, expires_ms)) => Entry {
                 state: State::Completed,
-                key,
+                key: key.as_bytes(),
                 owner: hold.owner,
                 expires_ms,
                 completed: Some(done),
             },
             None => Entry {
                 state: State::Free,
-                key: "",
+                key: b"",
                 owner: 0,
                 expires_ms: 0,
                 completed: None,
@@ -222,7 +222,7 @@ impl Table<'_> {
     pub(crate) fn extend(&self, hold: Hold, key: &str, expires_ms: u64) -> bool {
         let entry = Entry {
             state: State::InFlight,
-            key,
+            key: key.as_bytes(),
             owner: hold.owner,
             expires_ms,
             completed: None,
@@ -239,7 +239,7 @@ impl Table<'_> {
             };
             match decode(&current) {
                 Some(e)
-                    if same_key(e.key, key)
+                    if same_key(e.key, key.as_bytes())
                         && e.owner == hold.owner
                         && e.state == State::InFlight => {}
                 _ => return false,
@@ -259,7 +259,7 @@ impl Table<'_> {
 pub(crate) fn in_flight_bytes(key: &str, owner: u64, expires_ms: u64) -> Vec<u8> {
     encode(&Entry {
         state: State::InFlight,
-        key,
+        key: key.as_bytes(),
         owner,
         expires_ms,
         completed: None,
@@ -272,7 +272,7 @@ fn encode(e: &Entry<'_>) -> Vec<u8> {
     let mut out = Vec::with_capacity(96 + e.completed.as_ref().map_or(0, |c| c.body.len()));
     out.extend_from_slice(MAGIC);
     out.push(e.state as u8);
-    put_bytes(&mut out, e.key.as_bytes());
+    put_bytes(&mut out, e.key);
     out.extend_from_slice(&e.owner.to_le_bytes());
     out.extend_from_slice(&e.expires_ms.to_le_bytes());
     if let Some(c) = &e.completed {
@@ -317,11 +317,8 @@ impl<'a> Reader<'a> {
         let n = self.u32()? as usize;
         self.take(n)
     }
-    fn str(&mut self) -> Option<&'a str> {
-        core::str::from_utf8(self.bytes()?).ok()
-    }
     fn string(&mut self) -> Option<String> {
-        self.str().map(String::from)
+        core::str::from_utf8(self.bytes()?).ok().map(String::from)
     }
 }
 
@@ -338,7 +335,7 @@ fn decode(bytes: &[u8]) -> Option<Entry<'_>> {
         [2] => State::Completed,
         _ => return None,
     };
-    let key = r.str()?;
+    let key = r.bytes()?;
     let owner = r.u64()?;
     let expires_ms = r.u64()?;
     let completed = if state == State::Completed {
@@ -570,7 +567,7 @@ pub(crate) mod tests {
         let key = key(5);
         let e = Entry {
             state: State::Completed,
-            key: &key,
+            key: key.as_bytes(),
             owner: 3,
             expires_ms: 9,
             completed: Some(done(b"hi")),

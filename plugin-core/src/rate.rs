@@ -170,7 +170,7 @@ impl RateTable<'_> {
                 };
                 let entry = decode(&bytes).filter(|(_, tat)| *tat > now_us);
                 match entry {
-                    Some((k, tat)) if same_key(k, key) => {
+                    Some((k, tat)) if same_key(k, key.as_bytes()) => {
                         mine = Some((slot, cas, tat));
                         break;
                     }
@@ -218,11 +218,11 @@ fn encode(key: &str, tat_us: u64) -> Vec<u8> {
 }
 
 /// `None` for anything that is not a rate entry (such a slot is free and overwritten).
-fn decode(bytes: &[u8]) -> Option<(&str, u64)> {
+fn decode(bytes: &[u8]) -> Option<(&[u8], u64)> {
     let rest = bytes.strip_prefix(MAGIC)?;
     let (tat, key) = rest.split_at_checked(8)?;
     let tat = u64::from_le_bytes(tat.try_into().ok()?);
-    Some((core::str::from_utf8(key).ok()?, tat))
+    Some((key, tat))
 }
 
 /// Runs `checks` against the local table; stops at the first limited one. `None` when the
