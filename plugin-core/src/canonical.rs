@@ -43,13 +43,23 @@ fn already_canonical(raw: &[u8]) -> bool {
     let Some(rest) = raw.strip_prefix(b"/") else {
         return false;
     };
-    rest.is_empty()
-        || rest.split(|b| *b == b'/').all(|segment| {
-            !matches!(segment, b"" | b"." | b"..")
-                && segment
-                    .iter()
-                    .all(|&b| unreserved(b) || sub_delim_or_colon_at(b))
-        })
+    // The segment being read: its length, and whether it is dots only.
+    let (mut len, mut dots) = (0usize, true);
+    let dot_segment = |len: usize, dots: bool| len == 0 || (dots && len <= 2);
+    for &b in rest {
+        if b == b'/' {
+            if dot_segment(len, dots) {
+                return false;
+            }
+            (len, dots) = (0, true);
+        } else if unreserved(b) || sub_delim_or_colon_at(b) {
+            len += 1;
+            dots &= b == b'.';
+        } else {
+            return false;
+        }
+    }
+    rest.is_empty() || !dot_segment(len, dots)
 }
 
 /// The canonical form of a path that is not canonical yet.
