@@ -43,16 +43,21 @@ impl PartHasher {
 pub(crate) fn hex(bytes: &[u8]) -> String {
     const DIGITS: &[u8; 16] = b"0123456789abcdef";
     let digit = |nibble: u8| *DIGITS.get(usize::from(nibble)).unwrap_or(&b'0');
-    // Bytes first, two at a time into a buffer of the final size, one string at the end: a
-    // `String::push` per digit costs a capacity check and a UTF-8 encode each.
-    let mut digits = alloc::vec![0; bytes.len() * 2];
-    for (pair, b) in digits.chunks_exact_mut(2).zip(bytes) {
-        if let [hi, lo] = pair {
-            *hi = digit(b >> 4);
-            *lo = digit(b & 0xf);
+    // Two digits at a time into a buffer on the stack, then one copy per 32 bytes (a
+    // digest's): a `String::push` per digit costs a capacity check and a UTF-8 encode each.
+    let mut out = String::with_capacity(bytes.len() * 2);
+    let mut buf = [0; 64];
+    for chunk in bytes.chunks(32) {
+        for (pair, b) in buf.chunks_exact_mut(2).zip(chunk) {
+            if let [hi, lo] = pair {
+                *hi = digit(b >> 4);
+                *lo = digit(b & 0xf);
+            }
         }
+        let digits = buf.get(..chunk.len() * 2).unwrap_or_default();
+        out.push_str(core::str::from_utf8(digits).unwrap_or_default());
     }
-    String::from_utf8(digits).unwrap_or_default()
+    out
 }
 
 /// Whether two keys are the same bytes, compared eight at a time: `==` on slices is the
@@ -70,7 +75,9 @@ fn word(bytes: &[u8]) -> u64 {
     bytes.try_into().map_or(0, u64::from_ne_bytes)
 }
 
-/// `n` in decimal, written into `buf`: integers' `Display` goes through the formatter.
+/// `n` in decimal, written into `buf`: integers' `Display` goes through the formatter. Out
+/// of line: inlined, each of its four callers carried a copy.
+#[inline(never)]
 pub(crate) fn decimal(mut n: u64, buf: &mut [u8; 20]) -> &str {
     let mut at = buf.len();
     for slot in buf.iter_mut().rev() {
@@ -99,6 +106,10 @@ mod tests {
     fn hex_spells_every_byte_in_lower_case() {
         assert_eq!(super::hex(&[0x00, 0x0f, 0xa5, 0xff]), "000fa5ff");
         assert_eq!(super::hex(&[]), "");
+        let long: alloc::vec::Vec<u8> = (0..=255).collect();
+        let spelled = super::hex(&long);
+        assert_eq!(spelled.len(), 512);
+        assert!(spelled.starts_with("000102") && spelled.ends_with("fdfeff"));
     }
 
     #[test]
