@@ -119,6 +119,9 @@ mod tests {
         assert!(super::same_key(key, key));
         assert!(super::same_key(b"", b""));
         assert!(super::same_key(b"abc", b"abc"));
+        // Shorter than a word, and past the last whole word.
+        assert!(!super::same_key(b"abc", b"abd"));
+        assert!(!super::same_key(b"0123456789", b"012345678x"));
         assert!(!super::same_key(key, &key[..63]));
         for at in 0..key.len() {
             let mut other = key.to_vec();
