@@ -395,6 +395,14 @@ pub(crate) mod tests {
         }
     }
 
+    /// The shared-data keys of both tables, as every version of the filter names them.
+    #[test]
+    fn slot_names_are_the_prefix_and_the_number() {
+        assert_eq!(slot_key(0), "idemgate.v1.slot.0");
+        assert_eq!(slot_key(u32::MAX), "idemgate.v1.slot.4294967295");
+        assert_eq!(crate::rate::slot_key(17), "idemgate.v1.rate.17");
+    }
+
     #[test]
     fn claim_duplicate_release_replay() {
         let store = MemStore::default();
