@@ -94,39 +94,34 @@ impl Verdict {
         // strings as they fill, cost a 429 several thousand instructions.
         let mut policy = String::with_capacity(40 * self.results.len());
         let mut current = String::with_capacity(40 * self.results.len());
-        let mut digits = [0; 20];
         for (limit, result) in &self.results {
+            let name = limit.by.name();
             let window_s = limit.rate.window_us().div_ceil(1_000_000).max(1);
             let wait_ms = if result.allowed {
                 result.reset_ms
             } else {
                 result.retry_after_ms
             };
-            for (field, [(first, a), (second, b)]) in [
-                (
-                    &mut policy,
-                    [("\";q=", u64::from(limit.rate.burst)), (";w=", window_s)],
-                ),
-                (
-                    &mut current,
-                    [
-                        ("\";r=", u64::from(result.remaining)),
-                        (";t=", wait_ms.div_ceil(1_000)),
-                    ],
-                ),
-            ] {
-                field.push_str(if field.is_empty() { "\"" } else { ", \"" });
-                field.push_str(limit.by.name());
-                field.push_str(first);
-                field.push_str(decimal(a, &mut digits));
-                field.push_str(second);
-                field.push_str(decimal(b, &mut digits));
-            }
+            let burst = u64::from(limit.rate.burst);
+            push_item(&mut policy, name, [("\";q=", burst), (";w=", window_s)]);
+            let remaining = u64::from(result.remaining);
+            let wait_s = wait_ms.div_ceil(1_000);
+            push_item(&mut current, name, [("\";r=", remaining), (";t=", wait_s)]);
         }
         alloc::vec![
             ("ratelimit-policy".to_string(), policy),
             ("ratelimit".to_string(), current),
         ]
+    }
+}
+
+/// One item of a `RateLimit` field, `"name";q=1;w=2`, after `, ` when it follows another.
+fn push_item(field: &mut String, name: &str, params: [(&str, u64); 2]) {
+    field.push_str(if field.is_empty() { "\"" } else { ", \"" });
+    field.push_str(name);
+    for (key, value) in params {
+        field.push_str(key);
+        field.push_str(decimal(value, &mut [0; 20]));
     }
 }
 
