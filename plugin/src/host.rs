@@ -4,7 +4,7 @@
 //! only through the pairs getter (`:status` of a failed callout is BadArgument).
 
 use std::cell::OnceCell;
-use std::time::{Duration, UNIX_EPOCH};
+use std::time::Duration;
 
 use idemgate_core::metrics::{Counter, Decision, Histogram, Noted, stat_segment};
 use idemgate_core::pairs::Pairs;
@@ -12,11 +12,14 @@ use idemgate_core::{Answer, Config, HostError, Reply, RequestView, SharedStore, 
 use proxy_wasm::hostcalls;
 use proxy_wasm::types::{BufferType, MapType, MetricType, Status};
 
+/// The host's clock (ms since the Unix epoch; 0 if the host would not say). Read through the
+/// ABI directly: the SDK's getter builds a `SystemTime` to be taken apart again (~250
+/// instructions of every matched request), and panics on a status but Ok.
 pub(crate) fn now_ms() -> u64 {
-    hostcalls::get_current_time()
-        .ok()
-        .and_then(|t| t.duration_since(UNIX_EPOCH).ok())
-        .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
+    let mut ns: u64 = 0;
+    // SAFETY: the host writes one u64 into the local, which outlives the call.
+    let status = unsafe { proxy_get_current_time_nanoseconds(&mut ns) };
+    if status == 0 { ns / 1_000_000 } else { 0 }
 }
 
 pub(crate) fn set_tick_ms(ms: u64) {
@@ -109,6 +112,9 @@ pub(crate) fn body(buffer: BufferType, size: usize) -> Option<Vec<u8>> {
 
 #[link(wasm_import_module = "env")]
 unsafe extern "C" {
+    /// The ABI's clock (see [`now_ms`]).
+    fn proxy_get_current_time_nanoseconds(return_time: *mut u64) -> u32;
+
     /// Called directly for its `grpc_status` argument (and the response code details).
     fn proxy_send_local_response(
         status_code: u32,
