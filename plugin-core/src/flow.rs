@@ -234,7 +234,7 @@ impl Flow {
             release: None,
             rate_headers: Vec::new(),
             grpc: head.grpc,
-            trace: TraceContext::read(req),
+            trace: TraceContext::default(),
             would_block: false,
         };
         let action = if body_key {
@@ -258,6 +258,11 @@ impl Flow {
         };
         // Nothing to track without a key (passed, refused), unless it waits in the body.
         let tracked = !flow.key.is_empty() || flow.holds_request();
+        // Only a flow that lives on makes callouts: one answered here (a local 409, 429 or
+        // replay) does not read the four trace headers.
+        if tracked && !flow.is_done() {
+            flow.trace = TraceContext::read(req);
+        }
         (tracked.then_some(flow), action)
     }
 
@@ -1332,6 +1337,8 @@ impl Flow {
         }
     }
 
+    // Out of line: inlined into its two callers it cost the module ~250 bytes.
+    #[inline(never)]
     fn extend_local(
         &mut self,
         config: &Config,

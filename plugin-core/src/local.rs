@@ -9,12 +9,11 @@
 //! Memory is bounded by `slots × (entry header + max_response_bytes + stored headers)`
 //! whatever the traffic. The table is never authoritative across gateways: the sidecar is.
 
-use alloc::format;
 use alloc::string::String;
 use alloc::vec::Vec;
 use idemgate_wire::StoredResponse;
 
-use crate::hash::prefix_u32;
+use crate::hash::{decimal, prefix_u32, same_key};
 use crate::ports::{HostError, SharedStore};
 use crate::spec::LocalConfig;
 
@@ -40,10 +39,12 @@ pub(crate) struct LocalResponse {
     pub(crate) body: Vec<u8>,
 }
 
+/// A slot's entry; its key borrowed from the bytes read (or from the caller): a scan reads
+/// up to `probes` entries and keeps only what it returns.
 #[derive(Debug, Clone, PartialEq, Eq)]
-struct Entry {
+struct Entry<'k> {
     state: State,
-    key: String,
+    key: &'k [u8],
     owner: u64,
     expires_ms: u64,
     completed: Option<LocalResponse>,
@@ -84,7 +85,16 @@ pub(crate) struct Table<'a> {
 }
 
 pub(crate) fn slot_key(slot: u32) -> String {
-    format!("idemgate.v1.slot.{slot}")
+    slot_name("idemgate.v1.slot.", slot)
+}
+
+/// `prefix` and the slot's number: a shared-data key of one of the tables (`format!` costs
+/// a slot read several hundred instructions more).
+pub(crate) fn slot_name(prefix: &str, slot: u32) -> String {
+    let mut name = String::with_capacity(prefix.len() + 10);
+    name.push_str(prefix);
+    name.push_str(decimal(slot.into(), &mut [0; 20]));
+    name
 }
 
 impl Table<'_> {
@@ -107,13 +117,11 @@ impl Table<'_> {
             let Ok(current) = self.store.get(&slot_key(slot)) else {
                 return Scan::Unavailable;
             };
-            let (entry, cas) = match current {
-                None => (None, None),
-                Some((bytes, cas)) => (decode(&bytes), Some(cas)),
-            };
+            let (bytes, cas) = current.map_or((Vec::new(), None), |(b, cas)| (b, Some(cas)));
+            let entry = decode(&bytes);
             let live = entry.filter(|e| e.state != State::Free && e.expires_ms > now_ms);
             let evicts = match live {
-                Some(e) if e.key == key => {
+                Some(e) if same_key(e.key, key.as_bytes()) => {
                     return Scan::Live(match e.completed {
                         Some(done) if e.state == State::Completed => LocalClaim::Completed(done),
                         _ => LocalClaim::InFlight {
@@ -158,7 +166,7 @@ impl Table<'_> {
             };
             let entry = Entry {
                 state: State::InFlight,
-                key: key.into(),
+                key: key.as_bytes(),
                 owner,
                 expires_ms: now_ms.saturating_add(lease_ms),
                 completed: None,
@@ -192,14 +200,14 @@ impl Table<'_> {
         let entry = match completed {
             Some((done, expires_ms)) => Entry {
                 state: State::Completed,
-                key: key.into(),
+                key: key.as_bytes(),
                 owner: hold.owner,
                 expires_ms,
                 completed: Some(done),
             },
             None => Entry {
                 state: State::Free,
-                key: String::new(),
+                key: b"",
                 owner: 0,
                 expires_ms: 0,
                 completed: None,
@@ -214,7 +222,7 @@ impl Table<'_> {
     pub(crate) fn extend(&self, hold: Hold, key: &str, expires_ms: u64) -> bool {
         let entry = Entry {
             state: State::InFlight,
-            key: key.into(),
+            key: key.as_bytes(),
             owner: hold.owner,
             expires_ms,
             completed: None,
@@ -230,7 +238,10 @@ impl Table<'_> {
                 return false;
             };
             match decode(&current) {
-                Some(e) if e.key == key && e.owner == hold.owner && e.state == State::InFlight => {}
+                Some(e)
+                    if same_key(e.key, key.as_bytes())
+                        && e.owner == hold.owner
+                        && e.state == State::InFlight => {}
                 _ => return false,
             }
             match self.store.set(&slot, bytes, Some(cas)) {
@@ -248,7 +259,7 @@ impl Table<'_> {
 pub(crate) fn in_flight_bytes(key: &str, owner: u64, expires_ms: u64) -> Vec<u8> {
     encode(&Entry {
         state: State::InFlight,
-        key: key.into(),
+        key: key.as_bytes(),
         owner,
         expires_ms,
         completed: None,
@@ -257,11 +268,11 @@ pub(crate) fn in_flight_bytes(key: &str, owner: u64, expires_ms: u64) -> Vec<u8>
 
 // === entry codec: fixed header, then (completed only) the response ===
 
-fn encode(e: &Entry) -> Vec<u8> {
+fn encode(e: &Entry<'_>) -> Vec<u8> {
     let mut out = Vec::with_capacity(96 + e.completed.as_ref().map_or(0, |c| c.body.len()));
     out.extend_from_slice(MAGIC);
     out.push(e.state as u8);
-    put_bytes(&mut out, e.key.as_bytes());
+    put_bytes(&mut out, e.key);
     out.extend_from_slice(&e.owner.to_le_bytes());
     out.extend_from_slice(&e.expires_ms.to_le_bytes());
     if let Some(c) = &e.completed {
@@ -313,7 +324,7 @@ impl<'a> Reader<'a> {
 
 /// `None` for anything that is not an entry (another plugin's data, a torn format): such a
 /// slot is treated as free and overwritten.
-fn decode(bytes: &[u8]) -> Option<Entry> {
+fn decode(bytes: &[u8]) -> Option<Entry<'_>> {
     let mut r = Reader(bytes);
     if r.take(3)? != MAGIC {
         return None;
@@ -324,7 +335,7 @@ fn decode(bytes: &[u8]) -> Option<Entry> {
         [2] => State::Completed,
         _ => return None,
     };
-    let key = r.string()?;
+    let key = r.bytes()?;
     let owner = r.u64()?;
     let expires_ms = r.u64()?;
     let completed = if state == State::Completed {
@@ -382,6 +393,14 @@ pub(crate) mod tests {
             },
             body: body.to_vec(),
         }
+    }
+
+    /// The shared-data keys of both tables, as every version of the filter names them.
+    #[test]
+    fn slot_names_are_the_prefix_and_the_number() {
+        assert_eq!(slot_key(0), "idemgate.v1.slot.0");
+        assert_eq!(slot_key(u32::MAX), "idemgate.v1.slot.4294967295");
+        assert_eq!(crate::rate::slot_key(17), "idemgate.v1.rate.17");
     }
 
     #[test]
@@ -553,9 +572,10 @@ pub(crate) mod tests {
 
     #[test]
     fn codec_round_trips_and_rejects_truncation() {
+        let key = key(5);
         let e = Entry {
             state: State::Completed,
-            key: key(5),
+            key: key.as_bytes(),
             owner: 3,
             expires_ms: 9,
             completed: Some(done(b"hi")),

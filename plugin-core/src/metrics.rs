@@ -50,6 +50,12 @@ pub enum Counter {
 }
 
 impl Counter {
+    /// Its place in [`Counter::ALL`] (declaration order, which `ALL` keeps: tested), for
+    /// metric ids kept in that order without searching the list on every count.
+    pub fn index(self) -> usize {
+        self as usize
+    }
+
     pub const ALL: [Counter; 32] = [
         Counter::Pass,
         Counter::Granted,
@@ -171,6 +177,11 @@ pub enum Decision {
 }
 
 impl Decision {
+    /// Its place in [`Decision::ALL`] (declaration order, as for [`Counter::index`]).
+    pub fn index(self) -> usize {
+        self as usize
+    }
+
     pub const ALL: [Decision; 14] = [
         Decision::Granted,
         Decision::Replayed,
@@ -283,6 +294,16 @@ impl Histogram {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn counters_and_decisions_are_listed_in_declaration_order() {
+        for (at, counter) in Counter::ALL.into_iter().enumerate() {
+            assert_eq!(counter.index(), at, "{counter:?}");
+        }
+        for (at, decision) in Decision::ALL.into_iter().enumerate() {
+            assert_eq!(decision.index(), at, "{decision:?}");
+        }
+    }
 
     #[test]
     fn every_decision_is_some_counters_and_the_last_one_counted_is_kept() {

@@ -12,13 +12,12 @@
 //! `RateLimit` fields of draft-ietf-httpapi-ratelimit-headers; under it, optionally the same
 //! fields on the forwarded response.
 
-use alloc::format;
 use alloc::string::{String, ToString};
 use alloc::vec::Vec;
 use idemgate_wire::{GcraStep, Rate, RateResult, gcra};
 
-use crate::hash::{PartHasher, prefix_u32};
-use crate::local::INSERT_CAS;
+use crate::hash::{PartHasher, decimal, prefix_u32, same_key};
+use crate::local::{INSERT_CAS, slot_name};
 use crate::ports::{HostError, RequestView, SharedStore};
 use crate::spec::{Limit, LimitBy, RateSpec, Rule};
 
@@ -88,35 +87,41 @@ impl Verdict {
     /// back, so `q/w` is the sustained rate), with what remains and when (`t`: the wait
     /// when over the limit, else until the full burst is back).
     pub(crate) fn headers(&self) -> Vec<(String, String)> {
-        let mut policy = String::new();
-        let mut current = String::new();
+        if self.results.is_empty() {
+            return Vec::new();
+        }
+        // Sized once and pushed a piece at a time: `format!` per field, or growing the
+        // strings as they fill, cost a 429 several thousand instructions.
+        let mut policy = String::with_capacity(40 * self.results.len());
+        let mut current = String::with_capacity(40 * self.results.len());
         for (limit, result) in &self.results {
-            let sep = if policy.is_empty() { "" } else { ", " };
+            let name = limit.by.name();
             let window_s = limit.rate.window_us().div_ceil(1_000_000).max(1);
-            policy.push_str(&format!(
-                "{sep}\"{}\";q={};w={window_s}",
-                limit.by.name(),
-                limit.rate.burst
-            ));
             let wait_ms = if result.allowed {
                 result.reset_ms
             } else {
                 result.retry_after_ms
             };
-            current.push_str(&format!(
-                "{sep}\"{}\";r={};t={}",
-                limit.by.name(),
-                result.remaining,
-                wait_ms.div_ceil(1_000)
-            ));
-        }
-        if policy.is_empty() {
-            return Vec::new();
+            let burst = u64::from(limit.rate.burst);
+            push_item(&mut policy, name, [("\";q=", burst), (";w=", window_s)]);
+            let remaining = u64::from(result.remaining);
+            let wait_s = wait_ms.div_ceil(1_000);
+            push_item(&mut current, name, [("\";r=", remaining), (";t=", wait_s)]);
         }
         alloc::vec![
             ("ratelimit-policy".to_string(), policy),
             ("ratelimit".to_string(), current),
         ]
+    }
+}
+
+/// One item of a `RateLimit` field, `"name";q=1;w=2`, after `, ` when it follows another.
+fn push_item(field: &mut String, name: &str, params: [(&str, u64); 2]) {
+    field.push_str(if field.is_empty() { "\"" } else { ", \"" });
+    field.push_str(name);
+    for (key, value) in params {
+        field.push_str(key);
+        field.push_str(decimal(value, &mut [0; 20]));
     }
 }
 
@@ -138,7 +143,7 @@ const MAGIC: &[u8; 3] = b"IR1";
 const ROUNDS: u32 = 16;
 
 pub(crate) fn slot_key(slot: u32) -> String {
-    format!("idemgate.v1.rate.{slot}")
+    slot_name("idemgate.v1.rate.", slot)
 }
 
 impl RateTable<'_> {
@@ -160,7 +165,7 @@ impl RateTable<'_> {
                 };
                 let entry = decode(&bytes).filter(|(_, tat)| *tat > now_us);
                 match entry {
-                    Some((k, tat)) if k == key => {
+                    Some((k, tat)) if same_key(k, key.as_bytes()) => {
                         mine = Some((slot, cas, tat));
                         break;
                     }
@@ -208,11 +213,11 @@ fn encode(key: &str, tat_us: u64) -> Vec<u8> {
 }
 
 /// `None` for anything that is not a rate entry (such a slot is free and overwritten).
-fn decode(bytes: &[u8]) -> Option<(&str, u64)> {
+fn decode(bytes: &[u8]) -> Option<(&[u8], u64)> {
     let rest = bytes.strip_prefix(MAGIC)?;
     let (tat, key) = rest.split_at_checked(8)?;
     let tat = u64::from_le_bytes(tat.try_into().ok()?);
-    Some((core::str::from_utf8(key).ok()?, tat))
+    Some((key, tat))
 }
 
 /// Runs `checks` against the local table; stops at the first limited one. `None` when the

@@ -1,7 +1,8 @@
 //! The request's trace context, carried on its sidecar callouts so the sidecar's spans and log
 //! lines join the request's trace: W3C `traceparent`/`tracestate`, Zipkin's single `b3`, and
-//! Envoy's `x-request-id`. Read once per request that matched a rule (never on the no-rule
-//! path); the sidecar decides which of them it continues (`traceparent`, else `b3`).
+//! Envoy's `x-request-id`. Read once per request that matched a rule and was not answered at
+//! its request headers (never on the no-rule path, nor for a local 409, 429 or replay); the
+//! sidecar decides which of them it continues (`traceparent`, else `b3`).
 
 use alloc::string::String;
 use alloc::vec::Vec;
