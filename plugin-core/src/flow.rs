@@ -486,6 +486,10 @@ impl Flow {
                     }
                 }
                 Some(LocalClaim::Completed(done)) => return self.replay_local(config, done, env),
+                Some(LocalClaim::Mismatch) => {
+                    env.telemetry.count(Counter::LocalHits);
+                    return self.refuse_mismatch(config, env);
+                }
                 Some(LocalClaim::Unavailable) => {
                     env.telemetry.count(Counter::LocalUnavailable);
                     if config.failure_mode == FailureMode::Local {
@@ -779,10 +783,7 @@ impl Flow {
                 }
                 self.block(config, env, reply)
             }
-            ClaimOutcome::Mismatch => {
-                env.telemetry.count(Counter::Mismatch);
-                self.refuse(config, env, Refusal::Mismatch)
-            }
+            ClaimOutcome::Mismatch => self.refuse_mismatch(config, env),
             ClaimOutcome::Busy {
                 retry_after_ms,
                 waited: true,
@@ -831,6 +832,7 @@ impl Flow {
                         self.refuse(config, env, Refusal::InProgress { retry_after_ms })
                     }
                     Some(LocalClaim::Completed(done)) => self.replay_local(config, done, env),
+                    Some(LocalClaim::Mismatch) => self.refuse_mismatch(config, env),
                     Some(LocalClaim::Claimed(_) | LocalClaim::Unavailable) => {
                         env.telemetry.count(Counter::LocalUnavailable);
                         self.refuse(config, env, unavailable(config))
@@ -855,6 +857,12 @@ impl Flow {
         self.block(config, env, refusal.reply(self.grpc))
     }
 
+    /// The key is reused for another request (its fingerprint differs): 422.
+    fn refuse_mismatch(&mut self, config: &Config, env: &mut Env<'_>) -> Action {
+        env.telemetry.count(Counter::Mismatch);
+        self.refuse(config, env, Refusal::Mismatch)
+    }
+
     /// Answers locally — or, in shadow mode, only counts that it would have and forwards.
     fn block(&mut self, config: &Config, env: &mut Env<'_>, reply: Reply) -> Action {
         if self.rule.shadow {
@@ -868,13 +876,28 @@ impl Flow {
         Action::Respond(reply)
     }
 
+    /// The fingerprint this request's local entry carries while it runs: idempotency mode
+    /// only, as the sidecar compares fingerprints only there.
+    fn held_fingerprint(&self) -> Option<&str> {
+        match self.rule.mode {
+            Mode::Idempotency => self.fingerprint.as_deref(),
+            Mode::Lock => None,
+        }
+    }
+
     /// Claims this gateway's slot; on success the request holds it (`Local::Held`).
     fn take_local(&mut self, config: &Config, lease_ms: u64, env: &mut Env<'_>) -> LocalClaim {
         let found = Table {
             config: &config.local,
             store: env.shared,
         }
-        .claim(&self.key, env.owner, env.now_ms, lease_ms);
+        .claim(
+            &self.key,
+            env.owner,
+            self.held_fingerprint(),
+            env.now_ms,
+            lease_ms,
+        );
         if let LocalClaim::Claimed(hold) = found {
             self.local = Local::Held {
                 hold,
@@ -902,8 +925,7 @@ impl Flow {
     fn replay_local(&mut self, config: &Config, done: LocalResponse, env: &mut Env<'_>) -> Action {
         env.telemetry.count(Counter::LocalHits);
         if done.fingerprint != self.fingerprint {
-            env.telemetry.count(Counter::Mismatch);
-            return self.refuse(config, env, Refusal::Mismatch);
+            return self.refuse_mismatch(config, env);
         }
         env.telemetry.count(Counter::Replayed);
         self.block(
@@ -933,6 +955,12 @@ impl Flow {
             Some(LocalClaim::Completed(done)) => {
                 // The call ran here and the sidecar forgot it: replay, never run it again.
                 let action = self.replay_local(config, done, env);
+                self.settle_grant(config, grant);
+                return Some(action);
+            }
+            Some(LocalClaim::Mismatch) => {
+                // Another request under this key runs here and the sidecar forgot it.
+                let action = self.refuse_mismatch(config, env);
                 self.settle_grant(config, grant);
                 return Some(action);
             }
@@ -1343,7 +1371,7 @@ impl Flow {
             config: &config.local,
             store: env.shared,
         }
-        .extend(hold, &self.key, expires_ms);
+        .extend(hold, &self.key, self.held_fingerprint(), expires_ms);
         if extended {
             self.local = Local::Held { hold, expires_ms };
         }
