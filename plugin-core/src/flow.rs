@@ -485,10 +485,8 @@ impl Flow {
                         return Action::Wait;
                     }
                 }
-                Some(LocalClaim::Completed(done)) => return self.replay_local(config, done, env),
-                Some(LocalClaim::Mismatch) => {
-                    env.telemetry.count(Counter::LocalHits);
-                    return self.refuse_mismatch(config, env);
+                Some(found @ (LocalClaim::Completed(_) | LocalClaim::Mismatch)) => {
+                    return self.answer_known(config, found, env);
                 }
                 Some(LocalClaim::Unavailable) => {
                     env.telemetry.count(Counter::LocalUnavailable);
@@ -831,8 +829,9 @@ impl Flow {
                         env.telemetry.count(Counter::Rejected);
                         self.refuse(config, env, Refusal::InProgress { retry_after_ms })
                     }
-                    Some(LocalClaim::Completed(done)) => self.replay_local(config, done, env),
-                    Some(LocalClaim::Mismatch) => self.refuse_mismatch(config, env),
+                    Some(found @ (LocalClaim::Completed(_) | LocalClaim::Mismatch)) => {
+                        self.answer_known(config, found, env)
+                    }
                     Some(LocalClaim::Claimed(_) | LocalClaim::Unavailable) => {
                         env.telemetry.count(Counter::LocalUnavailable);
                         self.refuse(config, env, unavailable(config))
@@ -922,6 +921,18 @@ impl Flow {
     }
 
     /// A completed local entry answers the request: its replay, or 422 for another request.
+    /// What this gateway's slot says of the key, answered: a completed call's replay, or a
+    /// 422 when the key's request (in flight or completed) differs from this one.
+    fn answer_known(&mut self, config: &Config, found: LocalClaim, env: &mut Env<'_>) -> Action {
+        match found {
+            LocalClaim::Completed(done) => self.replay_local(config, done, env),
+            _ => {
+                env.telemetry.count(Counter::LocalHits);
+                self.refuse_mismatch(config, env)
+            }
+        }
+    }
+
     fn replay_local(&mut self, config: &Config, done: LocalResponse, env: &mut Env<'_>) -> Action {
         env.telemetry.count(Counter::LocalHits);
         if done.fingerprint != self.fingerprint {
@@ -952,15 +963,10 @@ impl Flow {
             None | Some(LocalClaim::Claimed(_)) => {
                 return Some(self.forward_granted(config, grant));
             }
-            Some(LocalClaim::Completed(done)) => {
-                // The call ran here and the sidecar forgot it: replay, never run it again.
-                let action = self.replay_local(config, done, env);
-                self.settle_grant(config, grant);
-                return Some(action);
-            }
-            Some(LocalClaim::Mismatch) => {
-                // Another request under this key runs here and the sidecar forgot it.
-                let action = self.refuse_mismatch(config, env);
+            Some(found @ (LocalClaim::Completed(_) | LocalClaim::Mismatch)) => {
+                // The call ran here (or another request under the key runs here) and the
+                // sidecar forgot it: answer as this gateway knows, never run it again.
+                let action = self.answer_known(config, found, env);
                 self.settle_grant(config, grant);
                 return Some(action);
             }
