@@ -289,8 +289,8 @@ fn sidecar_claims(sidecar: SocketAddr) -> u64 {
 /// Duplicates coalesce on the gateway (the shipped payments rule: idempotency mode, queue
 /// policy, `max_queue` 16): a storm of identical payments waits on the gateway's shared
 /// data for the one call that runs, and costs the sidecar one claim, not one waiter each
-/// (before: all but 17 answered 429 queue-full). A duplicate with another body waiting
-/// beside them gets 422, not the replay.
+/// (before: all but 17 answered 429 queue-full). A duplicate with another body gets 422 at
+/// once, not the replay.
 #[test]
 fn a_storm_of_identical_payments_waits_on_the_gateway_with_one_sidecar_claim() {
     const STORM: usize = 300;
@@ -341,14 +341,19 @@ fn a_storm_of_identical_payments_waits_on_the_gateway_with_one_sidecar_claim() {
         "{claims} sidecar claims for one gateway's storm"
     );
 
-    // Another body under the same key while the call runs: it waits beside a duplicate and
-    // gets 422 once the call's outcome is known; the duplicate gets the response.
+    // Another body under the same key while the call runs: it gets 422 at once, while the
+    // call still runs (the gateway's slot knows the holder's fingerprint, as the sidecar
+    // does), and a duplicate waiting beside it gets the response.
     let holder = std::thread::spawn(move || pay(addr, "u", Some("k-parked"), AMOUNT, 1_500));
     demo.wait_started("payment:u:k-parked", "k-parked");
     let same = std::thread::spawn(move || pay(addr, "u", Some("k-parked"), AMOUNT, 10));
     let other = pay(addr, "u", Some("k-parked"), r#"{"amount":2}"#, 10);
     assert_eq!(other.status, 422, "{other:?}");
     assert_eq!(other.problem_type(), "urn:idemgate:problem:key-reused");
+    assert!(
+        !holder.is_finished(),
+        "the 422 came only after the holder's 1.5 s call ended"
+    );
     let (holder, same) = (holder.join().unwrap(), same.join().unwrap());
     assert_eq!((holder.status, same.status), (201, 201), "{same:?}");
     assert_eq!(same.body, holder.body);

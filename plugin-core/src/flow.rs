@@ -490,7 +490,9 @@ impl Flow {
                         return Action::Wait;
                     }
                 }
-                Some(LocalClaim::Completed(done)) => return self.replay_local(config, done, env),
+                Some(found @ (LocalClaim::Completed(_) | LocalClaim::Mismatch)) => {
+                    return self.answer_known(config, found, env);
+                }
                 Some(LocalClaim::Unavailable) => {
                     env.telemetry.count(Counter::LocalUnavailable);
                     if config.failure_mode == FailureMode::Local {
@@ -784,10 +786,7 @@ impl Flow {
                 }
                 self.block(config, env, reply)
             }
-            ClaimOutcome::Mismatch => {
-                env.telemetry.count(Counter::Mismatch);
-                self.refuse(config, env, Refusal::Mismatch)
-            }
+            ClaimOutcome::Mismatch => self.refuse_mismatch(config, env),
             ClaimOutcome::Busy {
                 retry_after_ms,
                 waited: true,
@@ -835,7 +834,9 @@ impl Flow {
                         env.telemetry.count(Counter::Rejected);
                         self.refuse(config, env, Refusal::InProgress { retry_after_ms })
                     }
-                    Some(LocalClaim::Completed(done)) => self.replay_local(config, done, env),
+                    Some(found @ (LocalClaim::Completed(_) | LocalClaim::Mismatch)) => {
+                        self.answer_known(config, found, env)
+                    }
                     Some(LocalClaim::Claimed(_) | LocalClaim::Unavailable) => {
                         env.telemetry.count(Counter::LocalUnavailable);
                         self.refuse(config, env, unavailable(config))
@@ -860,6 +861,12 @@ impl Flow {
         self.block(config, env, refusal.reply(self.grpc))
     }
 
+    /// The key is reused for another request (its fingerprint differs): 422.
+    fn refuse_mismatch(&mut self, config: &Config, env: &mut Env<'_>) -> Action {
+        env.telemetry.count(Counter::Mismatch);
+        self.refuse(config, env, Refusal::Mismatch)
+    }
+
     /// Answers locally — or, in shadow mode, only counts that it would have and forwards.
     fn block(&mut self, config: &Config, env: &mut Env<'_>, reply: Reply) -> Action {
         if self.rule.shadow {
@@ -873,13 +880,28 @@ impl Flow {
         Action::Respond(reply)
     }
 
+    /// The fingerprint this request's local entry carries while it runs: idempotency mode
+    /// only, as the sidecar compares fingerprints only there.
+    fn held_fingerprint(&self) -> Option<&str> {
+        match self.rule.mode {
+            Mode::Idempotency => self.fingerprint.as_deref(),
+            Mode::Lock => None,
+        }
+    }
+
     /// Claims this gateway's slot; on success the request holds it (`Local::Held`).
     fn take_local(&mut self, config: &Config, lease_ms: u64, env: &mut Env<'_>) -> LocalClaim {
         let found = Table {
             config: &config.local,
             store: env.shared,
         }
-        .claim(&self.key, env.owner, env.now_ms, lease_ms);
+        .claim(
+            &self.key,
+            env.owner,
+            self.held_fingerprint(),
+            env.now_ms,
+            lease_ms,
+        );
         if let LocalClaim::Claimed(hold) = found {
             self.local = Local::Held {
                 hold,
@@ -904,11 +926,22 @@ impl Flow {
     }
 
     /// A completed local entry answers the request: its replay, or 422 for another request.
+    /// What this gateway's slot says of the key, answered: a completed call's replay, or a
+    /// 422 when the key's request (in flight or completed) differs from this one.
+    fn answer_known(&mut self, config: &Config, found: LocalClaim, env: &mut Env<'_>) -> Action {
+        match found {
+            LocalClaim::Completed(done) => self.replay_local(config, done, env),
+            _ => {
+                env.telemetry.count(Counter::LocalHits);
+                self.refuse_mismatch(config, env)
+            }
+        }
+    }
+
     fn replay_local(&mut self, config: &Config, done: LocalResponse, env: &mut Env<'_>) -> Action {
         env.telemetry.count(Counter::LocalHits);
         if done.fingerprint != self.fingerprint {
-            env.telemetry.count(Counter::Mismatch);
-            return self.refuse(config, env, Refusal::Mismatch);
+            return self.refuse_mismatch(config, env);
         }
         env.telemetry.count(Counter::Replayed);
         self.block(
@@ -935,9 +968,10 @@ impl Flow {
             None | Some(LocalClaim::Claimed(_)) => {
                 return Some(self.forward_granted(config, grant));
             }
-            Some(LocalClaim::Completed(done)) => {
-                // The call ran here and the sidecar forgot it: replay, never run it again.
-                let action = self.replay_local(config, done, env);
+            Some(found @ (LocalClaim::Completed(_) | LocalClaim::Mismatch)) => {
+                // The call ran here (or another request under the key runs here) and the
+                // sidecar forgot it: answer as this gateway knows, never run it again.
+                let action = self.answer_known(config, found, env);
                 self.settle_grant(config, grant);
                 return Some(action);
             }
@@ -1350,7 +1384,7 @@ impl Flow {
             config: &config.local,
             store: env.shared,
         }
-        .extend(hold, &self.key, expires_ms);
+        .extend(hold, &self.key, self.held_fingerprint(), expires_ms);
         if extended {
             self.local = Local::Held { hold, expires_ms };
         }

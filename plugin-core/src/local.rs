@@ -47,6 +47,9 @@ struct Entry<'k> {
     key: &'k [u8],
     owner: u64,
     expires_ms: u64,
+    /// An in-flight entry's: the holder's request fingerprint (idempotency mode), so a
+    /// duplicate with another body is refused at once, as the sidecar refuses it.
+    fingerprint: Option<String>,
     completed: Option<LocalResponse>,
 }
 
@@ -63,6 +66,9 @@ pub(crate) enum LocalClaim {
     Claimed(Hold),
     /// Another request on this gateway holds it.
     InFlight { retry_after_ms: u64 },
+    /// Another request on this gateway holds it, and its fingerprint differs from the
+    /// claimant's: the key is reused for another request.
+    Mismatch,
     /// A request with this key completed recently.
     Completed(LocalResponse),
     /// No free slot among the probes, or CAS kept failing: decide without the local tier.
@@ -110,7 +116,8 @@ impl Table<'_> {
     }
 
     /// Reads `key`'s probed slots: its live entry, else the best slot to take for it.
-    fn scan(&self, key: &str, now_ms: u64) -> Scan {
+    /// `fingerprint`: the claimant's, compared with an in-flight holder's.
+    fn scan(&self, key: &str, fingerprint: Option<&str>, now_ms: u64) -> Scan {
         // Best slot to take: (slot, cas, evicts a completed entry, its expiry).
         let mut best: Option<(u32, Option<u32>, bool, u64)> = None;
         for slot in self.probe(key) {
@@ -124,6 +131,7 @@ impl Table<'_> {
                 Some(e) if same_key(e.key, key.as_bytes()) => {
                     return Scan::Live(match e.completed {
                         Some(done) if e.state == State::Completed => LocalClaim::Completed(done),
+                        _ if differs(e.fingerprint.as_deref(), fingerprint) => LocalClaim::Mismatch,
                         _ => LocalClaim::InFlight {
                             retry_after_ms: e.expires_ms - now_ms,
                         },
@@ -150,16 +158,25 @@ impl Table<'_> {
     /// What this gateway knows of `key`, without claiming it: `Some` with
     /// [`LocalClaim::InFlight`] or [`LocalClaim::Completed`] when it is live here.
     pub(crate) fn lookup(&self, key: &str, now_ms: u64) -> Option<LocalClaim> {
-        match self.scan(key, now_ms) {
+        match self.scan(key, None, now_ms) {
             Scan::Live(found) => Some(found),
             Scan::Take { .. } | Scan::Unavailable => None,
         }
     }
 
     /// Looks `key` up among its slots and, when it is not live there, claims a slot for it.
-    pub(crate) fn claim(&self, key: &str, owner: u64, now_ms: u64, lease_ms: u64) -> LocalClaim {
+    /// `fingerprint` (idempotency mode): the claimant's request fingerprint, kept in the
+    /// entry and compared with an in-flight holder's.
+    pub(crate) fn claim(
+        &self,
+        key: &str,
+        owner: u64,
+        fingerprint: Option<&str>,
+        now_ms: u64,
+        lease_ms: u64,
+    ) -> LocalClaim {
         for _ in 0..ROUNDS {
-            let (slot, cas) = match self.scan(key, now_ms) {
+            let (slot, cas) = match self.scan(key, fingerprint, now_ms) {
                 Scan::Live(found) => return found,
                 Scan::Unavailable => return LocalClaim::Unavailable,
                 Scan::Take { slot, cas } => (slot, cas),
@@ -169,6 +186,7 @@ impl Table<'_> {
                 key: key.as_bytes(),
                 owner,
                 expires_ms: now_ms.saturating_add(lease_ms),
+                fingerprint: fingerprint.map(String::from),
                 completed: None,
             };
             match self.store.set(
@@ -203,6 +221,7 @@ impl Table<'_> {
                 key: key.as_bytes(),
                 owner: hold.owner,
                 expires_ms,
+                fingerprint: None,
                 completed: Some(done),
             },
             None => Entry {
@@ -210,6 +229,7 @@ impl Table<'_> {
                 key: b"",
                 owner: 0,
                 expires_ms: 0,
+                fingerprint: None,
                 completed: None,
             },
         };
@@ -219,12 +239,19 @@ impl Table<'_> {
     /// Moves the expiry of our in-flight entry to `expires_ms` (the sidecar renewed the
     /// lease), so a call longer than one lease is not taken for abandoned on this gateway.
     /// Returns whether it wrote.
-    pub(crate) fn extend(&self, hold: Hold, key: &str, expires_ms: u64) -> bool {
+    pub(crate) fn extend(
+        &self,
+        hold: Hold,
+        key: &str,
+        fingerprint: Option<&str>,
+        expires_ms: u64,
+    ) -> bool {
         let entry = Entry {
             state: State::InFlight,
             key: key.as_bytes(),
             owner: hold.owner,
             expires_ms,
+            fingerprint: fingerprint.map(String::from),
             completed: None,
         };
         self.replace_held(hold, key, &encode(&entry))
@@ -262,8 +289,15 @@ pub(crate) fn in_flight_bytes(key: &str, owner: u64, expires_ms: u64) -> Vec<u8>
         key: key.as_bytes(),
         owner,
         expires_ms,
+        fingerprint: None,
         completed: None,
     })
+}
+
+/// Whether two requests' fingerprints show another request under the same key: only when
+/// both are known (the sidecar's rule too).
+fn differs(holder: Option<&str>, claimant: Option<&str>) -> bool {
+    matches!((holder, claimant), (Some(a), Some(b)) if !a.is_empty() && a != b)
 }
 
 // === entry codec: fixed header, then (completed only) the response ===
@@ -275,6 +309,10 @@ fn encode(e: &Entry<'_>) -> Vec<u8> {
     put_bytes(&mut out, e.key);
     out.extend_from_slice(&e.owner.to_le_bytes());
     out.extend_from_slice(&e.expires_ms.to_le_bytes());
+    if let Some(fingerprint) = &e.fingerprint {
+        // Trailing, so an in-flight entry without it (an earlier version's) still decodes.
+        put_bytes(&mut out, fingerprint.as_bytes());
+    }
     if let Some(c) = &e.completed {
         put_bytes(
             &mut out,
@@ -355,11 +393,16 @@ fn decode(bytes: &[u8]) -> Option<Entry<'_>> {
     } else {
         None
     };
+    let fingerprint = match state {
+        State::InFlight if !r.0.is_empty() => Some(r.string()?),
+        _ => None,
+    };
     Some(Entry {
         state,
         key,
         owner,
         expires_ms,
+        fingerprint,
         completed,
     })
 }
@@ -411,23 +454,23 @@ pub(crate) mod tests {
             config: &c,
             store: &store,
         };
-        let LocalClaim::Claimed(hold) = t.claim(&key(1), 7, 1_000, 500) else {
+        let LocalClaim::Claimed(hold) = t.claim(&key(1), 7, None, 1_000, 500) else {
             panic!()
         };
         assert_eq!(
-            t.claim(&key(1), 8, 1_100, 500),
+            t.claim(&key(1), 8, None, 1_100, 500),
             LocalClaim::InFlight {
                 retry_after_ms: 400
             }
         );
         assert!(t.release(hold, &key(1), Some((done(b"{}"), 10_000))));
         assert_eq!(
-            t.claim(&key(1), 9, 1_200, 500),
+            t.claim(&key(1), 9, None, 1_200, 500),
             LocalClaim::Completed(done(b"{}"))
         );
         // Expired completed entry: claimable again.
         assert!(matches!(
-            t.claim(&key(1), 9, 10_000, 500),
+            t.claim(&key(1), 9, None, 10_000, 500),
             LocalClaim::Claimed(_)
         ));
     }
@@ -440,10 +483,10 @@ pub(crate) mod tests {
             config: &c,
             store: &store,
         };
-        let LocalClaim::Claimed(old) = t.claim(&key(1), 1, 0, 100) else {
+        let LocalClaim::Claimed(old) = t.claim(&key(1), 1, None, 0, 100) else {
             panic!()
         };
-        let LocalClaim::Claimed(new) = t.claim(&key(1), 2, 200, 100) else {
+        let LocalClaim::Claimed(new) = t.claim(&key(1), 2, None, 200, 100) else {
             panic!()
         };
         assert_eq!(old.slot, new.slot);
@@ -452,12 +495,12 @@ pub(crate) mod tests {
             "the old owner must not free the new owner's slot"
         );
         assert_eq!(
-            t.claim(&key(1), 3, 250, 100),
+            t.claim(&key(1), 3, None, 250, 100),
             LocalClaim::InFlight { retry_after_ms: 50 }
         );
         assert!(t.release(new, &key(1), None));
         assert!(matches!(
-            t.claim(&key(1), 3, 250, 100),
+            t.claim(&key(1), 3, None, 250, 100),
             LocalClaim::Claimed(_)
         ));
     }
@@ -470,26 +513,26 @@ pub(crate) mod tests {
             config: &c,
             store: &store,
         };
-        let LocalClaim::Claimed(hold) = t.claim(&key(1), 1, 0, 100) else {
+        let LocalClaim::Claimed(hold) = t.claim(&key(1), 1, None, 0, 100) else {
             panic!()
         };
-        assert!(t.extend(hold, &key(1), 250));
+        assert!(t.extend(hold, &key(1), None, 250));
         assert_eq!(
-            t.claim(&key(1), 2, 200, 100),
+            t.claim(&key(1), 2, None, 200, 100),
             LocalClaim::InFlight { retry_after_ms: 50 },
             "past the first lease the entry is still in flight"
         );
         assert!(
-            !t.extend(Hold { owner: 9, ..hold }, &key(1), 1_000),
+            !t.extend(Hold { owner: 9, ..hold }, &key(1), None, 1_000),
             "another owner cannot extend it"
         );
         assert!(t.release(hold, &key(1), None));
         assert!(
-            !t.extend(hold, &key(1), 1_000),
+            !t.extend(hold, &key(1), None, 1_000),
             "a released entry stays free"
         );
         assert!(matches!(
-            t.claim(&key(1), 3, 10, 100),
+            t.claim(&key(1), 3, None, 10, 100),
             LocalClaim::Claimed(_)
         ));
     }
@@ -505,7 +548,7 @@ pub(crate) mod tests {
         // Another worker writes the same key right after our read of the first slot.
         store.interfere_once(key(1), 100);
         assert_eq!(
-            t.claim(&key(1), 1, 0, 100),
+            t.claim(&key(1), 1, None, 0, 100),
             LocalClaim::InFlight {
                 retry_after_ms: 100
             }
@@ -520,16 +563,16 @@ pub(crate) mod tests {
             config: &c,
             store: &store,
         };
-        let LocalClaim::Claimed(a) = t.claim(&key(1), 1, 0, 1_000) else {
+        let LocalClaim::Claimed(a) = t.claim(&key(1), 1, None, 0, 1_000) else {
             panic!()
         };
-        let LocalClaim::Claimed(_) = t.claim(&key(2), 1, 0, 1_000) else {
+        let LocalClaim::Claimed(_) = t.claim(&key(2), 1, None, 0, 1_000) else {
             panic!()
         };
-        assert_eq!(t.claim(&key(3), 1, 0, 1_000), LocalClaim::Unavailable);
+        assert_eq!(t.claim(&key(3), 1, None, 0, 1_000), LocalClaim::Unavailable);
         assert!(t.release(a, &key(1), Some((done(b"x"), 5_000))));
         assert!(matches!(
-            t.claim(&key(3), 1, 0, 1_000),
+            t.claim(&key(3), 1, None, 0, 1_000),
             LocalClaim::Claimed(_)
         ));
         assert_eq!(store.len(), 2);
@@ -545,7 +588,7 @@ pub(crate) mod tests {
         };
         store.set(&slot_key(0), b"not ours", None).unwrap();
         for n in 0..20_000u32 {
-            if let LocalClaim::Claimed(h) = t.claim(&key(n), u64::from(n), u64::from(n), 10) {
+            if let LocalClaim::Claimed(h) = t.claim(&key(n), u64::from(n), None, u64::from(n), 10) {
                 t.release(h, &key(n), Some((done(b"b"), u64::from(n) + 5)));
             }
         }
@@ -560,12 +603,12 @@ pub(crate) mod tests {
             config: &c,
             store: &store,
         };
-        let LocalClaim::Claimed(h) = t.claim(&key(1), 1, 0, 100) else {
+        let LocalClaim::Claimed(h) = t.claim(&key(1), 1, None, 0, 100) else {
             panic!()
         };
         assert!(t.release(h, &key(1), Some((done(&[0; 2048]), 1_000))));
         assert!(matches!(
-            t.claim(&key(1), 1, 1, 100),
+            t.claim(&key(1), 1, None, 1, 100),
             LocalClaim::Claimed(_)
         ));
     }
@@ -578,6 +621,7 @@ pub(crate) mod tests {
             key: key.as_bytes(),
             owner: 3,
             expires_ms: 9,
+            fingerprint: None,
             completed: Some(done(b"hi")),
         };
         let bytes = encode(&e);
@@ -585,5 +629,75 @@ pub(crate) mod tests {
         for n in 0..bytes.len() {
             assert_eq!(decode(&bytes[..n]), None);
         }
+    }
+
+    #[test]
+    fn an_in_flight_entry_carries_its_holders_fingerprint() {
+        let e = Entry {
+            state: State::InFlight,
+            key: key(5),
+            owner: 3,
+            expires_ms: 9,
+            fingerprint: Some("fp-a".into()),
+            completed: None,
+        };
+        let bytes = encode(&e);
+        assert_eq!(decode(&bytes), Some(e.clone()));
+        // An earlier version's in-flight entry ends at the expiry: read without one.
+        let earlier = in_flight_bytes(&e.key, 3, 9);
+        assert_eq!(
+            decode(&earlier),
+            Some(Entry {
+                fingerprint: None,
+                ..e
+            })
+        );
+        for n in earlier.len() + 1..bytes.len() {
+            assert_eq!(decode(&bytes[..n]), None);
+        }
+    }
+
+    #[test]
+    fn a_holder_with_another_fingerprint_is_a_mismatch() {
+        let store = MemStore::default();
+        let c = cfg(64, 4);
+        let t = Table {
+            config: &c,
+            store: &store,
+        };
+        let LocalClaim::Claimed(hold) = t.claim(&key(1), 7, Some("fp-a"), 1_000, 500) else {
+            panic!()
+        };
+        let in_flight = LocalClaim::InFlight {
+            retry_after_ms: 400,
+        };
+        assert_eq!(
+            t.claim(&key(1), 8, Some("fp-b"), 1_100, 500),
+            LocalClaim::Mismatch
+        );
+        assert_eq!(t.claim(&key(1), 8, Some("fp-a"), 1_100, 500), in_flight);
+        // No fingerprint on either side (lock mode): nothing to compare.
+        assert_eq!(t.claim(&key(1), 8, None, 1_100, 500), in_flight);
+        // A renewal keeps the holder's fingerprint.
+        assert!(t.extend(hold, &key(1), Some("fp-a"), 2_000));
+        assert_eq!(
+            t.claim(&key(1), 8, Some("fp-b"), 1_100, 500),
+            LocalClaim::Mismatch
+        );
+        // A lookup (no claimant) sees the key in flight.
+        assert_eq!(
+            t.lookup(&key(1), 1_100),
+            Some(LocalClaim::InFlight {
+                retry_after_ms: 900
+            })
+        );
+        let b = t.claim(&key(2), 9, None, 1_000, 500);
+        assert!(matches!(b, LocalClaim::Claimed(_)));
+        assert_eq!(
+            t.claim(&key(2), 8, Some("fp-b"), 1_100, 500),
+            LocalClaim::InFlight {
+                retry_after_ms: 400
+            }
+        );
     }
 }

@@ -126,7 +126,12 @@ pub fn group(modules: &Modules) -> Result<Group> {
                 let p99 = percentile(&mut r.duplicate_latencies_us.clone(), 99.0)?;
                 Some(p99 - r.executed_latency_us?)
             }))?,
-            baseline: None,
+            // What answering a thousand requests at once costs this gateway and client here,
+            // with nothing waiting: the floor under delivering the first response to 999.
+            baseline: Some((
+                "reject mode (answered on arrival): duplicates p99 from the release".into(),
+                latency(&ours, 99.0)?,
+            )),
             goal: Some(Goal::AtMost(10_000.0)),
         },
         Figure {
@@ -172,7 +177,10 @@ pub fn group(modules: &Modules) -> Result<Group> {
              first is a duplicate the local tier did not catch. Latency runs from the release \
              to the answer; the client sending all of them shares the 2 cores with the \
              gateway, so it is the storm's whole turnaround, not the filter's decision time \
-             (that is the plugin group's local-duplicate figure). Baseline: the same storm \
+             (that is the plugin group's local-duplicate figure). The wait after the first call's \
+             answer is set beside reject mode's p99, where the local tier answers every \
+             duplicate on arrival: what a thousand answers cost this gateway and client with \
+             nothing waiting, the floor under handing one response to 999 waiters. Baseline: the same storm \
              through the same gateway with the no-op filter, where every request reaches the \
              backend. Answers per run, idemgate reject mode: {ours}; queue mode: {queued}; \
              no-op filter: {base}. {GATEWAY_RUNS} runs.",

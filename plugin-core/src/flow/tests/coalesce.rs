@@ -81,18 +81,39 @@ fn duplicates_wait_here_for_the_holder_and_get_its_response_with_one_claim() {
 }
 
 #[test]
-fn a_parked_duplicate_of_another_request_gets_422_not_the_replay() {
-    let mut gw = Gateway::rules(PARKING);
-    let (mut holder, _, _) = gw.claim(&pay("k", "1"));
-    let mut other = [park(&mut gw, &pay("k", "2"))];
-    gw.grant(&mut holder, 1);
-    gw.respond(&mut holder, "201", "application/json", &[b"{}"]);
-    let r = reply(tick_all(&mut gw, &mut other).remove(0).unwrap());
-    assert_eq!(
-        (r.status, problem_type(&r).as_str()),
-        (422, types::MISMATCH)
+fn a_duplicate_of_another_request_gets_422_at_once_as_the_sidecar_answers_it() {
+    // Queue mode parks a duplicate, and reject mode refuses one with 409; a request with
+    // another fingerprint under the key is neither: the sidecar answers it `mismatch` at
+    // once whoever holds the key, and so does this gateway's slot.
+    let reject = PARKING.replace(
+        r#""on_conflict":"queue","queue":{"max_wait":"10s","max_queue":4}"#,
+        r#""on_conflict":"reject""#,
     );
-    assert_eq!(gw.count(Counter::Mismatch), 1);
+    for rules in [PARKING, reject.as_str()] {
+        let mut gw = Gateway::rules(rules);
+        let (mut holder, _, _) = gw.claim(&pay("k", "1"));
+        let (_, action) = gw.start(&pay("k", "2"));
+        let r = reply(action);
+        assert_eq!(
+            (r.status, problem_type(&r).as_str()),
+            (422, types::MISMATCH),
+            "{rules}"
+        );
+        // Answered without a callout (a claim would be `Action::Decide`).
+        assert_eq!(gw.count(Counter::Mismatch), 1);
+        // The holder still holds the key here: a duplicate of it waits for its outcome.
+        gw.grant(&mut holder, 1);
+        let (same, action) = gw.start(&pay("k", "1"));
+        if rules == PARKING {
+            assert_eq!(action, Action::Wait);
+            let mut same = [same.unwrap()];
+            gw.respond(&mut holder, "201", "application/json", &[b"{}"]);
+            let r = reply(tick_all(&mut gw, &mut same).remove(0).unwrap());
+            assert_eq!(r.status, 201);
+        } else {
+            assert_eq!(reply(action).status, 409);
+        }
+    }
 }
 
 #[test]
