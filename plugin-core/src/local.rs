@@ -49,7 +49,7 @@ struct Entry<'k> {
     expires_ms: u64,
     /// An in-flight entry's: the holder's request fingerprint (idempotency mode), so a
     /// duplicate with another body is refused at once, as the sidecar refuses it.
-    fingerprint: Option<String>,
+    fingerprint: Option<&'k [u8]>,
     completed: Option<LocalResponse>,
 }
 
@@ -131,7 +131,7 @@ impl Table<'_> {
                 Some(e) if same_key(e.key, key.as_bytes()) => {
                     return Scan::Live(match e.completed {
                         Some(done) if e.state == State::Completed => LocalClaim::Completed(done),
-                        _ if differs(e.fingerprint.as_deref(), fingerprint) => LocalClaim::Mismatch,
+                        _ if differs(e.fingerprint, fingerprint) => LocalClaim::Mismatch,
                         _ => LocalClaim::InFlight {
                             retry_after_ms: e.expires_ms - now_ms,
                         },
@@ -186,7 +186,7 @@ impl Table<'_> {
                 key: key.as_bytes(),
                 owner,
                 expires_ms: now_ms.saturating_add(lease_ms),
-                fingerprint: fingerprint.map(String::from),
+                fingerprint: fingerprint.map(str::as_bytes),
                 completed: None,
             };
             match self.store.set(
@@ -251,7 +251,7 @@ impl Table<'_> {
             key: key.as_bytes(),
             owner: hold.owner,
             expires_ms,
-            fingerprint: fingerprint.map(String::from),
+            fingerprint: fingerprint.map(str::as_bytes),
             completed: None,
         };
         self.replace_held(hold, key, &encode(&entry))
@@ -296,8 +296,8 @@ pub(crate) fn in_flight_bytes(key: &str, owner: u64, expires_ms: u64) -> Vec<u8>
 
 /// Whether two requests' fingerprints show another request under the same key: only when
 /// both are known (the sidecar's rule too).
-fn differs(holder: Option<&str>, claimant: Option<&str>) -> bool {
-    matches!((holder, claimant), (Some(a), Some(b)) if !a.is_empty() && a != b)
+fn differs(holder: Option<&[u8]>, claimant: Option<&str>) -> bool {
+    matches!((holder, claimant), (Some(a), Some(b)) if !a.is_empty() && !same_key(a, b.as_bytes()))
 }
 
 // === entry codec: fixed header, then (completed only) the response ===
@@ -309,9 +309,9 @@ fn encode(e: &Entry<'_>) -> Vec<u8> {
     put_bytes(&mut out, e.key);
     out.extend_from_slice(&e.owner.to_le_bytes());
     out.extend_from_slice(&e.expires_ms.to_le_bytes());
-    if let Some(fingerprint) = &e.fingerprint {
+    if let Some(fingerprint) = e.fingerprint {
         // Trailing, so an in-flight entry without it (an earlier version's) still decodes.
-        put_bytes(&mut out, fingerprint.as_bytes());
+        put_bytes(&mut out, fingerprint);
     }
     if let Some(c) = &e.completed {
         put_bytes(
@@ -394,7 +394,7 @@ fn decode(bytes: &[u8]) -> Option<Entry<'_>> {
         None
     };
     let fingerprint = match state {
-        State::InFlight if !r.0.is_empty() => Some(r.string()?),
+        State::InFlight if !r.0.is_empty() => Some(r.bytes()?),
         _ => None,
     };
     Some(Entry {
@@ -633,18 +633,19 @@ pub(crate) mod tests {
 
     #[test]
     fn an_in_flight_entry_carries_its_holders_fingerprint() {
+        let k = key(5);
         let e = Entry {
             state: State::InFlight,
-            key: key(5),
+            key: k.as_bytes(),
             owner: 3,
             expires_ms: 9,
-            fingerprint: Some("fp-a".into()),
+            fingerprint: Some(b"fp-a"),
             completed: None,
         };
         let bytes = encode(&e);
         assert_eq!(decode(&bytes), Some(e.clone()));
         // An earlier version's in-flight entry ends at the expiry: read without one.
-        let earlier = in_flight_bytes(&e.key, 3, 9);
+        let earlier = in_flight_bytes(&k, 3, 9);
         assert_eq!(
             decode(&earlier),
             Some(Entry {
