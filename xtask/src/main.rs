@@ -26,7 +26,7 @@ commands:
   test    the whole test suite: fmt, clippy (native and wasm32), docs (warnings denied),
           Envoy config schema checks, alerting rules (promtool), unit tests, wasm build,
           then every test that loads the built wasm, then the images
-  integration  only the last step of `test`: every integration test binary, two at a time
+  integration  only the last step of `test`: every integration test binary, three at a time
           (needs `cargo xtask wasm` first)
   bundle  render the Kubernetes overlays and validate them (schemas, token wiring, idemgate
           check); part of `test`
