@@ -156,13 +156,7 @@ fn native_checks(root: &Path) -> Result<()> {
             .current_dir(root),
     )?;
     // After clippy, so it reuses clippy's metadata for the dependencies (no codegen).
-    cmd::step(
-        "docs",
-        cmd::cargo()
-            .args(["doc", "--workspace", "--no-deps"])
-            .env("RUSTDOCFLAGS", "-D warnings")
-            .current_dir(root),
-    )?;
+    cmd::step("docs", &mut docs(root)?)?;
     envoy::check(root)?;
     envoy::check_bundle(root)?;
     observability::check(root)?;
@@ -172,6 +166,58 @@ fn native_checks(root: &Path) -> Result<()> {
             .args(["test", "--workspace", "--lib", "--bins"])
             .current_dir(root),
     )
+}
+
+/// `cargo doc --workspace --no-deps` of the targets it documents by default (every library,
+/// and every binary not named as its package's library), warnings denied. The targets are
+/// named because a target selection with `--examples` (the workspace has none) makes cargo
+/// resolve features with the dev-dependencies, as clippy's `--all-targets` did: the default
+/// selection resolves them without, and re-checks every dependency whose features differ
+/// (tonic, reqwest, redis, regex, the OpenTelemetry crates and the workspace's own).
+fn docs(root: &Path) -> Result<std::process::Command> {
+    let metadata = cmd::output(
+        cmd::cargo()
+            .args(["metadata", "--no-deps", "--format-version", "1"])
+            .current_dir(root),
+    )
+    .context("cargo metadata failed")?;
+    let metadata: serde_json::Value = serde_json::from_str(&metadata)?;
+    let mut doc = cmd::cargo();
+    doc.args(["doc", "--workspace", "--no-deps", "--lib", "--examples"])
+        .env("RUSTDOCFLAGS", "-D warnings")
+        .current_dir(root);
+    let crate_name =
+        |target: &serde_json::Value| target["name"].as_str().map(|name| name.replace('-', "_"));
+    let is = |target: &serde_json::Value, kind: &str| {
+        target["kind"]
+            .as_array()
+            .is_some_and(|kinds| kinds.iter().any(|k| k == kind))
+    };
+    let packages = metadata["packages"]
+        .as_array()
+        .context("cargo metadata lists no packages")?;
+    for package in packages {
+        let targets = package["targets"]
+            .as_array()
+            .map(Vec::as_slice)
+            .unwrap_or_default();
+        let lib = targets
+            .iter()
+            .find(|t| {
+                !["bin", "test", "bench", "example", "custom-build"]
+                    .iter()
+                    .any(|k| is(t, k))
+            })
+            .and_then(crate_name);
+        for bin in targets.iter().filter(|t| is(t, "bin") && t["doc"] != false) {
+            if let Some(name) = bin["name"].as_str()
+                && crate_name(bin) != lib
+            {
+                doc.args(["--bin", name]);
+            }
+        }
+    }
+    Ok(doc)
 }
 
 /// The soak run: the ignored `soak` test of the fault suite, with its duration passed on.
