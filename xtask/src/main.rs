@@ -26,7 +26,7 @@ commands:
   test    the whole test suite: fmt, clippy (native and wasm32), docs (warnings denied),
           Envoy config schema checks, alerting rules (promtool), unit tests, wasm build,
           then every test that loads the built wasm, then the images
-  integration  only the last step of `test`: every integration test binary, three at a time
+  integration  only the last step of `test`: every integration test binary, two at a time
           (needs `cargo xtask wasm` first)
   bundle  render the Kubernetes overlays and validate them (schemas, token wiring, idemgate
           check); part of `test`
@@ -53,7 +53,7 @@ fn run() -> Result<()> {
         Some("wasm") => wasm::build_all(&root).map(|_| ()),
         Some("test") => test(&root),
         Some("integration") => testrun::integration_tests(&root),
-        Some("bundle") => envoy::check_bundle(&root),
+        Some("bundle") => envoy::check_bundle(&root, envoy::cli_by_cargo_run(&root)),
         Some("image") => image::command(&root, &args[1..]),
         Some("demo") => demo(&root, &args[1..]),
         Some("bench") => bench(&root, &args[1..]),
@@ -140,7 +140,8 @@ fn test(root: &Path) -> Result<()> {
     Ok(())
 }
 
-/// The native lane of `test`: lints, docs, the config and rule checks, unit tests.
+/// The native lane of `test`: lints, docs, the config and rule checks, one build of every
+/// test and binary, the unit tests.
 fn native_checks(root: &Path) -> Result<()> {
     cmd::step(
         "clippy (native)",
@@ -158,7 +159,18 @@ fn native_checks(root: &Path) -> Result<()> {
     // After clippy, so it reuses clippy's metadata for the dependencies (no codegen).
     cmd::step("docs", &mut docs(root)?)?;
     envoy::check(root)?;
-    envoy::check_bundle(root)?;
+    // Every test binary and binary in one invocation (the integration tests' build, with the
+    // same features, then finds them fresh): cargo overlaps the two sets' compiling and
+    // linking instead of ending each with a core idle on the last big link.
+    cmd::step(
+        "build the tests and binaries",
+        cmd::cargo()
+            .args(["build", "--workspace", "--bins", "--tests"])
+            .current_dir(root),
+    )?;
+    let mut idemgate = std::process::Command::new(root.join("target/debug/idemgate"));
+    idemgate.current_dir(root);
+    envoy::check_bundle(root, idemgate)?;
     observability::check(root)?;
     cmd::step(
         "unit tests",
