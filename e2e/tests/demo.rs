@@ -1,6 +1,7 @@
 //! The demo driver (`cargo xtask demo`) as a user runs it: its binary starting the sidecar,
-//! the demo backend and the gateway as processes on real ports. The binaries are built on
-//! first use with `cargo build` (a no-op when they are fresh).
+//! the demo backend and the gateway as processes on real ports. The binaries are those
+//! `cargo xtask test` built before the tests ran, or, run by hand, built on first use
+//! (`idemgate_rig::child::built_binaries`).
 
 use idemgate_e2e::live::eventually;
 use idemgate_sidecar::testing::RedisServer;
@@ -12,7 +13,7 @@ use std::sync::OnceLock;
 use std::sync::mpsc::{Receiver, RecvTimeoutError};
 use std::time::{Duration, Instant};
 
-/// The directory with the demo's binaries, built for this test's profile.
+/// The directory with the demo's binaries, for this test's profile.
 pub(crate) fn bin_dir() -> &'static PathBuf {
     static BUILT: OnceLock<PathBuf> = OnceLock::new();
     BUILT.get_or_init(|| idemgate_rig::child::built_binaries().expect("the demo's binaries build"))

@@ -116,11 +116,35 @@ impl Drop for ChildProcess {
     }
 }
 
-/// The directory holding the binaries a rig of processes runs (`idemgate-sidecar`,
-/// `idemgate-gateway`, `idemgate-demo-backend`) and the demo's, built for the profile of the
-/// test calling this (`target/<profile>`, where tests run from `target/<profile>/deps/`) by
-/// `cargo build`, a no-op when they are fresh.
+/// The binaries the tests start: a rig of processes runs the first three, the demo's tests
+/// the demo driver.
+pub const RIG_BINARIES: &[&str] = &[
+    "idemgate-sidecar",
+    "idemgate-gateway",
+    "idemgate-demo-backend",
+    "idemgate-demo",
+];
+
+/// Set by `cargo xtask test` (and `cargo xtask integration`) to the directory where it built
+/// every binary of the workspace, in one cargo invocation, before the first integration test
+/// binary started. Tests then only look the binaries up: a `cargo build` from inside a test
+/// relinks `target/<profile>/<binary>` (cargo removes and re-links each binary it lists, even
+/// a fresh one), and another test binary running beside it finds it missing.
+pub const BIN_DIR_ENV: &str = "IDEMGATE_BIN_DIR";
+
+/// The directory holding [`RIG_BINARIES`] for the profile of the test calling this
+/// (`target/<profile>`, where tests run from `target/<profile>/deps/`).
+///
+/// Under `cargo xtask` ([`BIN_DIR_ENV`] set) it only checks that they are there. Run by hand
+/// (`cargo test -p idemgate-e2e`) it builds them first with `cargo build --workspace --bins
+/// --examples`: the feature set of a `cargo test --workspace` build, so after one of those (or
+/// `cargo xtask test`) nothing is recompiled. That build relinks the binaries, which is safe
+/// because `cargo test` runs one test binary at a time; do not run test binaries of this
+/// workspace side by side by hand (`cargo xtask integration` does that, building first).
 pub fn built_binaries() -> Result<PathBuf> {
+    if let Some(dir) = std::env::var_os(BIN_DIR_ENV) {
+        return prebuilt(Path::new(&dir));
+    }
     let exe = std::env::current_exe().context("the test binary's path")?;
     let dir = exe
         .parent()
@@ -129,17 +153,36 @@ pub fn built_binaries() -> Result<PathBuf> {
         .to_path_buf();
     let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
     let mut build = Command::new(cargo);
+    // `--examples` (the workspace has none) makes cargo resolve features as for a test
+    // build, dev-dependencies included, as `cargo test --workspace` and xtask do.
     build
-        .args(["build", "--bins"])
-        .args(["-p", "idemgate-demo", "-p", "idemgate-sidecar"])
-        .args(["-p", "idemgate-host"])
+        .args(["build", "--workspace", "--bins", "--examples"])
         .current_dir(crate::gateway::workspace_root());
     if dir.ends_with("release") {
         build.arg("--release");
     }
     let status = build.status().context("running cargo")?;
     anyhow::ensure!(status.success(), "building the rig's binaries: {status}");
-    Ok(dir)
+    prebuilt(&dir)
+}
+
+/// `dir`, if every one of [`RIG_BINARIES`] is a file in it.
+pub fn prebuilt(dir: &Path) -> Result<PathBuf> {
+    let missing: Vec<&str> = RIG_BINARIES
+        .iter()
+        .copied()
+        .filter(|name| !dir.join(name).is_file())
+        .collect();
+    if !missing.is_empty() {
+        bail!(
+            "{} has no {}: `cargo build --workspace --bins` builds them (`cargo xtask \
+             integration` does before it runs the tests; {BIN_DIR_ENV} unset, a test builds \
+             them itself)",
+            dir.display(),
+            missing.join(", ")
+        );
+    }
+    Ok(dir.to_path_buf())
 }
 
 /// Asks the kernel to SIGKILL the child when the thread that spawned it exits — when this
@@ -167,3 +210,24 @@ fn die_with_parent(command: &mut Command) {
 
 #[cfg(not(target_os = "linux"))]
 fn die_with_parent(_command: &mut Command) {}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// What xtask's prebuilt directory is checked for: every binary, each one missing named.
+    #[test]
+    fn a_bin_dir_missing_a_binary_is_refused_naming_it() {
+        let dir = std::env::temp_dir().join(format!("idemgate-rig-bins-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        for name in &RIG_BINARIES[1..] {
+            std::fs::write(dir.join(name), b"").unwrap();
+        }
+        let err = prebuilt(&dir).unwrap_err().to_string();
+        assert!(err.contains("has no idemgate-sidecar:"), "{err}");
+        assert!(err.contains("cargo build --workspace --bins"), "{err}");
+        std::fs::write(dir.join(RIG_BINARIES[0]), b"").unwrap();
+        assert_eq!(prebuilt(&dir).unwrap(), dir);
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+}

@@ -44,8 +44,9 @@ pub fn check(root: &Path) -> Result<()> {
 /// Renders every Kubernetes overlay with `kubectl kustomize`, validates the output against
 /// the Kubernetes schemas, the vendored CRD schemas and the token wiring
 /// (`envoy/kubernetes/validate.py`, which also proves it rejects broken variants), and checks
-/// every embedded filter configuration with the filter's own parser (`idemgate check`).
-pub fn check_bundle(root: &Path) -> Result<()> {
+/// every embedded filter configuration with the filter's own parser (`idemgate check`, run
+/// by `idemgate`: [`cli_by_cargo_run`] or a built binary).
+pub fn check_bundle(root: &Path, mut idemgate: Command) -> Result<()> {
     crate::toolchain::ensure_apt(&[("kubectl", "kubectl")])?;
     let python = venv(root)?;
     let out = root.join("target/rendered");
@@ -71,13 +72,24 @@ pub fn check_bundle(root: &Path) -> Result<()> {
     )?;
     cmd::step(
         "embedded filter configurations (idemgate check)",
-        crate::cmd::cargo()
-            .args(["run", "--quiet", "-p", "idemgate-cli", "--", "check"])
+        idemgate
+            .arg("check")
             .args(&rendered)
             .arg(root.join("envoy/envoy.yaml"))
             .arg(root.join(COMPOSE_BOOTSTRAP))
             .current_dir(root),
     )
+}
+
+/// `idemgate` as `cargo run -p idemgate-cli` builds it. `cargo xtask test` runs the binary
+/// its build of every test and binary made instead: a build of this package alone resolves
+/// other features for its dependencies (reqwest, tokio, rustls) and compiles them again.
+pub fn cli_by_cargo_run(root: &Path) -> Command {
+    let mut cargo = cmd::cargo();
+    cargo
+        .args(["run", "--quiet", "-p", "idemgate-cli", "--"])
+        .current_dir(root);
+    cargo
 }
 
 fn venv(root: &Path) -> Result<PathBuf> {

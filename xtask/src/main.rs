@@ -53,7 +53,7 @@ fn run() -> Result<()> {
         Some("wasm") => wasm::build_all(&root).map(|_| ()),
         Some("test") => test(&root),
         Some("integration") => testrun::integration_tests(&root),
-        Some("bundle") => envoy::check_bundle(&root),
+        Some("bundle") => envoy::check_bundle(&root, envoy::cli_by_cargo_run(&root)),
         Some("image") => image::command(&root, &args[1..]),
         Some("demo") => demo(&root, &args[1..]),
         Some("bench") => bench(&root, &args[1..]),
@@ -140,7 +140,8 @@ fn test(root: &Path) -> Result<()> {
     Ok(())
 }
 
-/// The native lane of `test`: lints, docs, the config and rule checks, unit tests.
+/// The native lane of `test`: lints, docs, the config and rule checks, one build of every
+/// test and binary, the unit tests.
 fn native_checks(root: &Path) -> Result<()> {
     cmd::step(
         "clippy (native)",
@@ -156,15 +157,20 @@ fn native_checks(root: &Path) -> Result<()> {
             .current_dir(root),
     )?;
     // After clippy, so it reuses clippy's metadata for the dependencies (no codegen).
+    cmd::step("docs", &mut docs(root)?)?;
+    envoy::check(root)?;
+    // Every test binary and binary in one invocation (the integration tests' build, with the
+    // same features, then finds them fresh): cargo overlaps the two sets' compiling and
+    // linking instead of ending each with a core idle on the last big link.
     cmd::step(
-        "docs",
+        "build the tests and binaries",
         cmd::cargo()
-            .args(["doc", "--workspace", "--no-deps"])
-            .env("RUSTDOCFLAGS", "-D warnings")
+            .args(["build", "--workspace", "--bins", "--tests"])
             .current_dir(root),
     )?;
-    envoy::check(root)?;
-    envoy::check_bundle(root)?;
+    let mut idemgate = std::process::Command::new(root.join("target/debug/idemgate"));
+    idemgate.current_dir(root);
+    envoy::check_bundle(root, idemgate)?;
     observability::check(root)?;
     cmd::step(
         "unit tests",
@@ -172,6 +178,58 @@ fn native_checks(root: &Path) -> Result<()> {
             .args(["test", "--workspace", "--lib", "--bins"])
             .current_dir(root),
     )
+}
+
+/// `cargo doc --workspace --no-deps` of the targets it documents by default (every library,
+/// and every binary not named as its package's library), warnings denied. The targets are
+/// named because a target selection with `--examples` (the workspace has none) makes cargo
+/// resolve features with the dev-dependencies, as clippy's `--all-targets` did: the default
+/// selection resolves them without, and re-checks every dependency whose features differ
+/// (tonic, reqwest, redis, regex, the OpenTelemetry crates and the workspace's own).
+fn docs(root: &Path) -> Result<std::process::Command> {
+    let metadata = cmd::output(
+        cmd::cargo()
+            .args(["metadata", "--no-deps", "--format-version", "1"])
+            .current_dir(root),
+    )
+    .context("cargo metadata failed")?;
+    let metadata: serde_json::Value = serde_json::from_str(&metadata)?;
+    let mut doc = cmd::cargo();
+    doc.args(["doc", "--workspace", "--no-deps", "--lib", "--examples"])
+        .env("RUSTDOCFLAGS", "-D warnings")
+        .current_dir(root);
+    let crate_name =
+        |target: &serde_json::Value| target["name"].as_str().map(|name| name.replace('-', "_"));
+    let is = |target: &serde_json::Value, kind: &str| {
+        target["kind"]
+            .as_array()
+            .is_some_and(|kinds| kinds.iter().any(|k| k == kind))
+    };
+    let packages = metadata["packages"]
+        .as_array()
+        .context("cargo metadata lists no packages")?;
+    for package in packages {
+        let targets = package["targets"]
+            .as_array()
+            .map(Vec::as_slice)
+            .unwrap_or_default();
+        let lib = targets
+            .iter()
+            .find(|t| {
+                !["bin", "test", "bench", "example", "custom-build"]
+                    .iter()
+                    .any(|k| is(t, k))
+            })
+            .and_then(crate_name);
+        for bin in targets.iter().filter(|t| is(t, "bin") && t["doc"] != false) {
+            if let Some(name) = bin["name"].as_str()
+                && crate_name(bin) != lib
+            {
+                doc.args(["--bin", name]);
+            }
+        }
+    }
+    Ok(doc)
 }
 
 /// The soak run: the ignored `soak` test of the fault suite, with its duration passed on.
