@@ -1,6 +1,8 @@
 //! The benchmark groups and the report they write. Each group writes its own section
 //! (`benchmarks/<group>.md`) and chart (`benchmarks/<group>.svg`); `BENCHMARKS.md` is
 //! reassembled from every section present, so running one group keeps the others' figures.
+//! What people measured by hand beside a group lives in `benchmarks/<group>.notes.md`, which
+//! the bench only reads: rerunning the group rewrites its section, never those notes.
 
 use crate::chart;
 use crate::report::{self, Machine};
@@ -77,6 +79,9 @@ pub fn run(wanted: &[String], target: &Path, out: &Path) -> Result<()> {
         if let Ok(section) = std::fs::read_to_string(dir.join(format!("{id}.md"))) {
             document.push('\n');
             document.push_str(&section);
+            if let Ok(notes) = std::fs::read_to_string(dir.join(format!("{id}.notes.md"))) {
+                document.push_str(&notes);
+            }
         }
     }
     std::fs::write(out, document)?;
