@@ -242,24 +242,15 @@ pub async fn call(
     metadata: &[(String, String)],
     deadline: Duration,
 ) -> Result<String, Box<Status>> {
-    let mut client = tonic::client::Grpc::new(channel);
-    let request = request(text, metadata, deadline)?;
-    let path = http::uri::PathAndQuery::try_from(format!("/{SERVICE}/{method}"))
-        .map_err(|e| Status::invalid_argument(e.to_string()))?;
-    let answer = async {
-        client
-            .ready()
-            .await
-            .map_err(|e| Status::unavailable(e.to_string()))?;
+    let (mut client, request, path) = prepare(channel, method, text, metadata, deadline)?;
+    let response = within(deadline, async {
+        ready(&mut client).await?;
         client
             .unary::<Text, Text, _>(request, path, ProstCodec::default())
             .await
-    };
-    match tokio::time::timeout(deadline, answer).await {
-        Ok(Ok(response)) => Ok(response.into_inner().text),
-        Ok(Err(status)) => Err(Box::new(status)),
-        Err(_) => Err(Box::new(Status::deadline_exceeded("the client gave up"))),
-    }
+    })
+    .await?;
+    Ok(response.into_inner().text)
 }
 
 /// Opens a server stream of `method` with `text` and `metadata`, bounded by `deadline` (sent
@@ -271,21 +262,52 @@ pub async fn open_stream(
     metadata: &[(String, String)],
     deadline: Duration,
 ) -> Result<tonic::Streaming<Text>, Box<Status>> {
-    let mut client = tonic::client::Grpc::new(channel);
-    let request = request(text, metadata, deadline)?;
-    let path = http::uri::PathAndQuery::try_from(format!("/{SERVICE}/{method}"))
-        .map_err(|e| Status::invalid_argument(e.to_string()))?;
-    let opened = async {
-        client
-            .ready()
-            .await
-            .map_err(|e| Status::unavailable(e.to_string()))?;
+    let (mut client, request, path) = prepare(channel, method, text, metadata, deadline)?;
+    let response = within(deadline, async {
+        ready(&mut client).await?;
         client
             .server_streaming::<Text, Text, _>(request, path, ProstCodec::default())
             .await
-    };
-    match tokio::time::timeout(deadline, opened).await {
-        Ok(Ok(response)) => Ok(response.into_inner()),
+    })
+    .await?;
+    Ok(response.into_inner())
+}
+
+/// A call's client, request and method path.
+fn prepare(
+    channel: Channel,
+    method: &str,
+    text: &str,
+    metadata: &[(String, String)],
+    deadline: Duration,
+) -> Result<
+    (
+        tonic::client::Grpc<Channel>,
+        tonic::Request<Text>,
+        http::uri::PathAndQuery,
+    ),
+    Box<Status>,
+> {
+    let request = request(text, metadata, deadline)?;
+    let path = http::uri::PathAndQuery::try_from(format!("/{SERVICE}/{method}"))
+        .map_err(|e| Status::invalid_argument(e.to_string()))?;
+    Ok((tonic::client::Grpc::new(channel), request, path))
+}
+
+async fn ready(client: &mut tonic::client::Grpc<Channel>) -> Result<(), Status> {
+    client
+        .ready()
+        .await
+        .map_err(|e| Status::unavailable(e.to_string()))
+}
+
+/// `call` bounded by `deadline`: the status it ended with, or the client's own give-up.
+async fn within<T>(
+    deadline: Duration,
+    call: impl std::future::Future<Output = Result<T, Status>>,
+) -> Result<T, Box<Status>> {
+    match tokio::time::timeout(deadline, call).await {
+        Ok(Ok(answer)) => Ok(answer),
         Ok(Err(status)) => Err(Box::new(status)),
         Err(_) => Err(Box::new(Status::deadline_exceeded("the client gave up"))),
     }

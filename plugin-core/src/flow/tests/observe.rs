@@ -22,6 +22,21 @@ fn mark(gw: &Gateway) -> (usize, usize) {
     (gw.rec.counts.len(), gw.rec.samples.len())
 }
 
+/// Checks `action` is the 503 `wait-expired` answer; the decision and wait noted since `from`.
+fn wait_expired_noted(
+    gw: &Gateway,
+    action: Action,
+    from: (usize, usize),
+) -> (Option<Decision>, Option<u64>) {
+    let r = reply(action);
+    assert_eq!(
+        (r.status, problem_type(&r)),
+        (503, types::WAIT_EXPIRED.into())
+    );
+    let noted = noted_since(gw, from);
+    (noted.decision, noted.wait_ms)
+}
+
 /// A shadow rule limiting each key to one request a second (`tier`), rejecting duplicates.
 fn shadow_limited(tier: &str) -> Gateway {
     Gateway::rules(&format!(
@@ -133,14 +148,9 @@ fn a_wait_that_runs_out_is_its_own_decision_with_the_time_it_waited() {
         queue_len: 1,
         waited: true,
     };
-    let r = reply(gw.answer_with(&mut waiter, &expired, &[]));
+    let action = gw.answer_with(&mut waiter, &expired, &[]);
     assert_eq!(
-        (r.status, problem_type(&r)),
-        (503, types::WAIT_EXPIRED.into())
-    );
-    let noted = noted_since(&gw, from);
-    assert_eq!(
-        (noted.decision, noted.wait_ms),
+        wait_expired_noted(&gw, action, from),
         (Some(Decision::WaitExpired), Some(10_000))
     );
     assert_eq!(
@@ -161,14 +171,9 @@ fn a_wait_that_runs_out_is_its_own_decision_with_the_time_it_waited() {
     assert_eq!(gw.grant(&mut waiter, 2), Action::Wait, "vetoed: waits here");
     gw.now += 10_500;
     let from = mark(&gw);
-    let r = reply(tick(&mut gw, &mut waiter).expect("the wait ended"));
+    let action = tick(&mut gw, &mut waiter).expect("the wait ended");
     assert_eq!(
-        (r.status, problem_type(&r)),
-        (503, types::WAIT_EXPIRED.into())
-    );
-    let noted = noted_since(&gw, from);
-    assert_eq!(
-        (noted.decision, noted.wait_ms),
+        wait_expired_noted(&gw, action, from),
         (Some(Decision::WaitExpired), None)
     );
     assert_eq!(gw.count(Counter::Rejected), 0);
