@@ -249,15 +249,12 @@ impl Store for RedisStore {
             .arg(waiter)
             .arg(alive_ms);
         let sent = std::time::Instant::now();
-        let items: Vec<Value> = self.run(Op::Script(script, &cmd)).await?;
-        let reply = decode_claim(&items)?;
+        let packed: Value = self.run(Op::Script(script, &cmd)).await?;
+        let (reply, step_clock_us) = decode_claim(&packed)?;
         if let ClaimStep::Granted(grant) = &reply.step {
             // The script's clock: the grant's time, unless the grant was a hand-off made
             // earlier and picked up by this step (then the step's clock follows).
-            let clock_us = match items.get(5) {
-                None => grant.granted_at_us,
-                clock => number(clock)?,
-            };
+            let clock_us = step_clock_us.unwrap_or(grant.granted_at_us);
             let answered = held::Answered {
                 fence: grant.fence,
                 fingerprint: args.fingerprint.unwrap_or(""),

@@ -300,7 +300,8 @@ macro_rules! prelude {
 /// ARGV: owner, fingerprint ('' = none), mode ('idempotency'|'lock'), lease_ms,
 ///       wait_ms ('0' = do not queue), max_queue, record_ttl_ms, grant_ttl_ms, inbox_prefix,
 ///       inbox, waiter name ('' = none), alive window_ms.
-/// Returns `{outcome, lease_expired(0|1), ...}`:
+/// Returns one string of `\n`-separated fields (`reply::Fields`: redis-rs parses an array
+/// reply element by element, on every claim), `outcome, lease_expired(0|1), ...`:
 ///   `completed, status, headers_json, body` | `mismatch`
 ///   | `granted, fence, lease_ms, since_us[, now_us]` (`now_us`, the clock of this step, only
 ///     where it is not the grant's own time: a hand-off picked up now)
@@ -326,7 +327,7 @@ local now, now_s = clock()
 -- exist is left as it is and read instead.
 local v = redis.call('SET', state, cmsgpack.pack({now_s, owner, fp, now_s, now_s, lease, '0'}),
   'NX', 'GET', 'PX', grant_ttl)
-if not v then return {'granted', 0, now_s, lease, now_s} end
+if not v then return 'granted\n0\n' .. now_s .. '\n' .. lease .. '\n' .. now_s end
 -- A named place given up while this claim waited: the claim ends here. Asked only once a
 -- record exists: a place is given up only in a queue, behind a holder, so a key with no
 -- record has none (were its record gone meanwhile, the grant above goes to a request that
@@ -457,7 +458,16 @@ local function step()
   return {'granted', expired, f, lease, now_s}
 end
 
-local reply = step()
+-- The reply packed into one string (`reply::Fields`); a fence may be above 1e14, past
+-- what Lua's own spelling of a number keeps exact.
+local function packed(t)
+  for i = 1, #t do
+    if type(t[i]) == 'number' then t[i] = int(t[i]) end
+  end
+  return table.concat(t, '\n')
+end
+
+local reply = packed(step())
 flush()
 return reply
 "#
@@ -545,8 +555,9 @@ return 'released'
 /// ARGV: owner, retention_ms, store ('1'|'0'), status, headers_json, body, record_ttl_ms,
 ///       inbox_prefix, fence, fingerprint, now_us — the last three from the grant this
 ///       sidecar answered (`held.rs`), or '' when it did not answer it.
-/// Returns `{'released', held_ms, lease_ms}` (how long the holding lasted, the lease it ran
-/// under: what the wait hints learn from) | 'stale'.
+/// Returns `released, held_ms, lease_ms` as one string of `\n`-separated fields, as the claim
+/// does (how long the holding lasted, the lease it ran under: what the wait hints learn
+/// from) | 'stale'.
 ///
 /// Atomic because the owner check, the stored response and the release must be one step:
 /// a holder whose lease just ran out must not overwrite the next holder's state, and no
@@ -583,7 +594,7 @@ if fence ~= '' then
   r = decode(v)
   if r.owner == owner and lease_end(r.at, r.lease) > now and r.fence == fence
       and r.fp == fp and r.q ~= '1' and (storing or not r.status) then
-    return {'released', held_ms(r.since, now), r.lease}
+    return 'released\n' .. held_ms(r.since, now) .. '\n' .. r.lease
   end
   now, now_s = clock()
   if r.owner ~= owner or lease_end(r.at, r.lease) <= now then
@@ -615,7 +626,7 @@ else
   if r.owner ~= owner or lease_end(r.at, r.lease) <= now then return 'stale' end
 end
 local queued = r.q == '1'
-local reply = {'released', held_ms(r.since, now), r.lease}
+local reply = 'released\n' .. held_ms(r.since, now) .. '\n' .. r.lease
 if storing then
   -- Every response field is written, so an older stored response leaves nothing behind.
   r.status, r.headers, r.body, r.rfp, r.kept =
