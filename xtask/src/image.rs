@@ -79,7 +79,7 @@ pub fn command(root: &Path, args: &[String]) -> Result<()> {
     build_and_check(root, &sidecar, &wasm)
 }
 
-/// Builds the sidecar binary (release or dev profile) and returns its path, as cargo
+/// Builds the sidecar binary (the shipped `dist` profile or the dev profile) and returns its path, as cargo
 /// reports it.
 pub fn build_sidecar(root: &Path, release: bool) -> Result<PathBuf> {
     let mut cargo = cmd::cargo();
@@ -88,10 +88,10 @@ pub fn build_sidecar(root: &Path, release: bool) -> Result<PathBuf> {
         .args(["--message-format", "json-render-diagnostics"])
         .current_dir(root)
         .stderr(Stdio::inherit());
-    if release {
-        cargo.arg("--release");
-    }
-    let profile = if release { "release" } else { "dev" };
+    // `dist`: the release profile with whole-program optimization (Cargo.toml), what the
+    // image ships.
+    let profile = if release { "dist" } else { "dev" };
+    cargo.args(["--profile", profile]);
     println!("==> sidecar binary ({profile}): cargo build -p {SIDECAR}");
     let started = Instant::now();
     let out = cargo.output().context("running cargo build")?;

@@ -76,16 +76,18 @@ pub(crate) fn inbox_prefix(prefix: &str) -> String {
 /// Appends `key` with `%`, `{` and `}` escaped (reversed by [`tag_to_key`]).
 fn push_tag(out: &mut String, key: &str) {
     let mut rest = key;
-    while let Some(i) = rest.find(['%', '{', '}']) {
+    // A vectorized byte scan: `str::find` with a set of chars decodes every char first (~17
+    // instructions a byte, on every store call's key); the three are ASCII, so a byte match
+    // is a char match.
+    while let Some(i) = memchr::memchr3(b'%', b'{', b'}', rest.as_bytes()) {
         let (plain, tail) = rest.split_at(i);
         out.push_str(plain);
-        let mut chars = tail.chars();
-        out.push_str(match chars.next() {
-            Some('%') => "%25",
-            Some('{') => "%7B",
+        out.push_str(match tail.as_bytes().first() {
+            Some(b'%') => "%25",
+            Some(b'{') => "%7B",
             _ => "%7D",
         });
-        rest = chars.as_str();
+        rest = tail.get(1..).unwrap_or_default();
     }
     out.push_str(rest);
 }
@@ -114,7 +116,7 @@ mod tests {
 
     #[test]
     fn all_keys_of_a_lock_share_one_hash_tag() {
-        for key in ["abc", "}x{", "{", "a%7Bb", "%"] {
+        for key in ["abc", "}x{", "{", "a%7Bb", "%", "é{ü}%ß"] {
             let keys = LockKeys::new("p", key);
             let tags: Vec<&str> = keys
                 .all()
