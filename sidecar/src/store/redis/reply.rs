@@ -201,22 +201,28 @@ mod tests {
 
     #[test]
     fn a_stored_body_keeps_its_newlines_and_a_grant_its_optional_clock() {
-        let (reply, clock) =
-            decode_claim(&packed(b"completed\n1\n201\n[[\"x-id\",\"7\"]]\nline 1\nline 2\n"))
-                .unwrap();
+        let (reply, clock) = decode_claim(&packed(
+            b"completed\n1\n201\n[[\"x-id\",\"7\"]]\nline 1\nline 2\n",
+        ))
+        .unwrap();
         assert!(reply.lease_expired);
         assert_eq!(clock, None);
         let ClaimStep::Completed(stored) = reply.step else {
             panic!("completed expected, got {:?}", reply.step);
         };
         assert_eq!(stored.response.status, 201);
-        assert_eq!(stored.response.headers, [("x-id".to_owned(), "7".to_owned())]);
+        assert_eq!(
+            stored.response.headers,
+            [("x-id".to_owned(), "7".to_owned())]
+        );
         assert_eq!(&stored.body[..], b"line 1\nline 2\n");
 
         let fresh = b"granted\n0\n1764690000123456\n30000\n1764690000123456";
         let (reply, clock) = decode_claim(&packed(fresh)).unwrap();
-        assert!(matches!(reply.step, ClaimStep::Granted(g) if g.fence == 1_764_690_000_123_456
-            && g.lease_ms == 30_000 && g.granted_at_us == 1_764_690_000_123_456));
+        assert!(
+            matches!(reply.step, ClaimStep::Granted(g) if g.fence == 1_764_690_000_123_456
+            && g.lease_ms == 30_000 && g.granted_at_us == 1_764_690_000_123_456)
+        );
         assert_eq!(clock, None);
         let (_, clock) = decode_claim(&packed(b"granted\n0\n7\n30000\n5\n9")).unwrap();
         assert_eq!(clock, Some(9));
@@ -235,7 +241,10 @@ mod tests {
         }
         assert!(matches!(
             release(&packed(b"released\n12\n30000")),
-            Ok(Release::Released { held_ms: 12, lease_ms: 30_000 })
+            Ok(Release::Released {
+                held_ms: 12,
+                lease_ms: 30_000
+            })
         ));
         assert!(matches!(release(&packed(b"stale")), Ok(Release::Stale)));
         assert!(release(&packed(b"released\n12")).is_err());
