@@ -23,7 +23,8 @@ commands:
           peer, only when named: idemgate beside idempotent-proxy-server, installed once
           from crates.io at a pinned version under target/peer)
   wasm    build the filter to target/idemgate.wasm (and the host-test fixtures)
-  test    the whole test suite: fmt, clippy (native and wasm32), docs (warnings denied),
+  test    the whole test suite: fmt, clippy (native and wasm32, as the code builds), docs
+          (warnings denied),
           Envoy config schema checks, alerting rules (promtool), unit tests, wasm build,
           then every test that loads the built wasm, then the images
   integration  only the last step of `test`: every integration test binary, two at a time
@@ -74,12 +75,13 @@ fn workspace_root() -> PathBuf {
         .unwrap_or_else(|| PathBuf::from("."))
 }
 
-/// The README's test command. Order matters: cheap static checks first, then unit tests,
-/// then the integration tests, which load the wasm modules.
+/// The README's test command. Order matters: the format check first, then the builds
+/// (linted as they compile) and unit tests, then the integration tests, which load the wasm
+/// modules.
 ///
-/// Two lanes run side by side until the integration tests: the native one (clippy, docs,
-/// the config checks, unit tests, in `target/`) and the wasm one (clippy for wasm32 and the
-/// modules, in `target/wasm-build/`). They share no build directory, and much of the wasm
+/// Two lanes run side by side until the integration tests: the native one (the build with
+/// clippy, docs, the config checks, unit tests, in `target/`) and the wasm one (the modules,
+/// the filter's crates linted for wasm32 as they compile, in `target/wasm-build/`). They share no build directory, and much of the wasm
 /// lane is single-threaded (std rebuilt crate after crate, the filter's one-unit LTO), so on
 /// a 2-core machine it fills the core the native lane leaves idle. The wasm lane's output is
 /// kept in `target/test-logs/wasm-lane.log` and printed whole when both lanes are done.
@@ -101,14 +103,13 @@ fn test(root: &Path) -> Result<()> {
     let route = toolchain::wasm_route()?;
     let wasm_log = root.join("target/test-logs/wasm-lane.log");
     println!(
-        "==> wasm lane (clippy for wasm32, the modules, the fuzz targets): beside the native steps, output in {}",
+        "==> wasm lane (the modules, clippy for wasm32, the fuzz targets): beside the native steps, output in {}",
         wasm_log.display()
     );
     let (native, wasm) = std::thread::scope(|scope| {
         let wasm_lane = scope.spawn(|| {
             cmd::logged(&wasm_log, || {
                 let started = std::time::Instant::now();
-                cmd::step("clippy (wasm32-wasip1)", &mut wasm::clippy(root, route))?;
                 let wasm = wasm::build_with(root, route)?;
                 // Its own target directory, so it runs beside the native lane's cargo
                 // instead of waiting for its lock; this lane ends well before that one.
@@ -140,52 +141,44 @@ fn test(root: &Path) -> Result<()> {
     Ok(())
 }
 
-/// The native lane of `test`: lints, docs, the config and rule checks, one build of every
-/// test and binary, the unit tests.
+/// The native lane of `test`: one build of every test and binary, linted by clippy as it
+/// compiles (`cmd::lint_while_building`), the docs, the config and rule checks, the unit
+/// tests.
 fn native_checks(root: &Path) -> Result<()> {
-    cmd::step(
-        "clippy (native)",
-        cmd::cargo()
-            .args([
-                "clippy",
-                "--workspace",
-                "--all-targets",
-                "--",
-                "-D",
-                "warnings",
-            ])
-            .current_dir(root),
-    )?;
-    // After clippy, so it reuses clippy's metadata for the dependencies (no codegen).
-    cmd::step("docs", &mut docs(root)?)?;
-    envoy::check(root)?;
     // Every test binary and binary in one invocation (the integration tests' build, with the
     // same features, then finds them fresh): cargo overlaps the two sets' compiling and
-    // linking instead of ending each with a core idle on the last big link.
-    cmd::step(
-        "build the tests and binaries",
-        cmd::cargo()
-            .args(["build", "--workspace", "--bins", "--tests"])
-            .current_dir(root),
-    )?;
+    // linking instead of ending each with a core idle on the last big link. The libraries,
+    // binaries and tests (the libraries' unit tests among them) are every target
+    // `cargo clippy --all-targets` would lint: the workspace has no benches or examples.
+    let mut build = cmd::cargo();
+    build
+        .args(["build", "--workspace", "--lib", "--bins", "--tests"])
+        .current_dir(root);
+    cmd::lint_while_building(&mut build)?;
+    cmd::step("build the tests and binaries, clippy linting", &mut build)?;
+    // After the build, so build scripts and proc macros are compiled already; the
+    // dependencies it documents against are checked (metadata only), which no build reuses.
+    cmd::step("docs", &mut docs(root)?)?;
+    envoy::check(root)?;
     let mut idemgate = std::process::Command::new(root.join("target/debug/idemgate"));
     idemgate.current_dir(root);
     envoy::check_bundle(root, idemgate)?;
     observability::check(root)?;
-    cmd::step(
-        "unit tests",
-        cmd::cargo()
-            .args(["test", "--workspace", "--lib", "--bins"])
-            .current_dir(root),
-    )
+    let mut unit = cmd::cargo();
+    unit.args(["test", "--workspace", "--lib", "--bins"])
+        .current_dir(root);
+    cmd::lint_while_building(&mut unit)?;
+    cmd::step("unit tests", &mut unit)
 }
 
 /// `cargo doc --workspace --no-deps` of the targets it documents by default (every library,
 /// and every binary not named as its package's library), warnings denied. The targets are
 /// named because a target selection with `--examples` (the workspace has none) makes cargo
-/// resolve features with the dev-dependencies, as clippy's `--all-targets` did: the default
-/// selection resolves them without, and re-checks every dependency whose features differ
-/// (tonic, reqwest, redis, regex, the OpenTelemetry crates and the workspace's own).
+/// resolve features with the dev-dependencies, as the build's `--tests` does: the build
+/// scripts and proc macros the docs need are then the build's, where the default selection
+/// would resolve features without the dev-dependencies and compile every one whose
+/// features differ again (tonic, reqwest, redis, regex, the OpenTelemetry crates and the
+/// workspace's own).
 fn docs(root: &Path) -> Result<std::process::Command> {
     let metadata = cmd::output(
         cmd::cargo()

@@ -106,6 +106,8 @@ fn build(root: &Path) -> Result<Built> {
         .args(["--message-format", "json-render-diagnostics"])
         .current_dir(root)
         .stderr(Stdio::inherit());
+    // Linted as the native lane's build was, so it finds that build's artifacts fresh.
+    cmd::lint_while_building(&mut command)?;
     println!("==> build integration tests and binaries: cargo build --workspace --bins --test '*'");
     let started = Instant::now();
     let out = command.output().context("running cargo test --no-run")?;
