@@ -80,8 +80,8 @@ fn workspace_root() -> PathBuf {
 /// modules.
 ///
 /// Two lanes run side by side until the integration tests: the native one (the build with
-/// clippy, docs, the config checks, unit tests, in `target/`) and the wasm one (the modules,
-/// the filter's crates linted for wasm32 as they compile, in `target/wasm-build/`). They share no build directory, and much of the wasm
+/// clippy, docs, the config checks, unit tests, in `target/`) and the wasm one (clippy for
+/// wasm32 and the modules, in `target/wasm-build/`). They share no build directory, and much of the wasm
 /// lane is single-threaded (std rebuilt crate after crate, the filter's one-unit LTO), so on
 /// a 2-core machine it fills the core the native lane leaves idle. The wasm lane's output is
 /// kept in `target/test-logs/wasm-lane.log` and printed whole when both lanes are done.
@@ -103,13 +103,17 @@ fn test(root: &Path) -> Result<()> {
     let route = toolchain::wasm_route()?;
     let wasm_log = root.join("target/test-logs/wasm-lane.log");
     println!(
-        "==> wasm lane (the modules, clippy for wasm32, the fuzz targets): beside the native steps, output in {}",
+        "==> wasm lane (clippy for wasm32, the modules, the fuzz targets): beside the native steps, output in {}",
         wasm_log.display()
     );
     let (native, wasm) = std::thread::scope(|scope| {
         let wasm_lane = scope.spawn(|| {
             cmd::logged(&wasm_log, || {
                 let started = std::time::Instant::now();
+                // Its own pass, not the build's wrapper (`cmd::lint_while_building`): clippy's
+                // driver compiles with MIR optimizations off, and this build is the shipped
+                // filter (+931 bytes that way).
+                cmd::step("clippy (wasm32-wasip1)", &mut wasm::clippy(root, route))?;
                 let wasm = wasm::build_with(root, route)?;
                 // Its own target directory, so it runs beside the native lane's cargo
                 // instead of waiting for its lock; this lane ends well before that one.
