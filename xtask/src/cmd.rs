@@ -56,7 +56,7 @@ pub fn cargo() -> Command {
     Command::new(std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into()))
 }
 
-/// Makes `command` (a `cargo build` or `cargo test`) lint the workspace's own crates as it
+/// [`cargo`] for a `cargo build` or `cargo test` that lints the workspace's own crates as it
 /// compiles them, with warnings denied: what `cargo clippy -- -D warnings` does, clippy's
 /// driver as the workspace's compiler wrapper, but inside the build that compiles the code
 /// anyway. A separate `cargo clippy` checks every dependency a second time, in check mode,
@@ -67,11 +67,12 @@ pub fn cargo() -> Command {
 /// (`mir_opt_level` 0, so its lints see the MIR as written), which changes the code. The
 /// wasm filter built through it was 931 bytes larger.
 ///
-/// The driver is the one beside `command`'s cargo, so it matches the compiler that cargo
+/// The driver is the one beside that cargo, so it matches the compiler that cargo
 /// runs (a clippy driver only drives its own toolchain's compiler). Every build that should
 /// reuse the artifacts must lint the same way: the wrapper is part of each workspace crate's
 /// fingerprint, so a build without it compiles them again.
-pub fn lint_while_building(command: &mut Command) -> Result<()> {
+pub fn linted_cargo() -> Result<Command> {
+    let mut command = cargo();
     let cargo = Path::new(command.get_program());
     let driver = match cargo.parent() {
         Some(dir) if cargo.is_absolute() => dir.join("clippy-driver"),
@@ -90,7 +91,7 @@ pub fn lint_while_building(command: &mut Command) -> Result<()> {
         "CLIPPY_ARGS",
         "-D__CLIPPY_HACKERY__warnings__CLIPPY_HACKERY__",
     );
-    Ok(())
+    Ok(command)
 }
 
 /// Runs `command` to completion, echoing it first; fails with `name` if it fails.

@@ -23,10 +23,9 @@ commands:
           peer, only when named: idemgate beside idempotent-proxy-server, installed once
           from crates.io at a pinned version under target/peer)
   wasm    build the filter to target/idemgate.wasm (and the host-test fixtures)
-  test    the whole test suite: fmt, clippy (native and wasm32, as the code builds), docs
-          (warnings denied),
-          Envoy config schema checks, alerting rules (promtool), unit tests, wasm build,
-          then every test that loads the built wasm, then the images
+  test    the whole test suite: fmt, clippy (native and wasm32, as the code builds),
+          docs (warnings denied), Envoy config schema checks, alerting rules (promtool),
+          unit tests, wasm build, then every test that loads the built wasm, then the images
   integration  only the last step of `test`: every integration test binary, two at a time
           (needs `cargo xtask wasm` first)
   bundle  render the Kubernetes overlays and validate them (schemas, token wiring, idemgate
@@ -81,8 +80,8 @@ fn workspace_root() -> PathBuf {
 ///
 /// Two lanes run side by side until the integration tests: the native one (the build with
 /// clippy, docs, the config checks, unit tests, in `target/`) and the wasm one (clippy for
-/// wasm32 and the modules, in `target/wasm-build/`). They share no build directory, and much of the wasm
-/// lane is single-threaded (std rebuilt crate after crate, the filter's one-unit LTO), so on
+/// wasm32 and the modules, in `target/wasm-build/`). They share no build directory, and much
+/// of the wasm lane is single-threaded (std rebuilt crate after crate, the filter's one-unit LTO), so on
 /// a 2-core machine it fills the core the native lane leaves idle. The wasm lane's output is
 /// kept in `target/test-logs/wasm-lane.log` and printed whole when both lanes are done.
 fn test(root: &Path) -> Result<()> {
@@ -110,9 +109,8 @@ fn test(root: &Path) -> Result<()> {
         let wasm_lane = scope.spawn(|| {
             cmd::logged(&wasm_log, || {
                 let started = std::time::Instant::now();
-                // Its own pass, not the build's wrapper (`cmd::lint_while_building`): clippy's
-                // driver compiles with MIR optimizations off, and this build is the shipped
-                // filter (+931 bytes that way).
+                // Its own pass, not the build's wrapper: `cmd::linted_cargo` builds are
+                // never shipped, and this one is the shipped filter.
                 cmd::step("clippy (wasm32-wasip1)", &mut wasm::clippy(root, route))?;
                 let wasm = wasm::build_with(root, route)?;
                 // Its own target directory, so it runs beside the native lane's cargo
@@ -146,7 +144,7 @@ fn test(root: &Path) -> Result<()> {
 }
 
 /// The native lane of `test`: one build of every test and binary, linted by clippy as it
-/// compiles (`cmd::lint_while_building`), the docs, the config and rule checks, the unit
+/// compiles (`cmd::linted_cargo`), the docs, the config and rule checks, the unit
 /// tests.
 fn native_checks(root: &Path) -> Result<()> {
     // Every test binary and binary in one invocation (the integration tests' build, with the
@@ -154,12 +152,12 @@ fn native_checks(root: &Path) -> Result<()> {
     // linking instead of ending each with a core idle on the last big link. The libraries,
     // binaries and tests (the libraries' unit tests among them) are every target
     // `cargo clippy --all-targets` would lint: the workspace has no benches or examples.
-    let mut build = cmd::cargo();
-    build
-        .args(["build", "--workspace", "--lib", "--bins", "--tests"])
-        .current_dir(root);
-    cmd::lint_while_building(&mut build)?;
-    cmd::step("build the tests and binaries, clippy linting", &mut build)?;
+    cmd::step(
+        "build the tests and binaries, clippy linting",
+        cmd::linted_cargo()?
+            .args(["build", "--workspace", "--lib", "--bins", "--tests"])
+            .current_dir(root),
+    )?;
     // After the build, so build scripts and proc macros are compiled already; the
     // dependencies it documents against are checked (metadata only), which no build reuses.
     cmd::step("docs", &mut docs(root)?)?;
@@ -168,11 +166,12 @@ fn native_checks(root: &Path) -> Result<()> {
     idemgate.current_dir(root);
     envoy::check_bundle(root, idemgate)?;
     observability::check(root)?;
-    let mut unit = cmd::cargo();
-    unit.args(["test", "--workspace", "--lib", "--bins"])
-        .current_dir(root);
-    cmd::lint_while_building(&mut unit)?;
-    cmd::step("unit tests", &mut unit)
+    cmd::step(
+        "unit tests",
+        cmd::linted_cargo()?
+            .args(["test", "--workspace", "--lib", "--bins"])
+            .current_dir(root),
+    )
 }
 
 /// `cargo doc --workspace --no-deps` of the targets it documents by default (every library,

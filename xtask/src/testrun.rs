@@ -100,14 +100,13 @@ pub fn integration_tests(root: &Path) -> Result<()> {
 /// the dependencies already). Returns the test binaries in the order they should be taken
 /// from the end of the list (longest last = popped first).
 fn build(root: &Path) -> Result<Built> {
-    let mut command = cmd::cargo();
+    // Linted as the native lane's build was, so it finds that build's artifacts fresh.
+    let mut command = cmd::linted_cargo()?;
     command
         .args(["build", "--workspace", "--bins", "--test", "*"])
         .args(["--message-format", "json-render-diagnostics"])
         .current_dir(root)
         .stderr(Stdio::inherit());
-    // Linted as the native lane's build was, so it finds that build's artifacts fresh.
-    cmd::lint_while_building(&mut command)?;
     println!("==> build integration tests and binaries: cargo build --workspace --bins --test '*'");
     let started = Instant::now();
     let out = command.output().context("running cargo test --no-run")?;
