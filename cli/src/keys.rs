@@ -91,7 +91,13 @@ pub fn stored_key(config: &Config, call: &Call) -> Result<String> {
     }
     .map_err(|e| anyhow::anyhow!("the filter would refuse this key: {}", e.detail()))?
     .context("the call carries no key for this rule")?;
-    Ok(idemgate_core::key::scoped(rule, &head, &view, &raw))
+    Ok(idemgate_core::key::scoped(
+        rule,
+        &head,
+        &view,
+        &raw,
+        &mut idemgate_core::DigestMemo::new(),
+    ))
 }
 
 /// `name=value` pairs from the command line.
@@ -127,7 +133,13 @@ mod tests {
         let raw = idemgate_core::key::from_body(rule, br#"{"id":"evt_1","n":2}"#)
             .unwrap()
             .unwrap();
-        let filter = idemgate_core::key::scoped(rule, &head, &View(&call, None), &raw);
+        let filter = idemgate_core::key::scoped(
+            rule,
+            &head,
+            &View(&call, None),
+            &raw,
+            &mut idemgate_core::DigestMemo::new(),
+        );
         assert_eq!(stored_key(&config, &call).unwrap(), filter);
         let other = Call {
             key: "evt_2".into(),

@@ -6,7 +6,7 @@
 
 #![no_main]
 
-use idemgate_core::Config;
+use idemgate_core::{Config, DigestMemo};
 use idemgate_core::canonical::canonical_path;
 use idemgate_core::key::{self, KeyError};
 use idemgate_core::rule::{Matched, match_rule};
@@ -89,8 +89,9 @@ fn keyed(path: &[u8]) -> Keyed {
         .with(":method", "POST")
         .with_bytes(":path", path);
     let Matched { index, rule, head } = match_rule(config(), &req)?;
-    let key =
-        key::extract(rule, &head, &req).map(|k| k.map(|k| key::scoped(rule, &head, &req, &k)));
+    let mut memo = DigestMemo::new();
+    let key = key::extract(rule, &head, &req)
+        .map(|k| k.map(|k| key::scoped(rule, &head, &req, &k, &mut memo)));
     Some((index, key))
 }
 

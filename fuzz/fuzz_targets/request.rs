@@ -7,7 +7,7 @@
 #![no_main]
 
 use idemgate_core::testing::{MemStore, Recorder, Req};
-use idemgate_core::{Action, Answer, Breaker, Config, Env, Flow};
+use idemgate_core::{Action, Answer, Breaker, Config, DigestMemo, Env, Flow};
 use libfuzzer_sys::arbitrary::{self, Arbitrary};
 use libfuzzer_sys::fuzz_target;
 use std::sync::OnceLock;
@@ -78,6 +78,7 @@ fuzz_target!(|input: Input| {
         telemetry: &mut telemetry,
         owner: 7,
         waiter_secret: Some(&secret),
+        digests: &mut DigestMemo::new(),
     };
     let Some(route) = Flow::route(config, &req) else {
         return;

@@ -39,7 +39,7 @@ pub fn canonical_path(raw: &[u8], split: bool) -> CanonicalPath {
 
 /// Whether [`rewrite`] would give `raw` back unchanged: a `/`, then segments that are not
 /// empty, `.` or `..`, of characters kept as they are (no escape at all).
-fn already_canonical(raw: &[u8]) -> bool {
+pub(crate) fn already_canonical(raw: &[u8]) -> bool {
     let Some(rest) = raw.strip_prefix(b"/") else {
         return false;
     };

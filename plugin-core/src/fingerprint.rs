@@ -5,7 +5,7 @@
 
 use alloc::string::String;
 
-use crate::hash::PartHasher;
+use crate::hash::{PartHasher, Parts as _};
 use crate::ports::RequestView;
 use crate::rule::RequestHead;
 use crate::spec::FingerprintSpec;

@@ -23,7 +23,7 @@ use idemgate_wire::{
 
 use crate::capture::{Capture, Outcome};
 use crate::fingerprint::Fingerprint;
-use crate::hash::PartHasher;
+use crate::hash::{PartHasher, Parts as _};
 use crate::key::{self, KeyError};
 use crate::local::{Hold, LocalClaim, LocalResponse, Table};
 use crate::metrics::{Counter, Histogram};
@@ -301,7 +301,7 @@ impl Flow {
         let rate_checks = rule
             .rate
             .as_ref()
-            .map(|spec| rate::checks(&rule, spec, req, Some(&raw_key)))
+            .map(|spec| rate::checks(&rule, spec, req, Some(&raw_key), env.digests))
             .unwrap_or_default();
         // The local tier's limits are checked before the key is hashed and the body buffered
         // or hashed: a limited request is answered at once and costs neither.
@@ -320,7 +320,7 @@ impl Flow {
             }
             _ => Vec::new(),
         };
-        self.key = key::scoped(&rule, head, req, &raw_key);
+        self.key = key::scoped(&rule, head, req, &raw_key, env.digests);
         if let Some(spec) = &rule.fingerprint {
             let fp = Fingerprint::start(spec, head, req);
             if spec.max_body == 0 {

@@ -7,7 +7,7 @@ use alloc::string::{String, ToString};
 use alloc::vec::Vec;
 
 use crate::canonical::decode;
-use crate::hash::PartHasher;
+use crate::hash::{DigestMemo, PartBytes, Parts as _};
 use crate::ports::RequestView;
 use crate::rule::RequestHead;
 use crate::spec::{KeySource, Rule};
@@ -222,9 +222,16 @@ fn unquote(raw: &[u8]) -> Result<Vec<u8>, KeyError> {
     Err(KeyError::Malformed)
 }
 
-/// The stored key: scope (rule, mode, optionally method, caller identity) ‖ key, hashed.
-pub fn scoped(rule: &Rule, head: &RequestHead, req: &dyn RequestView, key: &[u8]) -> String {
-    let mut h = PartHasher::new("idemgate/key/v1");
+/// The stored key: scope (rule, mode, optionally method, caller identity) ‖ key, hashed
+/// (`memo`: the worker's last digests, which a duplicate's key is mostly among).
+pub fn scoped(
+    rule: &Rule,
+    head: &RequestHead,
+    req: &dyn RequestView,
+    key: &[u8],
+    memo: &mut DigestMemo,
+) -> String {
+    let mut h = PartBytes::new("idemgate/key/v1", memo);
     h.part(rule.name.as_bytes());
     h.part(match rule.mode {
         idemgate_wire::Mode::Idempotency => b"idempotency",
@@ -330,35 +337,38 @@ mod tests {
 
     #[test]
     fn a_lock_covers_every_method_on_the_resource() {
+        let mut memo = DigestMemo::new();
         let r =
             rule(r#""mode":"lock","match":{"path_template":"/a/{id}"},"key":{"path_param":"id"}"#);
         let put = Req::new("PUT", "/a/1");
         let delete = Req::new("DELETE", "/a/1");
         assert_eq!(
-            scoped(&r, &head(&put), &put, b"1"),
-            scoped(&r, &head(&delete), &delete, b"1")
+            scoped(&r, &head(&put), &put, b"1", &mut memo),
+            scoped(&r, &head(&delete), &delete, b"1", &mut memo)
         );
     }
 
     #[test]
     fn scope_separates_callers_methods_and_rules() {
+        // One memo for every digest, as a worker's: a memoized digest is the input's own.
+        let mut memo = DigestMemo::new();
         let r = rule(r#""scope":{"headers":["x-user-id"]}"#);
         let alice = Req::new("POST", "/x").with("x-user-id", "alice");
         let bob = Req::new("POST", "/x").with("x-user-id", "bob");
         let anon = Req::new("POST", "/x");
         let empty = Req::new("POST", "/x").with("x-user-id", "");
         let put = Req::new("PUT", "/x").with("x-user-id", "alice");
-        let a = scoped(&r, &head(&alice), &alice, b"k");
+        let a = scoped(&r, &head(&alice), &alice, b"k", &mut memo);
         assert_eq!(a.len(), 64);
         assert!(a.bytes().all(|b| b.is_ascii_hexdigit()));
-        assert_eq!(a, scoped(&r, &head(&alice), &alice, b"k"));
+        assert_eq!(a, scoped(&r, &head(&alice), &alice, b"k", &mut memo));
         for other in [&bob, &anon, &empty, &put] {
-            assert_ne!(a, scoped(&r, &head(other), other, b"k"));
+            assert_ne!(a, scoped(&r, &head(other), other, b"k", &mut memo));
         }
-        assert_ne!(a, scoped(&r, &head(&alice), &alice, b"k2"));
+        assert_ne!(a, scoped(&r, &head(&alice), &alice, b"k2", &mut memo));
         let mut r2 = r.clone();
         r2.name = "other".into();
-        assert_ne!(a, scoped(&r2, &head(&alice), &alice, b"k"));
+        assert_ne!(a, scoped(&r2, &head(&alice), &alice, b"k", &mut memo));
     }
 
     /// A body-key rule (`allow_on_headers_stop_iteration` set, as the key requires).

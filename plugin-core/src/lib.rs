@@ -56,8 +56,9 @@ pub use flow::{
     Action, Answer, Callout, Flow, Lookups, ReleaseResult, Route, on_leave_answer,
     on_release_answer,
 };
+pub use hash::DigestMemo;
 pub use metrics::{Counter, Decision, Histogram, Noted};
 pub use ports::{Env, HostError, RequestView, SharedStore, Telemetry};
-pub use problem::Reply;
+pub use problem::{Header, Reply};
 pub use spec::Config;
 pub use trace::TraceContext;

@@ -90,17 +90,43 @@ pub(crate) struct Table<'a> {
     pub(crate) store: &'a dyn SharedStore,
 }
 
-pub(crate) fn slot_key(slot: u32) -> String {
+pub(crate) fn slot_key(slot: u32) -> SlotName {
     slot_name("idemgate.v1.slot.", slot)
 }
 
-/// `prefix` and the slot's number: a shared-data key of one of the tables (`format!` costs
-/// a slot read several hundred instructions more).
-pub(crate) fn slot_name(prefix: &str, slot: u32) -> String {
-    let mut name = String::with_capacity(prefix.len() + 10);
-    name.push_str(prefix);
-    name.push_str(decimal(slot.into(), &mut [0; 20]));
+/// `prefix` and the slot's number: a shared-data key of one of the tables, spelled on the
+/// stack (`format!` costs a slot read several hundred instructions more, a `String` an
+/// allocation and its free).
+pub(crate) fn slot_name(prefix: &'static str, slot: u32) -> SlotName {
+    let mut name = SlotName {
+        bytes: [0; SLOT_NAME_MAX],
+        len: 0,
+    };
+    for part in [prefix, decimal(slot.into(), &mut [0; 20])] {
+        let end = name.len + part.len();
+        if let Some(at) = name.bytes.get_mut(name.len..end) {
+            at.copy_from_slice(part.as_bytes());
+            name.len = end;
+        }
+    }
     name
+}
+
+/// Room for the longer prefix (`idemgate.v1.slot.`, 17 bytes) and a u32's ten digits.
+const SLOT_NAME_MAX: usize = 32;
+
+/// A slot's shared-data key (see [`slot_name`]).
+pub(crate) struct SlotName {
+    bytes: [u8; SLOT_NAME_MAX],
+    len: usize,
+}
+
+impl core::ops::Deref for SlotName {
+    type Target = str;
+    fn deref(&self) -> &str {
+        // Only whole ASCII strings were copied in.
+        core::str::from_utf8(self.bytes.get(..self.len).unwrap_or_default()).unwrap_or_default()
+    }
 }
 
 impl Table<'_> {
@@ -441,9 +467,9 @@ pub(crate) mod tests {
     /// The shared-data keys of both tables, as every version of the filter names them.
     #[test]
     fn slot_names_are_the_prefix_and_the_number() {
-        assert_eq!(slot_key(0), "idemgate.v1.slot.0");
-        assert_eq!(slot_key(u32::MAX), "idemgate.v1.slot.4294967295");
-        assert_eq!(crate::rate::slot_key(17), "idemgate.v1.rate.17");
+        assert_eq!(&*slot_key(0), "idemgate.v1.slot.0");
+        assert_eq!(&*slot_key(u32::MAX), "idemgate.v1.slot.4294967295");
+        assert_eq!(&*crate::rate::slot_key(17), "idemgate.v1.rate.17");
     }
 
     #[test]

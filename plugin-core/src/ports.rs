@@ -52,4 +52,6 @@ pub struct Env<'a> {
     /// This VM's random secret (read once from the host's randomness) that waiter names are
     /// derived from; `None` when the host had none: queued claims then go unnamed (no leave).
     pub waiter_secret: Option<&'a [u8; 32]>,
+    /// This worker's last digests of stored and rate keys (duplicates repeat them).
+    pub digests: &'a mut crate::hash::DigestMemo,
 }

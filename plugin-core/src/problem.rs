@@ -2,6 +2,7 @@
 //! `type` URIs, and replays of stored responses. The filter's own problem types live here; the
 //! generic ones are shared with the sidecar through `idemgate_wire::problem_types`.
 
+use alloc::borrow::Cow;
 use alloc::string::{String, ToString};
 use alloc::vec::Vec;
 use idemgate_wire::{PROBLEM_CONTENT_TYPE, StoredResponse};
@@ -26,11 +27,16 @@ pub(crate) mod types {
     pub(crate) const RATE_LIMITED: &str = "urn:idemgate:problem:rate-limited";
 }
 
+/// A reply's header: the filter's own names and values are constants, so a refusal's are
+/// borrowed (each owned copy cost a local reply an allocation and its free, ~260
+/// instructions in the filter); a replay's are the stored response's.
+pub type Header = (Cow<'static, str>, Cow<'static, str>);
+
 /// A response the filter sends instead of forwarding the request.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Reply {
     pub status: u16,
-    pub headers: Vec<(String, String)>,
+    pub headers: Vec<Header>,
     pub body: Vec<u8>,
     /// Envoy's response code details (`%RESPONSE_CODE_DETAILS%`).
     pub details: &'static str,
@@ -210,11 +216,11 @@ impl Refusal {
         if grpc {
             let mut headers = Vec::new();
             if let Some(ms) = retry_after_ms {
-                headers.push(("grpc-retry-pushback-ms".to_string(), ms.to_string()));
+                headers.push(("grpc-retry-pushback-ms".into(), ms.to_string().into()));
             }
             let grpc_status = Some(self.grpc_code());
             if let Refusal::RateLimited { fields, .. } = self {
-                headers.extend(fields);
+                headers.extend(owned(fields));
             }
             // Pushed, not `concat`/`format!`: either costs the filter ~1 KiB here.
             let mut message = String::from(title);
@@ -237,16 +243,18 @@ impl Refusal {
             }
             _ => detail,
         };
-        let mut headers = Vec::with_capacity(4);
-        headers.push(("content-type".to_string(), PROBLEM_CONTENT_TYPE.to_string()));
+        let mut headers: Vec<Header> = Vec::with_capacity(4);
+        headers.push(("content-type".into(), PROBLEM_CONTENT_TYPE.into()));
         if let Some(ms) = retry_after_ms {
             headers.push((
-                "retry-after".to_string(),
-                decimal(ms.div_ceil(1000).max(1), &mut [0; 20]).to_string(),
+                "retry-after".into(),
+                decimal(ms.div_ceil(1000).max(1), &mut [0; 20])
+                    .to_string()
+                    .into(),
             ));
         }
         if let Refusal::RateLimited { fields, .. } = self {
-            headers.extend(fields);
+            headers.extend(owned(fields));
         }
         Reply {
             status,
@@ -256,6 +264,13 @@ impl Refusal {
             grpc_status: None,
         }
     }
+}
+
+/// Headers made at run time, as a reply's.
+fn owned(headers: Vec<(String, String)>) -> impl Iterator<Item = Header> {
+    headers
+        .into_iter()
+        .map(|(name, value)| (name.into(), value.into()))
 }
 
 /// The problem document, the bytes serde_json writes for [`Problem`] (the test
@@ -299,7 +314,7 @@ const GRPC_DONE_MESSAGE: &str = "a call with this idempotency key already comple
 /// message exactly, an OK as ALREADY_EXISTS (see [`GRPC_DONE_MESSAGE`]); both carry
 /// `idempotent-replayed: true` as metadata.
 pub(crate) fn replay(response: &StoredResponse, body: &[u8], grpc: bool) -> Reply {
-    let replayed = (REPLAYED_HEADER.to_string(), "true".to_string());
+    let replayed: Header = (REPLAYED_HEADER.into(), "true".into());
     if grpc {
         let stored = |name: &str| {
             response
@@ -329,7 +344,10 @@ pub(crate) fn replay(response: &StoredResponse, body: &[u8], grpc: bool) -> Repl
             grpc_status,
         };
     }
-    let mut headers = response.headers.clone();
+    let mut headers = Vec::with_capacity(response.headers.len() + 1);
+    headers.extend(
+        (response.headers.iter()).map(|(n, v)| (Cow::Owned(n.clone()), Cow::Owned(v.clone()))),
+    );
     headers.push(replayed);
     Reply {
         status: response.status,
@@ -476,7 +494,7 @@ mod tests {
                 .headers
                 .iter()
                 .find(|(n, _)| n == "grpc-retry-pushback-ms")
-                .map(|(_, v)| v.as_str());
+                .map(|(_, v)| &**v);
             assert_eq!(
                 pushback,
                 http.retry_after_ms.map(|ms| ms.to_string()).as_deref()
@@ -567,7 +585,7 @@ mod tests {
         for (refusal, (status, retry_after, details, body)) in every.into_iter().zip(expected) {
             let rate_limited = matches!(refusal, Refusal::RateLimited { .. });
             let reply = refusal.reply(false);
-            let mut headers: Vec<(String, String)> =
+            let mut headers: Vec<Header> =
                 alloc::vec![("content-type".into(), "application/problem+json".into())];
             if !retry_after.is_empty() {
                 headers.push(("retry-after".into(), retry_after.into()));

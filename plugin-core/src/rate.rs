@@ -16,7 +16,7 @@ use alloc::string::{String, ToString};
 use alloc::vec::Vec;
 use idemgate_wire::{GcraStep, Rate, RateResult, gcra};
 
-use crate::hash::{PartHasher, decimal, prefix_u32, same_key};
+use crate::hash::{DigestMemo, PartBytes, Parts as _, decimal, prefix_u32, same_key};
 use crate::local::{INSERT_CAS, slot_name};
 use crate::ports::{HostError, RequestView, SharedStore};
 use crate::spec::{Limit, LimitBy, RateSpec, Rule};
@@ -36,6 +36,7 @@ pub(crate) fn checks(
     spec: &RateSpec,
     req: &dyn RequestView,
     key: Option<&[u8]>,
+    memo: &mut DigestMemo,
 ) -> Vec<Check> {
     let mut out = Vec::with_capacity(spec.limits.len());
     for (i, limit) in spec.limits.iter().enumerate() {
@@ -43,7 +44,7 @@ pub(crate) fn checks(
         if by_key && key.is_none() {
             continue;
         }
-        let mut h = PartHasher::new("idemgate/rate/v1");
+        let mut h = PartBytes::new("idemgate/rate/v1", memo);
         h.part(rule.name.as_bytes());
         h.part(&(i as u64).to_be_bytes());
         h.part(limit.by.name().as_bytes());
@@ -142,7 +143,7 @@ const MAGIC: &[u8; 3] = b"IR1";
 /// CAS rounds before giving up; contention on one hot key is exactly what a limit sees.
 const ROUNDS: u32 = 16;
 
-pub(crate) fn slot_key(slot: u32) -> String {
+pub(crate) fn slot_key(slot: u32) -> crate::local::SlotName {
     slot_name("idemgate.v1.rate.", slot)
 }
 
@@ -329,7 +330,7 @@ mod tests {
         let now = 10_000_000;
         // Another worker spent two units between our read and our write.
         store.interfere_raw_once(
-            slot_key(table_home(&key(7), 4)),
+            slot_key(table_home(&key(7), 4)).to_string(),
             encode(&key(7), now + 200_000),
         );
         let step = table.check(&key(7), RATE, now).unwrap();
@@ -365,11 +366,12 @@ mod tests {
         .rules
         .remove(0);
         let s = spec(&[LimitBy::Scope, LimitBy::Key, LimitBy::ScopeAndKey]);
+        let mut memo = DigestMemo::new();
         let alice = Req::new("POST", "/").with("x-user", "alice");
         let bob = Req::new("POST", "/").with("x-user", "bob");
-        let a1 = checks(&rule, &s, &alice, Some(b"k1"));
-        let a2 = checks(&rule, &s, &alice, Some(b"k2"));
-        let b1 = checks(&rule, &s, &bob, Some(b"k1"));
+        let a1 = checks(&rule, &s, &alice, Some(b"k1"), &mut memo);
+        let a2 = checks(&rule, &s, &alice, Some(b"k2"), &mut memo);
+        let b1 = checks(&rule, &s, &bob, Some(b"k1"), &mut memo);
         assert_eq!(a1.len(), 3);
         assert_eq!(a1[0].key, a2[0].key, "per scope: same caller, any key");
         assert_ne!(a1[0].key, b1[0].key);
@@ -377,7 +379,7 @@ mod tests {
         assert_ne!(a1[1].key, a2[1].key);
         assert_ne!(a1[2].key, b1[2].key);
         assert_ne!(a1[2].key, a2[2].key);
-        let keyless = checks(&rule, &s, &alice, None);
+        let keyless = checks(&rule, &s, &alice, None, &mut memo);
         assert_eq!(keyless.len(), 1, "limits by key need a key");
         assert_eq!(keyless[0], a1[0]);
     }

@@ -4,7 +4,7 @@
 use alloc::sync::Arc;
 use alloc::vec::Vec;
 
-use crate::canonical::{canonical_path, decode};
+use crate::canonical::{already_canonical, canonical_path, decode};
 use crate::grpc::is_grpc_content_type;
 use crate::ports::RequestView;
 use crate::spec::{Config, Rule};
@@ -37,6 +37,21 @@ impl RequestHead {
             method,
             path,
             encoded_separator: canonical.encoded_separator,
+            grpc: false,
+        }
+    }
+
+    /// [`RequestHead::new`] (not split) of a `:path` read for it: one already canonical, as
+    /// most are, becomes the head's path as it is, without a copy.
+    pub(crate) fn of_owned(method: Vec<u8>, raw_path: Vec<u8>) -> RequestHead {
+        let path_only = raw_path.split(|b| *b == b'?').next().unwrap_or_default();
+        if !already_canonical(path_only) {
+            return RequestHead::new(method, &raw_path, false);
+        }
+        RequestHead {
+            method,
+            path: raw_path,
+            encoded_separator: false,
             grpc: false,
         }
     }
@@ -84,13 +99,14 @@ pub fn match_rule<'c>(config: &'c Config, req: &dyn RequestView) -> Option<Match
     }) {
         return None;
     }
-    let raw_path = req.header(":path").unwrap_or_default();
-    let head = RequestHead::new(method, &raw_path, false);
+    let head = RequestHead::of_owned(method, req.header(":path").unwrap_or_default());
     let mut lazy = Lazy::default();
     let mut found = first_match(config, req, &head, &mut lazy);
     // An encoded separator read as a separator may reach a guarded path: that request is
     // routed too, so the flow refuses it (`encoded_separator`) instead of letting it through.
+    // (Rare enough to read `:path` again for.)
     if found.is_none() && head.encoded_separator {
+        let raw_path = req.header(":path").unwrap_or_default();
         let split = RequestHead::new(head.method.clone(), &raw_path, true);
         found = first_match(config, req, &split, &mut lazy);
     }

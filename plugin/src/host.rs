@@ -8,7 +8,9 @@ use std::time::Duration;
 
 use idemgate_core::metrics::{Counter, Decision, Histogram, Noted, stat_segment};
 use idemgate_core::pairs::Pairs;
-use idemgate_core::{Answer, Config, HostError, Reply, RequestView, SharedStore, Telemetry};
+use idemgate_core::{
+    Answer, Config, Header, HostError, Reply, RequestView, SharedStore, Telemetry,
+};
 use proxy_wasm::hostcalls;
 use proxy_wasm::types::{BufferType, MapType, MetricType, Status};
 
@@ -220,7 +222,7 @@ pub(crate) fn send_reply(reply: &Reply) {
 
 /// The ABI's header map: the count, each name's and value's length, then each name and value
 /// NUL-terminated (all lengths little-endian u32).
-fn serialize_pairs(pairs: &[(String, String)]) -> Vec<u8> {
+fn serialize_pairs(pairs: &[Header]) -> Vec<u8> {
     let len = |n: usize| u32::try_from(n).unwrap_or(u32::MAX).to_le_bytes();
     // Sized once: grown byte by byte it reallocated five or six times per local reply.
     let text: usize = pairs.iter().map(|(n, v)| n.len() + v.len() + 10).sum();

@@ -117,21 +117,29 @@ impl Context for Stream {
     }
 }
 
+/// Only idemgate sets these on what reaches the backend: a client's copy (a forged fencing
+/// token, a fake degraded or would-block mark) is removed from every request the filter lets
+/// on, matched or not, before anything else can forward it.
+#[inline(never)]
+fn strip_forged(config: &idemgate_core::Config) {
+    host::remove_request_header(&config.fencing_header);
+    host::remove_request_header(&config.degraded_header);
+    if let Some(header) = &config.would_block_header {
+        host::remove_request_header(header);
+    }
+}
+
 impl HttpContext for Stream {
     fn on_http_request_headers(&mut self, _num_headers: usize, end_of_stream: bool) -> Next {
         let mut vm = self.vm.borrow_mut();
         let headers = RequestHeaders::default();
         // Most requests match no rule: decided on a borrowed config, without touching its `Rc`.
         let route = vm.config.as_deref().and_then(|config| {
-            // Only idemgate sets these on what reaches the backend: a client's copy (a forged
-            // fencing token, a fake degraded mark) goes on every request the filter sees,
-            // matched or not, before anything else can forward it.
-            host::remove_request_header(&config.fencing_header);
-            host::remove_request_header(&config.degraded_header);
-            if let Some(header) = &config.would_block_header {
-                host::remove_request_header(header);
+            let route = Flow::route(config, &headers);
+            if route.is_none() {
+                strip_forged(config);
             }
-            Flow::route(config, &headers)
+            route
         });
         let Some(route) = route else {
             vm.passed += 1;
@@ -147,14 +155,21 @@ impl HttpContext for Stream {
                 breaker,
                 metrics,
                 waiter_secret,
+                digests,
                 ..
             } = &mut *vm;
             metrics.rule = rule;
             metrics.noted = idemgate_core::Noted::default();
-            let mut env = vm::host_env(breaker, metrics, owner, waiter_secret.as_ref());
+            let mut env = vm::host_env(breaker, metrics, digests, owner, waiter_secret.as_ref());
             Flow::on_request_headers(&config, route, &headers, end_of_stream, &mut env)
         };
-        // A request answered here (a local 409, 429 or replay) has nothing left to track.
+        // A request answered here (a local 409, 429 or replay) never reaches the backend, so
+        // only one that may go on has a client's copies to lose; before `publish` and
+        // `apply`, which may set idemgate's own.
+        if !matches!(action, Action::Respond(_)) {
+            strip_forged(&config);
+        }
+        // A request answered here has nothing left to track either.
         if let Some(flow) = flow.filter(|flow| !flow.is_done()) {
             vm.flows.insert(self.id, flow);
             self.tracked = true;

@@ -6,7 +6,7 @@ use std::cell::RefCell;
 use std::collections::BTreeMap;
 use std::rc::Rc;
 
-use idemgate_core::{Breaker, Callout, Config, Env, Flow, Noted, TraceContext};
+use idemgate_core::{Breaker, Callout, Config, DigestMemo, Env, Flow, Noted, TraceContext};
 
 use crate::host::{self, Metrics, SharedData};
 
@@ -72,6 +72,8 @@ pub(crate) struct Vm {
     pub(crate) sequence: u32,
     /// Random per VM: queued claims' waiter names are derived from it (`Env::waiter_secret`).
     pub(crate) waiter_secret: Option<[u8; 32]>,
+    /// This worker's last stored-key and rate-key digests (`Env::digests`).
+    pub(crate) digests: DigestMemo,
 }
 
 /// The decisions' environment over this VM: the host's clock read now, Envoy's shared data,
@@ -79,6 +81,7 @@ pub(crate) struct Vm {
 pub(crate) fn host_env<'a>(
     breaker: &'a mut Breaker,
     metrics: &'a mut Metrics,
+    digests: &'a mut DigestMemo,
     owner: u64,
     waiter_secret: Option<&'a [u8; 32]>,
 ) -> Env<'a> {
@@ -89,6 +92,7 @@ pub(crate) fn host_env<'a>(
         telemetry: metrics,
         owner,
         waiter_secret,
+        digests,
     }
 }
 
@@ -108,6 +112,7 @@ impl Vm {
             nonce,
             sequence,
             waiter_secret,
+            digests,
             ..
         } = self;
         let config = config.as_deref()?;
@@ -116,7 +121,7 @@ impl Vm {
         metrics.noted = Noted::default();
         *sequence = sequence.wrapping_add(1);
         let owner = *nonce | u64::from(*sequence);
-        let mut env = host_env(breaker, metrics, owner, waiter_secret.as_ref());
+        let mut env = host_env(breaker, metrics, digests, owner, waiter_secret.as_ref());
         Some(f(config, flow, &mut env))
     }
 
@@ -128,13 +133,14 @@ impl Vm {
             flows,
             breaker,
             metrics,
+            digests,
             nonce,
             ..
         } = self;
         let Some(config) = config.as_deref() else {
             return Vec::new();
         };
-        let mut env = host_env(breaker, metrics, *nonce, None);
+        let mut env = host_env(breaker, metrics, digests, *nonce, None);
         flows
             .iter_mut()
             .filter_map(|(id, flow)| Some((*id, flow.renewal_due(config, &mut env)?)))

@@ -30,6 +30,7 @@ fn start(config: &Config, req: &Req) -> (Action, Option<String>, Recorder) {
         telemetry: &mut rec,
         owner: 1,
         waiter_secret: None,
+        digests: &mut crate::DigestMemo::new(),
     };
     let Some(route) = Flow::route(config, req) else {
         return (Action::pass(), None, rec);

@@ -17,6 +17,8 @@ struct Gateway {
     next_owner: u64,
     /// This gateway's waiter secret (random per VM in the filter).
     secret: [u8; 32],
+    /// This gateway's digest memo (per worker in the filter), kept across requests.
+    digests: crate::DigestMemo,
 }
 
 impl Gateway {
@@ -29,6 +31,7 @@ impl Gateway {
             now: 1_000_000,
             next_owner: 1,
             secret: [7; 32],
+            digests: crate::DigestMemo::new(),
         }
     }
 
@@ -47,6 +50,7 @@ impl Gateway {
             telemetry: &mut self.rec,
             owner: self.next_owner,
             waiter_secret: Some(&self.secret),
+            digests: &mut self.digests,
         };
         f(&self.config, &mut env)
     }
@@ -151,7 +155,7 @@ fn header<'a>(r: &'a Reply, name: &str) -> Option<&'a str> {
     r.headers
         .iter()
         .find(|(n, _)| n == name)
-        .map(|(_, v)| v.as_str())
+        .map(|(_, v)| &**v)
 }
 
 fn problem_type(r: &Reply) -> String {
