@@ -152,10 +152,7 @@ fn reply(action: Action) -> Reply {
 }
 
 fn header<'a>(r: &'a Reply, name: &str) -> Option<&'a str> {
-    r.headers
-        .iter()
-        .find(|(n, _)| n == name)
-        .map(|(_, v)| &**v)
+    r.headers.iter().find(|(n, _)| n == name).map(|(_, v)| &**v)
 }
 
 fn problem_type(r: &Reply) -> String {
