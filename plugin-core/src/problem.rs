@@ -266,8 +266,8 @@ impl Refusal {
     }
 }
 
-/// Headers made at run time, as a reply's.
-fn owned(headers: Vec<(String, String)>) -> impl Iterator<Item = Header> {
+/// Headers made at run time (a limit's fields, a stored response's), as a reply's.
+fn owned(headers: impl IntoIterator<Item = (String, String)>) -> impl Iterator<Item = Header> {
     headers
         .into_iter()
         .map(|(name, value)| (name.into(), value.into()))
@@ -345,9 +345,7 @@ pub(crate) fn replay(response: &StoredResponse, body: &[u8], grpc: bool) -> Repl
         };
     }
     let mut headers = Vec::with_capacity(response.headers.len() + 1);
-    headers.extend(
-        (response.headers.iter()).map(|(n, v)| (Cow::Owned(n.clone()), Cow::Owned(v.clone()))),
-    );
+    headers.extend(owned(response.headers.iter().cloned()));
     headers.push(replayed);
     Reply {
         status: response.status,
