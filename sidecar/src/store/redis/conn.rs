@@ -3,6 +3,7 @@
 //! `ConnectionManager`, the cluster client, re-resolving the Sentinel master after an error).
 
 use super::StoreResult;
+use super::gather::{Gather, Target};
 use crate::config::{RedisConfig, RedisTls, RedisTopology};
 use crate::store::StoreError;
 use redis::aio::{ConnectionManager, ConnectionManagerConfig};
@@ -12,8 +13,9 @@ use redis::sentinel::{
 };
 use redis::{
     Cmd, ErrorKind, FromRedisValue, IntoConnectionInfo, RedisError, RetryMethod, Script,
-    ServerErrorKind,
+    ServerErrorKind, Value,
 };
+use std::sync::Arc;
 use std::time::Duration;
 use tokio::sync::{Mutex, RwLock};
 
@@ -54,11 +56,14 @@ pub(super) fn node_client(url: &str, tls: &RedisTls) -> Result<redis::Client, Re
     }
 }
 
-/// One logical connection, whatever the topology; cheap to clone per call.
+/// One logical connection, whatever the topology. A server's (or the Sentinels' master's)
+/// commands go through a [`Gather`], which writes those sent at the same moment as one
+/// pipeline; a Cluster's go to each slot's node as they come (the cluster client routes
+/// every command, and a pipeline must not span slots).
 pub(super) enum Conn {
-    Single(ConnectionManager),
+    /// A standalone server, or the master behind Sentinels.
+    Gathered(Arc<Gather>),
     Cluster(ClusterConnection),
-    Sentinel(Box<SentinelConn>),
 }
 
 /// The master behind Sentinels: resolved lazily and again after any transient error, so a
@@ -70,7 +75,7 @@ pub(super) struct SentinelConn {
 }
 
 impl SentinelConn {
-    async fn get(&self) -> Result<ConnectionManager, RedisError> {
+    pub(super) async fn get(&self) -> Result<ConnectionManager, RedisError> {
         if let Some(conn) = self.current.read().await.as_ref() {
             return Ok(conn.clone());
         }
@@ -85,15 +90,20 @@ impl SentinelConn {
     }
 
     /// After a failover the old master refuses writes (READONLY) or is gone: any error
-    /// worth retrying makes the next call ask the Sentinels again.
-    async fn checked<T>(&self, result: Result<T, RedisError>) -> Result<T, RedisError> {
-        if result
-            .as_ref()
-            .is_err_and(|e| !matches!(e.retry_method(), RetryMethod::NoRetry))
-        {
+    /// worth retrying, of the batch or of one of its commands, makes the next call ask the
+    /// Sentinels again.
+    pub(super) async fn checked(&self, answers: Result<&[Value], &RedisError>) {
+        let retryable = |e: &RedisError| !matches!(e.retry_method(), RetryMethod::NoRetry);
+        let stale = match answers {
+            Err(e) => retryable(e),
+            Ok(values) => values.iter().any(|v| {
+                matches!(v, Value::ServerError(_))
+                    && v.clone().extract_error().is_err_and(|e| retryable(&e))
+            }),
+        };
+        if stale {
             *self.current.write().await = None;
         }
-        result
     }
 }
 
@@ -113,10 +123,9 @@ impl Conn {
         Ok(match &cfg.topology {
             RedisTopology::Standalone => {
                 let client = node_client(first_url, &cfg.tls)?;
-                Conn::Single(ConnectionManager::new_lazy_with_config(
-                    client,
-                    manager_config,
-                )?)
+                Conn::Gathered(Gather::new(Target::Server(
+                    ConnectionManager::new_lazy_with_config(client, manager_config)?,
+                )))
             }
             RedisTopology::Cluster => {
                 let nodes = cfg
@@ -133,11 +142,13 @@ impl Conn {
                 }
                 Conn::Cluster(builder.build()?.get_async_connection().await?)
             }
-            RedisTopology::Sentinel { master } => Conn::Sentinel(Box::new(SentinelConn {
-                sentinel: Mutex::new(sentinel_client(cfg, master)?),
-                current: RwLock::new(None),
-                config: manager_config,
-            })),
+            RedisTopology::Sentinel { master } => {
+                Conn::Gathered(Gather::new(Target::Sentinel(Arc::new(SentinelConn {
+                    sentinel: Mutex::new(sentinel_client(cfg, master)?),
+                    current: RwLock::new(None),
+                    config: manager_config,
+                }))))
+            }
         })
     }
 
@@ -145,25 +156,34 @@ impl Conn {
     /// caller bounds it).
     ///
     /// A future's size is that of its largest state, and every layer above (store call,
-    /// verb, handler, router) embeds and moves it whole: the Cluster client's and the
-    /// Sentinel resolution's states are kept behind a box of their own, so a standalone
-    /// server's calls do not pay for them (they made every request's future several
-    /// kilobytes, copied at each layer: a quarter of the sidecar's instructions per claim).
+    /// verb, handler, router) embeds and moves it whole: the Cluster client's state and a
+    /// script's first load are kept behind boxes of their own, so the common call does not
+    /// pay for them (they made every request's future several kilobytes, copied at each
+    /// layer: a quarter of the sidecar's instructions per claim).
     pub(super) async fn send<T: FromRedisValue>(&self, op: Op<'_>) -> Result<T, RedisError> {
-        match self {
-            Conn::Single(c) => op.send(&mut c.clone()).await,
-            Conn::Cluster(c) => Box::pin(async move { op.send(&mut c.clone()).await }).await,
-            Conn::Sentinel(s) => {
+        let gather = match self {
+            Conn::Gathered(gather) => gather,
+            Conn::Cluster(c) => {
+                return Box::pin(async move { op.send(&mut c.clone()).await }).await;
+            }
+        };
+        let value = match (op, gather.send(op.cmd()).await) {
+            (Op::Script(script, cmd), Err(e))
+                if e.kind() == ErrorKind::Server(ServerErrorKind::NoScript) =>
+            {
                 Box::pin(async move {
-                    let result = match s.get().await {
-                        Ok(mut c) => op.send(&mut c).await,
-                        Err(e) => Err(e),
+                    let mut conn = match gather.target() {
+                        Target::Server(conn) => conn.clone(),
+                        Target::Sentinel(sentinel) => sentinel.get().await?,
                     };
-                    s.checked(result).await
+                    script.load_async(&mut conn).await?;
+                    gather.send(cmd).await
                 })
                 .await
             }
-        }
+            (_, value) => value,
+        }?;
+        Ok(redis::from_redis_value(value)?)
     }
 }
 
@@ -196,7 +216,14 @@ pub(super) enum Op<'a> {
     Script(&'a Script, &'a Cmd),
 }
 
-impl Op<'_> {
+impl<'a> Op<'a> {
+    /// The command itself (a script's `EVALSHA`).
+    fn cmd(self) -> &'a Cmd {
+        match self {
+            Op::Command(cmd) | Op::Script(_, cmd) => cmd,
+        }
+    }
+
     async fn send<C, T>(self, conn: &mut C) -> Result<T, RedisError>
     where
         C: redis::aio::ConnectionLike + Send,

@@ -2,6 +2,7 @@
 //! server, a Sentinel-managed master or a Cluster, plus this process's notification inbox.
 //!
 //! - `conn`: connections by topology (and `Op`, what one call sends);
+//! - `gather`: the commands sent at the same moment, written as one pipeline;
 //! - `held`: the grants this sidecar answered, so their complete writes without reading;
 //! - `inbox`: this process's wake-up channel;
 //! - `keys`: every key and channel name; `scripts`: every Lua script;
@@ -10,6 +11,7 @@
 //!   store timeout.
 
 mod conn;
+mod gather;
 mod held;
 mod inbox;
 mod keys;
