@@ -126,18 +126,21 @@ impl Gather {
     }
 }
 
+/// The Sentinel paths are boxed: a future's size is that of its largest state, and every
+/// layer above a store call (verb, handler, router) embeds it and moves it whole, so a
+/// standalone server's calls must not carry the Sentinel resolution's state.
 impl Target {
     pub(super) async fn connection(&self) -> RedisResult<ConnectionManager> {
         match self {
             Target::Server(conn) => Ok(conn.clone()),
-            Target::Sentinel(sentinel) => sentinel.get().await,
+            Target::Sentinel(sentinel) => Box::pin(sentinel.get()).await,
         }
     }
 
     /// What the Sentinels' master answered, for [`SentinelConn::checked`].
     async fn note(&self, answers: Result<&[Value], &RedisError>) {
         if let Target::Sentinel(sentinel) = self {
-            sentinel.checked(answers).await;
+            Box::pin(sentinel.checked(answers)).await;
         }
     }
 }
