@@ -262,6 +262,25 @@ fn compile(bytes: &[u8], errors: &mut Errors) -> Option<Config> {
         let Some(rule) = errors.take(rule) else {
             continue;
         };
+        for (field, name) in request_headers_read(&rule) {
+            let own = [
+                ("fencing_header", fencing_header.as_deref()),
+                ("degraded_header", degraded_header.as_deref()),
+                (
+                    "would_block_header",
+                    would_block_header.as_ref().and_then(Option::as_deref),
+                ),
+            ];
+            if let Some((setting, _)) = own.iter().find(|(_, own)| *own == Some(name)) {
+                errors.0.push(err(
+                    &format!("rules[{i}].{field}"),
+                    format!(
+                        "`{name}` is the filter's own `{setting}`: it sets that header on what it \
+                         forwards and drops a client's copy, so a rule must not read it"
+                    ),
+                ));
+            }
+        }
         if rules.iter().any(|r: &Arc<Rule>| r.name == rule.name) {
             errors
                 .0
@@ -340,6 +359,32 @@ fn bounded(v: u32, min: u32, max: u32, path: &str) -> Result<u32, ConfigError> {
         return Err(err(path, format!("must be in {min}..={max}")));
     }
     Ok(v)
+}
+
+/// Every request header a rule reads (to match, key, scope or fingerprint a request), with
+/// the setting that names it.
+fn request_headers_read(rule: &Rule) -> impl Iterator<Item = (&'static str, &str)> {
+    fn named<'r>(
+        field: &'static str,
+        names: &'r [String],
+    ) -> impl Iterator<Item = (&'static str, &'r str)> {
+        names.iter().map(move |n| (field, n.as_str()))
+    }
+    let key = match &rule.key.source {
+        KeySource::Header(name) => Some(("key.header", name.as_str())),
+        _ => None,
+    };
+    key.into_iter()
+        .chain(named(
+            "match.headers_present",
+            &rule.matcher.headers_present,
+        ))
+        .chain(named("scope.headers", &rule.scope.headers))
+        .chain(
+            rule.fingerprint
+                .iter()
+                .flat_map(|f| named("fingerprint.headers", &f.headers)),
+        )
 }
 
 fn header_name(name: &str, path: &str) -> Result<String, ConfigError> {
@@ -1077,6 +1122,42 @@ mod tests {
             .map(|e| e.path)
             .collect();
         assert_eq!(paths, ["sidecar", "rules[1].name"]);
+    }
+
+    /// The fencing, degraded and would-block headers are the filter's own: it removes a
+    /// client's copies only after the rule has read the request, so a rule reading one would
+    /// read what the client chose.
+    #[test]
+    fn a_rule_must_not_read_the_filters_own_headers() {
+        let json = r#"{"sidecar":{"cluster":"c"},"would_block_header":"X-Would-Block","rules":[
+            {"name":"a","key":{"header":"X-Fencing-Token"}},
+            {"name":"b","scope":{"headers":["x-user-id","x-idemgate-degraded"]}},
+            {"name":"c","match":{"headers_present":["x-would-block"]},
+             "fingerprint":{"headers":["x-fencing-token"]}},
+            {"name":"d","scope":{"headers":["x-user-id"]},"fingerprint":{"headers":["content-type"]}}
+        ]}"#;
+        let errors = parse_all(json.as_bytes()).unwrap_err();
+        let paths: Vec<&str> = errors.iter().map(|e| e.path.as_str()).collect();
+        assert_eq!(
+            paths,
+            [
+                "rules[0].key.header",
+                "rules[1].scope.headers",
+                "rules[2].match.headers_present",
+                "rules[2].fingerprint.headers",
+            ]
+        );
+        assert!(
+            errors[0]
+                .to_string()
+                .contains("the filter's own `fencing_header`"),
+            "{}",
+            errors[0]
+        );
+        // Renamed, the filter's header is free for a rule to read under its old name.
+        let renamed = r#"{"sidecar":{"cluster":"c"},"fencing_header":"x-fence",
+            "rules":[{"key":{"header":"x-fencing-token"}}]}"#;
+        assert!(parse_all(renamed.as_bytes()).is_ok());
     }
 
     #[test]
