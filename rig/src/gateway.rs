@@ -11,6 +11,7 @@ use std::collections::BTreeMap;
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::process::Command;
+use std::time::Duration;
 
 /// The names `envoy/envoy.yaml` gives its listener, its admin endpoint and its clusters:
 /// what the rig points at free ports (in process) or passes as `--set-port` (as a process).
@@ -100,8 +101,15 @@ impl LiveGateway {
         &self.gateway
     }
 
-    /// The filter's metrics (`idemgate.*`), summed over workers as Envoy's admin shows them.
+    /// The filter's metrics (`idemgate.*`), summed over workers as Envoy's admin shows them,
+    /// read once every worker has run its tick since this call: the filter hands its
+    /// counters to the host there, so they count every request answered before the call.
+    /// Panics if a worker's tick does not come within 10 s.
     pub fn metrics(&self) -> BTreeMap<String, Metric> {
+        assert!(
+            self.gateway.await_ticks(Duration::from_secs(10)),
+            "the gateway's workers ran no tick within 10 s: its counters were not flushed"
+        );
         self.gateway.shared().metrics()
     }
 
