@@ -316,7 +316,7 @@ struct RuleMetrics {
 ///
 /// Counters are batched: an increment adds to this worker's tally, and the root hands every
 /// tally that moved to the host on its tick ([`Metrics::flush`]) and when the plugin is done.
-/// A host call per increment was ~700 instructions, three of them on a blocked duplicate; the
+/// A host call per increment was ~800 instructions, three of them on a blocked duplicate; the
 /// price is that Envoy's counters lag by up to one tick (`tick`, 1 s by default). Histograms
 /// keep one host call per sample: only requests that waited or went to the sidecar record
 /// them, and those cost far more than the call.
