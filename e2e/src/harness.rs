@@ -122,7 +122,10 @@ impl Gateway {
     /// virtual clock moves on to the last of them): the filter hands its counters to the host
     /// there, so they count every request answered before the call.
     pub fn counter(&self, name: &str) -> i64 {
-        self.host.advance_through_ticks();
+        assert!(
+            self.host.advance_through_ticks(),
+            "the workers' ticks never came"
+        );
         self.host.metric(name).map_or(0, |m| m.value)
     }
 

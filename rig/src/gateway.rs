@@ -104,12 +104,12 @@ impl LiveGateway {
     /// The filter's metrics (`idemgate.*`), summed over workers as Envoy's admin shows them,
     /// read once every worker has run its tick since this call: the filter hands its
     /// counters to the host there, so they count every request answered before the call.
-    /// Panics if a worker's tick does not come within 10 s.
+    /// A worker whose tick does not come within 10 s is reported, and the counters read as
+    /// they are (a test then fails on the count).
     pub fn metrics(&self) -> BTreeMap<String, Metric> {
-        assert!(
-            self.gateway.await_ticks(Duration::from_secs(10)),
-            "the gateway's workers ran no tick within 10 s: its counters were not flushed"
-        );
+        if !self.gateway.await_ticks(Duration::from_secs(10)) {
+            eprintln!("a gateway worker ran no tick within 10 s: its counters may lag");
+        }
         self.gateway.shared().metrics()
     }
 
