@@ -255,7 +255,9 @@ mod tests {
         );
         // The matcher found the key's segment as it walked the template.
         assert_eq!(
-            head.key_segment.clone().and_then(|span| head.path.get(span)),
+            head.key_segment
+                .clone()
+                .and_then(|span| head.path.get(span)),
             Some(&b"42"[..])
         );
         assert!(

@@ -147,7 +147,8 @@ impl PathMatch {
     /// Matches `path` (query already stripped) against a template; returns the value of
     /// variable `name` (or an empty slice when `name` is `None` and the template matches).
     pub(crate) fn variable<'p>(&self, path: &'p [u8], name: Option<&str>) -> Option<&'p [u8]> {
-        self.variable_span(path, name).and_then(|span| path.get(span))
+        self.variable_span(path, name)
+            .and_then(|span| path.get(span))
     }
 
     /// [`PathMatch::variable`] as where the value is in `path` (an empty range at 0 when
