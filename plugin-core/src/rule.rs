@@ -115,9 +115,16 @@ pub fn match_rule<'c>(config: &'c Config, req: &dyn RequestView) -> Option<Match
         let raw_path = req.header(":path").unwrap_or_default();
         let split = RequestHead::new(head.method.clone(), &raw_path, true);
         // The key's place is in the split path, not in the head kept (the flow refuses it).
-        found = first_match(config, req, &split, &mut lazy).map(|(i, rule, _)| (i, rule, None));
+        found = first_match(config, req, &split, &mut lazy).map(|found| Found {
+            key_segment: None,
+            ..found
+        });
     }
-    let (index, rule, key_segment) = found?;
+    let Found {
+        index,
+        rule,
+        key_segment,
+    } = found?;
     let grpc = lazy.grpc(req);
     Some(Matched {
         index,
@@ -146,12 +153,20 @@ impl Lazy {
     }
 }
 
+/// The rule [`first_match`] found for a head.
+struct Found<'c> {
+    index: usize,
+    rule: &'c Arc<Rule>,
+    /// Where the rule's path-variable key is in the head's path ([`RequestHead::key_segment`]).
+    key_segment: Option<Range<usize>>,
+}
+
 fn first_match<'c>(
     config: &'c Config,
     req: &dyn RequestView,
     head: &RequestHead,
     lazy: &mut Lazy,
-) -> Option<(usize, &'c Arc<Rule>, Option<Range<usize>>)> {
+) -> Option<Found<'c>> {
     for (i, rule) in config.rules.iter().enumerate() {
         let m = &rule.matcher;
         if !m
@@ -184,7 +199,11 @@ fn first_match<'c>(
             continue;
         }
         if m.headers_present.iter().all(|h| req.header(h).is_some()) {
-            return Some((i, rule, key_segment));
+            return Some(Found {
+                index: i,
+                rule,
+                key_segment,
+            });
         }
     }
     None
