@@ -118,7 +118,14 @@ impl Gateway {
             .collect()
     }
 
+    /// A counter summed over the workers, read after every worker has run its tick (the
+    /// virtual clock moves on to the last of them): the filter hands its counters to the host
+    /// there, so they count every request answered before the call.
     pub fn counter(&self, name: &str) -> i64 {
+        assert!(
+            self.host.advance_through_ticks(),
+            "the workers' ticks never came"
+        );
         self.host.metric(name).map_or(0, |m| m.value)
     }
 

@@ -52,6 +52,15 @@ impl Clock {
     }
 }
 
+/// One VM's timer, as [`SharedState::ticked_since`] sees it.
+#[derive(Debug, Default, Clone, Copy)]
+struct Timer {
+    /// A tick period is set.
+    armed: bool,
+    /// When the root last returned from `proxy_on_tick` (monotonic ns).
+    last_tick_ns: Option<u64>,
+}
+
 /// The worker index of a configuration canary VM (booted and discarded at startup).
 pub const CANARY_WORKER: usize = usize::MAX;
 
@@ -184,6 +193,9 @@ pub struct SharedState {
     /// Requests in flight per cluster (the circuit breakers' `max_requests`).
     cluster_requests: Mutex<HashMap<String, u32>>,
     logs: Mutex<VecDeque<LogRecord>>,
+    /// Each VM's timer, by plugin name and worker: what a test waits on to read what a plugin
+    /// hands over on its tick (batched counters).
+    timers: Mutex<BTreeMap<(String, usize), Timer>>,
     /// The newest access-log lines of configured access logs (as many as plugin log lines).
     access_log: Mutex<VecDeque<String>>,
     /// Only the newest lines are kept (a long-running gateway must not grow without bound).
@@ -203,6 +215,7 @@ impl SharedState {
             metrics: Mutex::default(),
             cluster_requests: Mutex::default(),
             logs: Mutex::default(),
+            timers: Mutex::default(),
             access_log: Mutex::default(),
             log_capacity,
             print_level,
@@ -374,6 +387,32 @@ impl SharedState {
     /// A snapshot of every metric, by name (without Envoy's internal `wasmcustom.` prefix).
     pub fn metrics(&self) -> BTreeMap<String, Metric> {
         lock(&self.metrics).clone()
+    }
+
+    // ---- timers ----
+
+    /// Notes whether the root of plugin `plugin` on `worker` has a tick period set.
+    pub(crate) fn note_tick_period(&self, plugin: &str, worker: usize, armed: bool) {
+        let mut timers = lock(&self.timers);
+        timers.entry((plugin.to_owned(), worker)).or_default().armed = armed;
+    }
+
+    /// Notes that the root of plugin `plugin` on `worker` returned from `proxy_on_tick` now.
+    pub(crate) fn note_tick(&self, plugin: &str, worker: usize) {
+        let now = self.clock.monotonic_ns();
+        let mut timers = lock(&self.timers);
+        timers
+            .entry((plugin.to_owned(), worker))
+            .or_default()
+            .last_tick_ns = Some(now);
+    }
+
+    /// Whether the root of plugin `plugin` on `worker` has run a tick that ended at or after
+    /// `since_ns` (monotonic), or has no tick to run.
+    pub fn ticked_since(&self, plugin: &str, worker: usize, since_ns: u64) -> bool {
+        lock(&self.timers)
+            .get(&(plugin.to_owned(), worker))
+            .is_none_or(|t| !t.armed || t.last_tick_ns.is_some_and(|at| at >= since_ns))
     }
 
     // ---- circuit breakers ----

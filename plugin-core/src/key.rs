@@ -71,11 +71,11 @@ pub fn extract(
             req.header(h)
         }
         // The value the backend's router hands its handler: the segment, decoded.
-        KeySource::PathParam(p) => rule
-            .matcher
-            .path
-            .variable(head.path_only(), Some(p))
-            .map(|segment| decode(segment, false)),
+        KeySource::PathParam(p) => match &head.key_segment {
+            Some(span) => head.path.get(span.clone()),
+            None => rule.matcher.path.variable(head.path_only(), Some(p)),
+        }
+        .map(|segment| decode(segment, false)),
         KeySource::QueryParam(q) => {
             let mut values = head.query_values(q);
             if values.len() > 1 {

@@ -6,7 +6,7 @@ use alloc::string::String;
 /// Counters, one per decision and per noteworthy event.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Counter {
-    /// Requests that matched no rule (flushed from a per-VM tally on the tick).
+    /// Requests that matched no rule.
     Pass,
     Granted,
     Replayed,

@@ -3,11 +3,12 @@
 
 use alloc::sync::Arc;
 use alloc::vec::Vec;
+use core::ops::Range;
 
 use crate::canonical::{already_canonical, canonical_path, decode};
 use crate::grpc::is_grpc_content_type;
 use crate::ports::RequestView;
-use crate::spec::{Config, Rule};
+use crate::spec::{Config, KeySource, PathMatch, Rule};
 
 /// What the matcher read: reused by key extraction and fingerprinting.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -20,6 +21,9 @@ pub struct RequestHead {
     /// A gRPC call (its content type, read once a rule matched): answered with gRPC statuses,
     /// its outcome read from `grpc-status`.
     pub(crate) grpc: bool,
+    /// Where the matched rule's path-variable key is in `path`, found as its template matched
+    /// (`None`: the key is elsewhere, or the head was not matched).
+    pub(crate) key_segment: Option<Range<usize>>,
 }
 
 impl RequestHead {
@@ -38,6 +42,7 @@ impl RequestHead {
             path,
             encoded_separator: canonical.encoded_separator,
             grpc: false,
+            key_segment: None,
         }
     }
 
@@ -53,6 +58,7 @@ impl RequestHead {
             path: raw_path,
             encoded_separator: false,
             grpc: false,
+            key_segment: None,
         }
     }
 
@@ -108,14 +114,26 @@ pub fn match_rule<'c>(config: &'c Config, req: &dyn RequestView) -> Option<Match
     if found.is_none() && head.encoded_separator {
         let raw_path = req.header(":path").unwrap_or_default();
         let split = RequestHead::new(head.method.clone(), &raw_path, true);
-        found = first_match(config, req, &split, &mut lazy);
+        // The key's place is in the split path, not in the head kept (the flow refuses it).
+        found = first_match(config, req, &split, &mut lazy).map(|found| Found {
+            key_segment: None,
+            ..found
+        });
     }
-    let (index, rule) = found?;
+    let Found {
+        index,
+        rule,
+        key_segment,
+    } = found?;
     let grpc = lazy.grpc(req);
     Some(Matched {
         index,
         rule,
-        head: RequestHead { grpc, ..head },
+        head: RequestHead {
+            grpc,
+            key_segment,
+            ..head
+        },
     })
 }
 
@@ -135,22 +153,40 @@ impl Lazy {
     }
 }
 
+/// The rule [`first_match`] found for a head.
+struct Found<'c> {
+    index: usize,
+    rule: &'c Arc<Rule>,
+    /// Where the rule's path-variable key is in the head's path ([`RequestHead::key_segment`]).
+    key_segment: Option<Range<usize>>,
+}
+
 fn first_match<'c>(
     config: &'c Config,
     req: &dyn RequestView,
     head: &RequestHead,
     lazy: &mut Lazy,
-) -> Option<(usize, &'c Arc<Rule>)> {
+) -> Option<Found<'c>> {
     for (i, rule) in config.rules.iter().enumerate() {
         let m = &rule.matcher;
         if !m
             .methods
             .iter()
             .any(|x| x.as_bytes() == head.method.as_slice())
-            || !m.path.matches(head.path_only())
         {
             continue;
         }
+        // A template is walked once: a key taken from one of its variables is found on the way.
+        let key_segment = match (&m.path, &rule.key.source) {
+            (PathMatch::Template(_), KeySource::PathParam(name)) => {
+                match m.path.variable_span(head.path_only(), Some(name)) {
+                    Some(span) => Some(span),
+                    None => continue,
+                }
+            }
+            _ if m.path.matches(head.path_only()) => None,
+            _ => continue,
+        };
         if let Some(host) = &m.host {
             let auth = lazy
                 .authority
@@ -163,7 +199,11 @@ fn first_match<'c>(
             continue;
         }
         if m.headers_present.iter().all(|h| req.header(h).is_some()) {
-            return Some((i, rule));
+            return Some(Found {
+                index: i,
+                rule,
+                key_segment,
+            });
         }
     }
     None
@@ -230,6 +270,13 @@ mod tests {
                 .matcher
                 .path
                 .variable(head.path_only(), Some("agent_id")),
+            Some(&b"42"[..])
+        );
+        // The matcher found the key's segment as it walked the template.
+        assert_eq!(
+            head.key_segment
+                .clone()
+                .and_then(|span| head.path.get(span)),
             Some(&b"42"[..])
         );
         assert!(

@@ -6,6 +6,7 @@
 use alloc::string::String;
 use alloc::sync::Arc;
 use alloc::vec::Vec;
+use core::ops::Range;
 use idemgate_wire::{Mode, Rate, WaitPolicy};
 
 /// The validated, immutable configuration.
@@ -139,27 +140,37 @@ impl PathMatch {
                 path.starts_with(p.as_bytes())
                     || p.strip_suffix('/').is_some_and(|p| p.as_bytes() == path)
             }
-            PathMatch::Template(_) => self.variable(path, None).is_some(),
+            PathMatch::Template(_) => self.variable_span(path, None).is_some(),
         }
     }
 
     /// Matches `path` (query already stripped) against a template; returns the value of
     /// variable `name` (or an empty slice when `name` is `None` and the template matches).
     pub(crate) fn variable<'p>(&self, path: &'p [u8], name: Option<&str>) -> Option<&'p [u8]> {
+        self.variable_span(path, name)
+            .and_then(|span| path.get(span))
+    }
+
+    /// [`PathMatch::variable`] as where the value is in `path` (an empty range at 0 when
+    /// `name` is `None`).
+    pub(crate) fn variable_span(&self, path: &[u8], name: Option<&str>) -> Option<Range<usize>> {
         let PathMatch::Template(segments) = self else {
             return None;
         };
         let mut parts = path.strip_prefix(b"/")?.split(|b| *b == b'/');
-        let mut found: &[u8] = &[];
+        let mut start = 1;
+        let mut found = 0..0;
         for seg in segments {
             let part = parts.next()?;
+            let span = start..start + part.len();
+            start = span.end + 1;
             match seg {
                 Segment::Literal(l) if l.as_bytes() != part => return None,
                 Segment::Literal(_) => {}
                 Segment::Variable(_) if part.is_empty() => return None,
                 Segment::Variable(v) => {
                     if name == Some(v.as_str()) {
-                        found = part;
+                        found = span;
                     }
                 }
             }

@@ -37,6 +37,12 @@ impl Root {
 }
 
 impl Context for Root {
+    /// The plugin is going away: the counters' last increments are handed to the host.
+    fn on_done(&mut self) -> bool {
+        self.vm.borrow_mut().metrics.flush();
+        true
+    }
+
     fn on_http_call_response(
         &mut self,
         token_id: u32,
@@ -140,6 +146,8 @@ impl RootContext for Root {
             }
         }
         vm.wake_queue = host::register_wake_queue(number);
+        // A new configuration's metrics replace the old ones: what the old ones counted first.
+        vm.metrics.flush();
         vm.metrics = Metrics::define(&config);
         vm.config = Some(Rc::new(config));
         vm.rearm();
@@ -171,8 +179,6 @@ impl RootContext for Root {
         let now = host::now_ms();
         if now >= vm.next_regular_ms {
             vm.next_regular_ms = now.saturating_add(config.tick_ms);
-            let passed = std::mem::take(&mut vm.passed);
-            vm.metrics.add(Counter::Pass, passed);
             let retries = std::mem::take(&mut vm.retries);
             dispatch_releases(&mut vm, &config, retries);
             for (stream, callout) in vm.tick_work() {
@@ -188,6 +194,8 @@ impl RootContext for Root {
                 }
             }
         }
+        // On every tick, not only the regular ones: the counters lag by at most one period.
+        vm.metrics.flush();
         vm.rearm();
     }
 

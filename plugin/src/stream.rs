@@ -1,6 +1,7 @@
 //! The HTTP context: a translator between Envoy's stream callbacks and the request's `Flow`
 //! (kept in the VM state so the root can apply the sidecar's answers to it).
 
+use idemgate_core::metrics::Counter;
 use idemgate_core::{Action, Env, Flow};
 use proxy_wasm::traits::{Context, HttpContext};
 use proxy_wasm::types::{Action as Next, BufferType};
@@ -142,7 +143,7 @@ impl HttpContext for Stream {
             route
         });
         let Some(route) = route else {
-            vm.passed += 1;
+            vm.metrics.add(Counter::Pass, 1);
             return Next::Continue;
         };
         let Some(config) = vm.config.clone() else {

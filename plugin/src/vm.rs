@@ -60,13 +60,11 @@ pub(crate) struct Vm {
     pub(crate) waiting: bool,
     /// The tick period last set (ms; 0 = none yet).
     pub(crate) tick_armed_ms: u64,
-    /// When the tick's regular work (renewals, release retries, counters) is next due.
+    /// When the tick's regular work (renewals, release retries) is next due.
     pub(crate) next_regular_ms: u64,
     /// This VM's own shared queue: an enqueue makes Envoy run the root's `on_queue_ready` on
     /// the next turn of this worker's event loop. `None`: wake-ups fall back to a 1 ms tick.
     pub(crate) wake_queue: Option<u32>,
-    /// Requests that matched no rule since the last tick (counted without a host call).
-    pub(crate) passed: u64,
     /// High half of local-tier owner ids, unique per VM; the low half counts requests.
     pub(crate) nonce: u64,
     pub(crate) sequence: u32,

@@ -11,6 +11,7 @@ use std::collections::BTreeMap;
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::process::Command;
+use std::time::Duration;
 
 /// The names `envoy/envoy.yaml` gives its listener, its admin endpoint and its clusters:
 /// what the rig points at free ports (in process) or passes as `--set-port` (as a process).
@@ -100,8 +101,15 @@ impl LiveGateway {
         &self.gateway
     }
 
-    /// The filter's metrics (`idemgate.*`), summed over workers as Envoy's admin shows them.
+    /// The filter's metrics (`idemgate.*`), summed over workers as Envoy's admin shows them,
+    /// read once every worker has run its tick since this call: the filter hands its
+    /// counters to the host there, so they count every request answered before the call.
+    /// A worker whose tick does not come within 10 s is reported, and the counters read as
+    /// they are (a test then fails on the count).
     pub fn metrics(&self) -> BTreeMap<String, Metric> {
+        if !self.gateway.await_ticks(Duration::from_secs(10)) {
+            eprintln!("a gateway worker ran no tick within 10 s: its counters may lag");
+        }
         self.gateway.shared().metrics()
     }
 

@@ -229,6 +229,9 @@ async fn play_all(stack: &Urls) -> Result<()> {
                 .await?;
             let queued_before = queued(&client, stack, label).await?;
             let run = scenarios::play(&client, base, &stack.backend, scenario, max_call).await?;
+            if label == GUARDED {
+                tokio::time::sleep(COUNTERS_LAG).await;
+            }
             let queued = match (queued_before, queued(&client, stack, label).await?) {
                 (Some(before), Some(after)) => Some(after.saturating_sub(before)),
                 _ => None,
@@ -268,6 +271,10 @@ struct Row {
     /// Calls the gateway held in a queue until their turn (through idemgate only).
     queued: Option<u64>,
 }
+
+/// How long after a scenario the gateway's counters are read: the filter hands its counters
+/// to Envoy on its tick, every `tick` (the default 1 s in `envoy/envoy.yaml`), on each worker.
+const COUNTERS_LAG: Duration = Duration::from_millis(1_500);
 
 /// The gateway's count of queued requests (its admin `/stats`), on the idemgate path.
 async fn queued(client: &reqwest::Client, stack: &Urls, label: &str) -> Result<Option<u64>> {

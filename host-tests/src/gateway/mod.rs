@@ -100,6 +100,8 @@ impl Stats {
 /// A running gateway. Dropping it shuts it down.
 pub struct Gateway {
     listeners: BTreeMap<String, SocketAddr>,
+    /// Every worker VM as `(plugin name, worker)`, for [`Gateway::await_ticks`].
+    vms: Vec<(String, usize)>,
     admin: Option<SocketAddr>,
     shared: Arc<SharedState>,
     stats: Arc<Stats>,
@@ -186,6 +188,14 @@ impl Gateway {
         }
         let (shutdown, _) = watch::channel(false);
         let mut threads = Vec::new();
+        let vms = (0..concurrency)
+            .flat_map(|worker| {
+                listeners.iter().filter_map(move |(l, _)| {
+                    let wasm = l.config.wasm.as_ref().filter(|_| l.module.is_some())?;
+                    Some((wasm.settings.name.clone(), worker))
+                })
+            })
+            .collect();
         for worker in 0..concurrency {
             let mut assigned = Vec::new();
             for (listener, socket) in &listeners {
@@ -254,6 +264,7 @@ impl Gateway {
         };
         Ok(Self {
             listeners: addresses,
+            vms,
             admin,
             shared,
             stats,
@@ -278,6 +289,27 @@ impl Gateway {
 
     pub fn stats(&self) -> &Arc<Stats> {
         &self.stats
+    }
+
+    /// Waits until every worker VM with a tick period set has run a tick that ended after
+    /// this call (what a plugin hands over on its tick, such as batched counters, is then
+    /// with the host); false if one did not within `timeout`.
+    pub fn await_ticks(&self, timeout: Duration) -> bool {
+        let since = self.shared.clock().monotonic_ns();
+        let deadline = std::time::Instant::now() + timeout;
+        loop {
+            let ticked = self
+                .vms
+                .iter()
+                .all(|(plugin, worker)| self.shared.ticked_since(plugin, *worker, since));
+            if ticked {
+                return true;
+            }
+            if std::time::Instant::now() >= deadline {
+                return false;
+            }
+            std::thread::sleep(Duration::from_millis(2));
+        }
     }
 
     /// Stops accepting, drops in-flight streams, and joins the worker threads.

@@ -188,6 +188,17 @@ impl Vm {
         [tick, callout, grpc].into_iter().flatten().min()
     }
 
+    /// Whether this VM's root has a tick to run that has not ended at or after `since_ns`
+    /// ([`SharedState::ticked_since`](crate::SharedState::ticked_since)).
+    pub(crate) fn awaits_tick_since(&self, since_ns: u64) -> bool {
+        let state = self.store.data();
+        !state.failed
+            && state.root.as_ref().is_some_and(|r| r.tick_period.is_some())
+            && !state
+                .shared
+                .ticked_since(&state.plugin.name, state.worker, since_ns)
+    }
+
     /// Fires every due callout timeout (504), gRPC call timeout (close 14) and tick, in
     /// deadline order.
     pub fn fire_due(&mut self) {
@@ -231,6 +242,10 @@ impl Vm {
             r.next_tick_ns = None;
         }
         let called = self.call(root, "proxy_on_tick", |e| e.tick.clone(), root as i32);
+        if matches!(called, Called::Returned(_)) {
+            let state = self.store.data();
+            state.shared.note_tick(&state.plugin.name, state.worker);
+        }
         let now = self.store.data().now_ns();
         if let Some(r) = self.store.data_mut().root.as_mut()
             && r.next_tick_ns.is_none()

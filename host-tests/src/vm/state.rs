@@ -258,6 +258,8 @@ impl VmState {
             root.next_tick_ns = root
                 .tick_period
                 .map(|p| now.saturating_add(p.as_nanos() as u64));
+            self.shared
+                .note_tick_period(&self.plugin.name, self.worker, !period.is_zero());
         }
     }
 
