@@ -100,6 +100,27 @@ fn requests_matching_no_rule_pass_untouched() {
     assert_eq!(get.upstream_headers().unwrap().get("x-fencing-token"), None);
 }
 
+/// A worker hands its counters to the host on its tick; what it counted since its last tick is
+/// handed over when its plugin is done (a configuration change or Envoy draining it), not lost.
+#[test]
+fn counts_since_the_last_tick_reach_the_host_when_the_plugin_is_done() {
+    let stack = Stack::start();
+    let gw = Gateway::boot(stack.addr, &config("", PAYMENTS), 1);
+    let passed = |gw: &Gateway| {
+        gw.host
+            .metric("idemgate.requests.pass")
+            .map_or(0, |m| m.value)
+    };
+    for _ in 0..3 {
+        let get = gw.worker(0).stream();
+        get.send_request(Request::get("/payments"));
+        assert!(get.upstream_complete());
+    }
+    assert_eq!(passed(&gw), 0, "counted, not yet handed over: no tick ran");
+    gw.worker(0).shutdown();
+    assert_eq!(passed(&gw), 3);
+}
+
 #[test]
 fn concurrent_duplicates_on_many_workers_and_gateways_make_one_upstream_call() {
     let stack = Stack::start();
