@@ -256,6 +256,15 @@ fn compile(bytes: &[u8], errors: &mut Errors) -> Option<Config> {
         Some(rules) if !rules.is_empty() => Ok(rules),
         _ => Err(err("rules", "at least one rule is required")),
     }))?;
+    // The headers the filter sets itself, which no rule may read.
+    let own = [
+        ("fencing_header", fencing_header.as_deref()),
+        ("degraded_header", degraded_header.as_deref()),
+        (
+            "would_block_header",
+            would_block_header.as_ref().and_then(Option::as_deref),
+        ),
+    ];
     let mut rules = Vec::with_capacity(raw_rules.len());
     for (i, raw) in raw_rules.iter().enumerate() {
         let rule = compile_rule(raw, i, allow_stop, shadow, errors);
@@ -263,14 +272,6 @@ fn compile(bytes: &[u8], errors: &mut Errors) -> Option<Config> {
             continue;
         };
         for (field, name) in request_headers_read(&rule) {
-            let own = [
-                ("fencing_header", fencing_header.as_deref()),
-                ("degraded_header", degraded_header.as_deref()),
-                (
-                    "would_block_header",
-                    would_block_header.as_ref().and_then(Option::as_deref),
-                ),
-            ];
             if let Some((setting, _)) = own.iter().find(|(_, own)| *own == Some(name)) {
                 errors.0.push(err(
                     &format!("rules[{i}].{field}"),

@@ -6,14 +6,14 @@ use super::StoreResult;
 use super::gather::{Gather, Target};
 use crate::config::{RedisConfig, RedisTls, RedisTopology};
 use crate::store::StoreError;
-use redis::aio::{ConnectionManager, ConnectionManagerConfig};
+use redis::aio::{ConnectionLike, ConnectionManager, ConnectionManagerConfig};
 use redis::cluster_async::ClusterConnection;
 use redis::sentinel::{
     SentinelClient, SentinelClientBuilder, SentinelNodeConnectionInfo, SentinelServerType,
 };
 use redis::{
-    Cmd, ErrorKind, FromRedisValue, IntoConnectionInfo, RedisError, RetryMethod, Script,
-    ServerErrorKind, Value,
+    Cmd, ErrorKind, FromRedisValue, IntoConnectionInfo, RedisError, RedisResult, RetryMethod,
+    Script, ServerErrorKind, Value,
 };
 use std::sync::Arc;
 use std::time::Duration;
@@ -161,29 +161,40 @@ impl Conn {
     /// pay for them (they made every request's future several kilobytes, copied at each
     /// layer: a quarter of the sidecar's instructions per claim).
     pub(super) async fn send<T: FromRedisValue>(&self, op: Op<'_>) -> Result<T, RedisError> {
-        let gather = match self {
-            Conn::Gathered(gather) => gather,
+        let first = self.send_once(op.cmd()).await;
+        let value = match op.missing_script(&first) {
+            Some(script) => Box::pin(self.load_and_send(script, op.cmd())).await,
+            None => first,
+        }?;
+        Ok(redis::from_redis_value(value)?)
+    }
+
+    /// One command; its reply, with a server error as `Err`.
+    async fn send_once(&self, cmd: &Cmd) -> RedisResult<Value> {
+        match self {
+            Conn::Gathered(gather) => gather.send(cmd).await,
             Conn::Cluster(c) => {
-                return Box::pin(async move { op.send(&mut c.clone()).await }).await;
-            }
-        };
-        let value = match (op, gather.send(op.cmd()).await) {
-            (Op::Script(script, cmd), Err(e))
-                if e.kind() == ErrorKind::Server(ServerErrorKind::NoScript) =>
-            {
                 Box::pin(async move {
-                    let mut conn = match gather.target() {
-                        Target::Server(conn) => conn.clone(),
-                        Target::Sentinel(sentinel) => sentinel.get().await?,
-                    };
-                    script.load_async(&mut conn).await?;
-                    gather.send(cmd).await
+                    let reply = c.clone().req_packed_command(cmd).await;
+                    reply.and_then(Value::extract_error)
                 })
                 .await
             }
-            (_, value) => value,
-        }?;
-        Ok(redis::from_redis_value(value)?)
+        }
+    }
+
+    /// Loads a script the server did not know (first use, restart, failover) and sends its
+    /// command once more.
+    async fn load_and_send(&self, script: &Script, cmd: &Cmd) -> RedisResult<Value> {
+        match self {
+            Conn::Gathered(gather) => {
+                script
+                    .load_async(&mut gather.target().connection().await?)
+                    .await?
+            }
+            Conn::Cluster(c) => script.load_async(&mut c.clone()).await?,
+        };
+        self.send_once(cmd).await
     }
 }
 
@@ -224,21 +235,15 @@ impl<'a> Op<'a> {
         }
     }
 
-    async fn send<C, T>(self, conn: &mut C) -> Result<T, RedisError>
-    where
-        C: redis::aio::ConnectionLike + Send,
-        T: FromRedisValue,
-    {
-        match self {
-            Op::Command(cmd) => cmd.query_async(conn).await,
-            Op::Script(script, cmd) => match cmd.query_async(conn).await {
-                // Boxed: taken once per script and connection, it must not size every call.
-                Err(err) if err.kind() == ErrorKind::Server(ServerErrorKind::NoScript) => {
-                    Box::pin(script.load_async(conn)).await?;
-                    cmd.query_async(conn).await
-                }
-                other => other,
-            },
+    /// The script to load when `reply` says the server does not know it.
+    fn missing_script(self, reply: &RedisResult<Value>) -> Option<&'a Script> {
+        match (self, reply) {
+            (Op::Script(script, _), Err(e))
+                if e.kind() == ErrorKind::Server(ServerErrorKind::NoScript) =>
+            {
+                Some(script)
+            }
+            _ => None,
         }
     }
 }

@@ -6,8 +6,9 @@
 //! LIFO slot). So every request's command woke the driver, which wrote that one command: at
 //! concurrency 64 a claim+complete pair cost about one extra loopback `writev` per command
 //! (~6.5 µs each on the benchmark VM), one `read` and one reply dispatch at Redis, and a
-//! driver wake-up (benchmarks/sidecar.notes.md). Here the first command into an empty batch
-//! spawns a flusher that yields once before it takes the batch: tokio runs a yielded task only
+//! driver wake-up (benchmarks/sidecar.notes.md). Here a command sent with nothing else in
+//! flight goes at once (a lone request pays nothing), and otherwise the first command into an
+//! empty batch spawns a flusher that yields once before it takes the batch: tokio runs a yielded task only
 //! when its worker has drained its run queue (or at the worker's periodic maintenance, every
 //! 61 polls), so every request decoded in that scheduler pass adds its command to the same
 //! pipeline. Idle, the pass is one turn of the scheduler; nothing waits on a timer.
