@@ -141,6 +141,7 @@ impl<S: Store> Locks<S> {
             fingerprint: req.fingerprint.as_deref(),
             lease: Duration::from_millis(req.lease_ms).min(self.config.max_lease),
             queue: None,
+            recheck: false,
         };
         let Some(policy) = req.wait else {
             let reply = self.step(&args).await?;
@@ -169,6 +170,7 @@ impl<S: Store> Locks<S> {
         let mut queued: Option<(Instant, Span)> = None;
         loop {
             let reply = self.step(&args).await?;
+            args.recheck = true;
             let (position, holder_ttl_ms) = match reply.step {
                 ClaimStep::Queued {
                     position,

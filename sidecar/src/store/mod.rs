@@ -83,6 +83,11 @@ pub(crate) struct ClaimArgs<'a> {
     pub lease: Duration,
     /// `Some` when the caller waits in the queue instead of taking `Busy`.
     pub queue: Option<QueueArgs<'a>>,
+    /// A queued claim's later step. Its key has a record (it queued behind a holder), so a
+    /// store that first tries a fresh key's grant on its own (Redis) goes straight to the
+    /// full step; trying would only cost a round trip, as the full step starts with the
+    /// same write.
+    pub recheck: bool,
 }
 
 #[derive(Debug, Clone, Copy)]

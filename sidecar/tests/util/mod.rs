@@ -157,9 +157,13 @@ impl Client {
     }
 
     fn build(base: &str, h2: bool) -> Client {
+        // Without TCP_NODELAY a request written in two segments waits out the server's
+        // delayed ACK (~40 ms a request), as Envoy's callouts, which set it, do not.
+        let mut connector = HttpConnector::new();
+        connector.set_nodelay(true);
         let inner = HyperClient::builder(TokioExecutor::new())
             .http2_only(h2)
-            .build_http();
+            .build(connector);
         Client {
             base: base.to_owned(),
             inner,

@@ -8,12 +8,11 @@
 //! the record it replaced against the grant assumed, and an entry that does not match (a
 //! token sent with another key, a forged one) costs a second write, never a wrong one.
 //!
-//! The clock: the claim's reply carries Redis's clock as its script read it, which happened
-//! after the claim was sent. So that reading plus the time passed since sending (with 0.1 %
-//! on top for the two clocks' drift) is never behind Redis's clock; it is ahead by at most
-//! the claim's way to Redis. A lease that seems over by it is checked again on Redis's own
-//! clock by the script, so the lease still ends exactly when it ends.
+//! The clock: a reading of Redis's clock taken with the grant (`clock.rs`), never behind
+//! Redis's clock. A lease that seems over by it is checked again on Redis's own clock by the
+//! script, so the lease still ends exactly when it ends.
 
+use super::clock::Reading;
 use std::collections::HashMap;
 use std::hash::{BuildHasherDefault, Hasher};
 use std::sync::{Mutex, PoisonError};
@@ -29,22 +28,10 @@ pub(super) struct HeldGrant {
     pub fence: u64,
     /// The claim's fingerprint ('' for none), as the record holds it.
     pub fingerprint: Box<str>,
-    /// Redis's clock (µs) as the claim's script read it, and when the claim was sent.
-    clock_us: u64,
-    sent: Instant,
+    /// Redis's clock as the grant read it.
+    pub clock: Reading,
     /// Past this the lease (as granted) is over: the entry may be dropped to make room.
     forget_after: Instant,
-}
-
-impl HeldGrant {
-    /// Redis's clock now, never behind it (module docs), in µs.
-    pub(super) fn clock_now_us(&self) -> u64 {
-        let passed = u64::try_from(self.sent.elapsed().as_micros()).unwrap_or(u64::MAX);
-        self.clock_us
-            .saturating_add(passed)
-            .saturating_add(passed / 1000)
-            .saturating_add(1)
-    }
 }
 
 /// A grant as a claim answered it.
@@ -52,9 +39,9 @@ pub(super) struct Answered<'a> {
     pub fence: u64,
     pub fingerprint: &'a str,
     pub lease: Duration,
-    /// Redis's clock (µs) as the claim's script read it.
-    pub clock_us: u64,
-    /// When the claim was sent.
+    /// Redis's clock as the grant read it.
+    pub clock: Reading,
+    /// When the claim was sent: the lease, as the holder counts it, runs from here.
     pub sent: Instant,
 }
 
@@ -146,8 +133,7 @@ impl HeldGrants {
             HeldGrant {
                 fence: grant.fence,
                 fingerprint: grant.fingerprint.into(),
-                clock_us: grant.clock_us,
-                sent: grant.sent,
+                clock: grant.clock,
                 forget_after: grant.sent.checked_add(grant.lease).unwrap_or(grant.sent),
             },
         );
@@ -172,7 +158,7 @@ mod tests {
             fence: 7,
             fingerprint: "fp",
             lease: Duration::from_millis(lease_ms),
-            clock_us: 1_000_000,
+            clock: Reading::new(1_000_000, Instant::now()),
             sent: Instant::now(),
         };
         grants.insert(owner, &grant);
@@ -188,29 +174,6 @@ mod tests {
         // Not one of this sidecar's tokens: never remembered, never found.
         insert(&grants, "not-hex", 30_000);
         assert!(grants.take("not-hex").is_none());
-    }
-
-    #[test]
-    fn the_clock_is_never_behind_the_reading_plus_the_time_since_sending() {
-        let grants = HeldGrants::default();
-        let sent = Instant::now();
-        let grant = Answered {
-            fence: 7,
-            fingerprint: "",
-            lease: Duration::from_secs(30),
-            clock_us: 5_000_000,
-            sent,
-        };
-        grants.insert(OWNER, &grant);
-        std::thread::sleep(Duration::from_millis(20));
-        let grant = grants.take(OWNER).unwrap();
-        let micros = |d: Duration| u64::try_from(d.as_micros()).unwrap();
-        let before = micros(sent.elapsed());
-        let clock = grant.clock_now_us();
-        let after = micros(sent.elapsed());
-        assert!(clock > 5_000_000 + before);
-        // With the drift allowance, and not more than that.
-        assert!(clock <= 5_000_000 + after + after / 1000 + 1);
     }
 
     #[test]

@@ -1,21 +1,25 @@
 //! The Redis store: the scripts of `scripts.rs` over the keys of `keys.rs`, on a standalone
 //! server, a Sentinel-managed master or a Cluster, plus this process's notification inbox.
 //!
+//! - `clock`: Redis's clock as this sidecar last read it;
 //! - `conn`: connections by topology (and `Op`, what one call sends);
 //! - `gather`: the commands sent at the same moment, written as one pipeline;
 //! - `held`: the grants this sidecar answered, so their complete writes without reading;
 //! - `inbox`: this process's wake-up channel;
-//! - `keys`: every key and channel name; `scripts`: every Lua script;
+//! - `keys`: every key and channel name; `scripts`: every Lua script; `record`: the one
+//!   record written without a script, a fresh key's grant;
 //! - `reply`: decoding script replies;
 //! - here: [`RedisStore`], the [`Store`] (and rate store) on top, every call bounded by the
 //!   store timeout.
 
+mod clock;
 mod conn;
 mod gather;
 mod held;
 mod inbox;
 mod keys;
 mod rate;
+mod record;
 mod reply;
 mod scripts;
 
@@ -23,12 +27,13 @@ mod scripts;
 pub(crate) use scripts::RECORD_CODEC;
 
 use super::{
-    ClaimArgs, ClaimReply, ClaimStep, CompletedInfo, HolderInfo, KeyInfo, KeyState, LeaveStep,
-    Release, Store, StoreError, StoreResult, Stored, millis,
+    ClaimArgs, ClaimReply, ClaimStep, CompletedInfo, Grant, HolderInfo, KeyInfo, KeyState,
+    LeaveStep, Release, Store, StoreError, StoreResult, Stored, millis,
 };
 use crate::config::RedisConfig;
 use crate::waiters::Waiters;
 use bytes::Bytes;
+use clock::{Reading, RedisClock};
 use conn::{Conn, Op, cluster_primaries};
 use held::HeldGrants;
 use idemgate_wire::{Mode, OwnerOutcome};
@@ -39,7 +44,7 @@ use reply::{count, decode_claim, grant_at, number, owner_outcome, text, unexpect
 use scripts::evalsha;
 use std::future::Future;
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 use tokio::task::JoinHandle;
 
 pub(crate) struct RedisStore {
@@ -54,6 +59,8 @@ pub(crate) struct RedisStore {
     subscriber: JoinHandle<()>,
     /// The grants answered here, for their complete or abort.
     held: HeldGrants,
+    /// Redis's clock as the claims' scripts last read it: a fresh key's grant time.
+    clock: RedisClock,
 }
 
 impl Drop for RedisStore {
@@ -99,6 +106,7 @@ impl RedisStore {
             timeout,
             subscriber,
             held: HeldGrants::default(),
+            clock: RedisClock::default(),
         })
     }
 
@@ -188,11 +196,67 @@ impl RedisStore {
             Some(grant) => cmd
                 .arg(grant.fence)
                 .arg(&*grant.fingerprint)
-                .arg(grant.clock_now_us()),
+                .arg(grant.clock.now_us()),
             None => cmd.arg("").arg("").arg(""),
         };
         let reply: Value = self.run(Op::Script(script, &cmd)).await?;
         reply::release(&reply)
+    }
+
+    /// A claim's first step with a fresh reading of Redis's clock: the grant written by one
+    /// `SET NX GET PX`, no script (`clock.rs` says why the reading may stand for the script's
+    /// `TIME`). `None` when the key has a record: nothing was written, and the claim script
+    /// decides on it as for any claim.
+    async fn claim_fresh(
+        &self,
+        k: &LockKeys,
+        args: &ClaimArgs<'_>,
+        clock: Reading,
+        grant_ttl_ms: u64,
+    ) -> StoreResult<Option<ClaimReply>> {
+        let now_us = clock.read_us();
+        let lease_ms = millis(args.lease);
+        let fingerprint = args.fingerprint.unwrap_or("");
+        let mut set = redis::cmd("SET");
+        set.arg(&k.record)
+            .arg(record::fresh_grant(
+                now_us,
+                args.owner,
+                fingerprint,
+                lease_ms,
+            ))
+            .arg("NX")
+            .arg("GET")
+            .arg("PX")
+            .arg(grant_ttl_ms);
+        let sent = Instant::now();
+        match self.run::<Value>(Op::Command(&set)).await? {
+            Value::Nil => {}
+            Value::BulkString(_) => return Ok(None),
+            _ => return Err(unexpected("SET NX GET")),
+        }
+        let grant = Grant {
+            fence: now_us,
+            lease_ms,
+            granted_at_us: now_us,
+        };
+        self.remember(args, &grant, clock, sent);
+        Ok(Some(ClaimReply {
+            step: ClaimStep::Granted(grant),
+            lease_expired: false,
+        }))
+    }
+
+    /// Remembers a grant answered here, for its complete or abort (`held.rs`).
+    fn remember(&self, args: &ClaimArgs<'_>, grant: &Grant, clock: Reading, sent: Instant) {
+        let answered = held::Answered {
+            fence: grant.fence,
+            fingerprint: args.fingerprint.unwrap_or(""),
+            lease: Duration::from_millis(grant.lease_ms),
+            clock,
+            sent,
+        };
+        self.held.insert(args.owner, &answered);
     }
 
     /// Which of `records` (found by SCAN) are held by an unexpired lease now (Redis's
@@ -220,6 +284,16 @@ impl Store for RedisStore {
 
     async fn claim(&self, args: &ClaimArgs<'_>) -> StoreResult<ClaimReply> {
         let k = self.keys(args.key);
+        // A record outlives every lease granted in it by a second.
+        let grant_ttl_ms = self
+            .record_ttl_ms
+            .max(millis(args.lease).saturating_add(1000));
+        if !args.recheck
+            && let Some(clock) = self.clock.fresh()
+            && let Some(reply) = self.claim_fresh(&k, args, clock, grant_ttl_ms).await?
+        {
+            return Ok(reply);
+        }
         let (wait_ms, max_queue, waiter, alive_ms) = args.queue.map_or((0, 0, "", 0), |q| {
             (
                 millis(q.wait).max(1),
@@ -241,30 +315,20 @@ impl Store for RedisStore {
             .arg(wait_ms)
             .arg(max_queue)
             .arg(self.record_ttl_ms)
-            // A record outlives every lease granted in it by a second.
-            .arg(
-                self.record_ttl_ms
-                    .max(millis(args.lease).saturating_add(1000)),
-            )
+            .arg(grant_ttl_ms)
             .arg(&self.inbox_prefix)
             .arg(&self.inbox)
             .arg(waiter)
             .arg(alive_ms);
-        let sent = std::time::Instant::now();
+        let sent = Instant::now();
         let packed: Value = self.run(Op::Script(script, &cmd)).await?;
         let (reply, step_clock_us) = decode_claim(&packed)?;
         if let ClaimStep::Granted(grant) = &reply.step {
             // The script's clock: the grant's time, unless the grant was a hand-off made
             // earlier and picked up by this step (then the step's clock follows).
-            let clock_us = step_clock_us.unwrap_or(grant.granted_at_us);
-            let answered = held::Answered {
-                fence: grant.fence,
-                fingerprint: args.fingerprint.unwrap_or(""),
-                lease: Duration::from_millis(grant.lease_ms),
-                clock_us,
-                sent,
-            };
-            self.held.insert(args.owner, &answered);
+            let clock = Reading::new(step_clock_us.unwrap_or(grant.granted_at_us), sent);
+            self.clock.observe(clock);
+            self.remember(args, grant, clock, sent);
         }
         Ok(reply)
     }
@@ -466,6 +530,7 @@ mod tests {
             fingerprint: None,
             lease: Duration::from_secs(1),
             queue: None,
+            recheck: false,
         };
         let claim = store.claim(&args);
         let complete = store.complete("k", args.owner, timeout, None);

@@ -14,9 +14,12 @@
 //! fields it changes (as a hash it took `HMGET`, `HSET`/`HDEL` and `PEXPIRE`). A claim of a
 //! key with no record (a fresh key, the common case) is one `SET NX GET PX`: it writes the
 //! grant and, when a record existed after all, writes nothing and hands back the record
-//! instead. Its complete, on the sidecar that answered it, is one `SET XX GET` the other way
-//! round: the released record written, the one it replaced checked after (`COMPLETE`). The
-//! fields, in their packed order (`false` = absent):
+//! instead. The sidecar sends that `SET` itself, without a script, while its reading of
+//! Redis's clock is young (`clock.rs`, `record.rs`); `CLAIM` starts with the same write, for
+//! a claim without such a reading and for one whose `SET` found a record. Its complete, on
+//! the sidecar that answered it, is one `SET XX GET` the other way round: the released
+//! record written, the one it replaced checked after (`COMPLETE`). The fields, in their
+//! packed order (`false` = absent):
 //! - `fence`: the last fence issued for the key (kept while the key is free);
 //! - while held: `owner`, `fp` (fingerprint, '' = none), `since` (grant, µs), `at` (start of
 //!   the current lease: the grant or the last renewal, µs), `lease` (its length, ms) — the
@@ -32,9 +35,11 @@
 //!
 //! Shared conventions:
 //! - Time is Redis's own clock (`TIME`), never the sidecars', so skewed sidecars agree. The
-//!   one reading a sidecar carries is the complete's (`held.rs`): Redis's clock as the claim
-//!   read it plus the time since, never behind it, and only trusted to say a lease is not
-//!   over; fences, grants and hand-offs always read `TIME`.
+//!   readings a sidecar carries (`clock.rs`) are Redis's clock as a claim script read it plus
+//!   the time since, never behind it: the complete's (`held.rs`), only trusted to say a lease
+//!   is not over, and a fresh key's grant time and fence, written by the sidecar's own `SET`
+//!   (`clock.rs` says why that stays safe); every other grant, fence and hand-off reads
+//!   `TIME`.
 //!   (Redis ≥ 5 replicates script effects, which makes `TIME` in a script safe; `SET` with
 //!   both `NX` and `GET` needs Redis ≥ 7.0.)
 //! - A lease is valid while `at + lease` > now: its end is decided by comparing with the clock,

@@ -1,0 +1,127 @@
+//! Redis's clock as this sidecar last read it, and what it must read now.
+//!
+//! Every claim script that grants answers with Redis's clock as the script read it, which
+//! happened after the claim was sent. So that reading plus the time passed since sending
+//! (with 0.1 % on top for the two clocks' drift) is never behind Redis's clock; it is ahead
+//! by at most the claim's way to Redis and its wait there. Two things rest on that bound:
+//! - a complete writes its record without reading it first (`held.rs`), and only trusts the
+//!   reading to say a lease is *not* over (a lease that seems over is checked again on
+//!   Redis's own clock by the script);
+//! - a fresh key's claim is one `SET NX GET` with no script (`RedisStore::claim`), its fence
+//!   and grant time this reading. A reading ahead of Redis only makes the lease end, as
+//!   Redis sees it, a little after its holder's own view of it (which starts before the
+//!   claim was sent), and the fence a little larger: both safe. It must not be far behind
+//!   every fence issued earlier for the key; a key with no record had its last record
+//!   expire at least a second after its last fence was issued (`scripts.rs`), so a reading
+//!   younger than [`FRESH_FOR`] is never behind it.
+//!
+//! After a Sentinel failover the reading follows the old master's clock for at most
+//! [`FRESH_FOR`]: the clock its replicated records' fences and leases were written on, so a
+//! grant made on it stands as those records do. What this does not cover is what Redis's
+//! own clock does not either: a step backwards of the server's clock (NTP stepping it) puts
+//! later fences below earlier ones for keys whose records expired, with or without this
+//! reading.
+
+use std::sync::{Mutex, PoisonError};
+use std::time::{Duration, Instant};
+
+/// How long a reading is used for a fresh key's claim; past it, the next claim runs the
+/// script, which reads the clock again. Well under the second by which a record outlives
+/// its last fence, and frequent enough that the drift allowance stays in the microseconds.
+pub(super) const FRESH_FOR: Duration = Duration::from_millis(500);
+
+/// One reading of Redis's clock, in µs, and when the command that read it was sent.
+#[derive(Debug, Clone, Copy)]
+pub(super) struct Reading {
+    clock_us: u64,
+    sent: Instant,
+}
+
+impl Reading {
+    pub(super) fn new(clock_us: u64, sent: Instant) -> Self {
+        Reading { clock_us, sent }
+    }
+
+    /// The clock as read, in µs.
+    pub(super) fn read_us(&self) -> u64 {
+        self.clock_us
+    }
+
+    /// Redis's clock now, never behind it (module docs), in µs.
+    pub(super) fn now_us(&self) -> u64 {
+        let passed = u64::try_from(self.sent.elapsed().as_micros()).unwrap_or(u64::MAX);
+        self.clock_us
+            .saturating_add(passed)
+            .saturating_add(passed / 1000)
+            .saturating_add(1)
+    }
+}
+
+/// The latest reading of Redis's clock on this sidecar's connection.
+#[derive(Default)]
+pub(super) struct RedisClock {
+    last: Mutex<Option<Reading>>,
+}
+
+impl RedisClock {
+    /// Keeps `reading` if it was sent after the one kept: every reading is a bound from
+    /// above, and the later one has had less time to drift.
+    pub(super) fn observe(&self, reading: Reading) {
+        let mut last = self.last.lock().unwrap_or_else(PoisonError::into_inner);
+        if last.is_none_or(|kept| kept.sent <= reading.sent) {
+            *last = Some(reading);
+        }
+    }
+
+    /// Redis's clock now, never behind it, as a reading taken now, when the latest reading
+    /// is younger than [`FRESH_FOR`].
+    pub(super) fn fresh(&self) -> Option<Reading> {
+        let last = (*self.last.lock().unwrap_or_else(PoisonError::into_inner))?;
+        (last.sent.elapsed() < FRESH_FOR).then(|| Reading {
+            clock_us: last.now_us(),
+            sent: Instant::now(),
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn micros(d: Duration) -> u64 {
+        u64::try_from(d.as_micros()).unwrap()
+    }
+
+    #[test]
+    fn a_reading_is_never_behind_the_clock_plus_the_time_since_sending() {
+        let sent = Instant::now();
+        let reading = Reading::new(5_000_000, sent);
+        std::thread::sleep(Duration::from_millis(20));
+        let before = micros(sent.elapsed());
+        let clock = reading.now_us();
+        let after = micros(sent.elapsed());
+        assert!(clock > 5_000_000 + before);
+        // With the drift allowance, and not more than that.
+        assert!(clock <= 5_000_000 + after + after / 1000 + 1);
+    }
+
+    #[test]
+    fn only_a_young_reading_is_used_and_the_later_sent_one_is_kept() {
+        let clock = RedisClock::default();
+        assert!(clock.fresh().is_none());
+        let earlier = Instant::now();
+        let later = earlier + Duration::from_millis(1);
+        clock.observe(Reading::new(2_000_000, later));
+        // Arriving after it, but sent before it: not kept.
+        clock.observe(Reading::new(1_000_000, earlier));
+        let now = clock.fresh().unwrap().read_us();
+        assert!(now >= 2_000_000, "{now}");
+        let clock = RedisClock::default();
+        let old = Instant::now().checked_sub(FRESH_FOR).unwrap();
+        clock.observe(Reading::new(1_000_000, old));
+        assert!(
+            clock.fresh().is_none(),
+            "a reading as old as FRESH_FOR is not used"
+        );
+    }
+}
