@@ -20,6 +20,12 @@ pub const DEFAULT_PORT: u16 = 9470;
     about = "The idemgate lock and idempotency sidecar"
 )]
 pub struct Cli {
+    /// Worker threads of the async runtime. Absent: one per CPU this process may use (a
+    /// cgroup's CPU quota included). Set it to what the sidecar's CPU share is, not the node's
+    /// core count: an idle worker is woken to take work from a busy one, and at a load well
+    /// below one core every extra worker costs CPU per request (BENCHMARKS.md).
+    #[arg(long, env = "IDEMGATE_WORKER_THREADS")]
+    pub worker_threads: Option<std::num::NonZeroUsize>,
     /// Address to listen on (HTTP/1.1 and h2c on the same port).
     #[arg(long, env = "IDEMGATE_LISTEN", default_value_t = SocketAddr::from(([127, 0, 0, 1], DEFAULT_PORT)))]
     pub listen: SocketAddr,

@@ -110,3 +110,30 @@ fn healthz_metrics(addr: std::net::SocketAddr) -> String {
     let _ = conn.read_to_string(&mut raw);
     raw
 }
+
+/// `--worker-threads` sizes the runtime: the start line says how many workers run, and the
+/// process has that many worker threads (by name, from /proc), not one per CPU.
+#[test]
+fn the_runtime_runs_the_worker_threads_it_is_given() {
+    for threads in [1usize, 3] {
+        let sidecar = SidecarProcess::spawn(&["--worker-threads", &threads.to_string()]);
+        let log = sidecar.log();
+        assert!(log.contains(&format!("worker_threads={threads}")), "{log}");
+        let workers = std::fs::read_dir(format!("/proc/{}/task", sidecar.pid()))
+            .unwrap()
+            .filter_map(|task| std::fs::read_to_string(task.ok()?.path().join("comm")).ok())
+            .filter(|name| name.trim() == "idemgate-worker")
+            .count();
+        assert_eq!(workers, threads);
+    }
+    // Zero is refused at start, not taken as "one per CPU".
+    let refused = std::process::Command::new(env!("CARGO_BIN_EXE_idemgate-sidecar"))
+        .args(["--worker-threads", "0"])
+        .output()
+        .unwrap();
+    assert!(!refused.status.success());
+    assert!(
+        String::from_utf8_lossy(&refused.stderr).contains("--worker-threads"),
+        "{refused:?}"
+    );
+}

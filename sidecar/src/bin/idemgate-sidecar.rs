@@ -7,16 +7,31 @@ use idemgate_sidecar::{Cli, Config, Telemetry};
 #[global_allocator]
 static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
-#[tokio::main]
-async fn main() -> anyhow::Result<()> {
+/// Name of the runtime's worker threads (at most 15 bytes on Linux).
+const WORKER_THREADS: &str = "idemgate-worker";
+
+fn main() -> anyhow::Result<()> {
     // `--check`: validate flags and store, exit 0/1 (sidecar/src/check.rs).
     let check = idemgate_sidecar::check::requested(std::env::args_os());
     let cli = match &check {
         Some(args) => Cli::parse_from(args),
         None => Cli::parse(),
     };
+    let mut runtime = tokio::runtime::Builder::new_multi_thread();
+    if let Some(threads) = cli.worker_threads {
+        runtime.worker_threads(threads.get());
+    }
+    runtime
+        .thread_name(WORKER_THREADS)
+        .enable_all()
+        .build()
+        .context("the async runtime")?
+        .block_on(run(cli, check.is_some()))
+}
+
+async fn run(cli: Cli, check: bool) -> anyhow::Result<()> {
     let telemetry = Telemetry::init(&cli.telemetry())?;
-    if check.is_some() {
+    if check {
         let ok = idemgate_sidecar::check::run(cli).await;
         flush(telemetry).await;
         std::process::exit(i32::from(!ok));
@@ -38,6 +53,7 @@ async fn serve(cli: Cli) -> anyhow::Result<()> {
     tracing::info!(
         version = env!("CARGO_PKG_VERSION"),
         commit = env!("IDEMGATE_GIT_COMMIT"),
+        worker_threads = tokio::runtime::Handle::current().metrics().num_workers(),
         ?config,
         otlp_endpoint = %otlp_endpoint.as_deref().map_or_else(|| "none".to_owned(), idemgate_sidecar::config::redact_url),
         "starting idemgate-sidecar"

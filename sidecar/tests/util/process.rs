@@ -76,6 +76,10 @@ impl SidecarProcess {
         process
     }
 
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
     pub fn url(&self) -> String {
         format!("http://{}", self.addr)
     }

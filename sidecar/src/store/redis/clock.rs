@@ -10,10 +10,16 @@
 //! - a fresh key's claim is one `SET NX GET` with no script (`RedisStore::claim`), its fence
 //!   and grant time this reading. A reading ahead of Redis only makes the lease end, as
 //!   Redis sees it, a little after its holder's own view of it (which starts before the
-//!   claim was sent), and the fence a little larger: both safe. It must not be far behind
-//!   every fence issued earlier for the key; a key with no record had its last record
-//!   expire at least a second after its last fence was issued (`scripts.rs`), so a reading
-//!   younger than [`FRESH_FOR`] is never behind it.
+//!   claim was sent), and the fence a little larger: both safe. The fence must still be
+//!   above every fence issued earlier for the key. A key with no record had its last
+//!   record expire after its last fence was issued (at least a second after, unless a
+//!   response was stored with a shorter retention), and a reading is never behind Redis's
+//!   clock, so it is above every fence Redis's clock gave. A fence from a reading is ahead
+//!   of the clock by at most that reading's lead; only readings whose claim was answered
+//!   within [`MAX_LEAD`] are kept, and one is used for at most [`FRESH_FOR`] (0.1 % drift
+//!   allowance on top), so that lead stays far under the second. (A fence below an earlier
+//!   one, where a response stored for less than that lead expired in between, would only
+//!   make a fencing backend refuse the new holder; the earlier holder had completed.)
 //!
 //! After a Sentinel failover the reading follows the old master's clock for at most
 //! [`FRESH_FOR`]: the clock its replicated records' fences and leases were written on, so a
@@ -29,6 +35,11 @@ use std::time::{Duration, Instant};
 /// script, which reads the clock again. Well under the second by which a record outlives
 /// its last fence, and frequent enough that the drift allowance stays in the microseconds.
 pub(super) const FRESH_FOR: Duration = Duration::from_millis(500);
+
+/// How long a claim may take, sent to answered, for the clock it read to be kept: the most
+/// a kept reading is ahead of Redis's clock. A slower answer's reading is not kept (the next
+/// claims run the script until a prompt one reads the clock again).
+pub(super) const MAX_LEAD: Duration = Duration::from_millis(50);
 
 /// One reading of Redis's clock, in µs, and when the command that read it was sent.
 #[derive(Debug, Clone, Copy)]
@@ -64,9 +75,13 @@ pub(super) struct RedisClock {
 }
 
 impl RedisClock {
-    /// Keeps `reading` if it was sent after the one kept: every reading is a bound from
-    /// above, and the later one has had less time to drift.
+    /// Keeps `reading`, answered now, if its command was answered within [`MAX_LEAD`] and
+    /// sent after the one kept: every reading is a bound from above, and the later one has
+    /// had less time to drift.
     pub(super) fn observe(&self, reading: Reading) {
+        if reading.sent.elapsed() > MAX_LEAD {
+            return;
+        }
         let mut last = self.last.lock().unwrap_or_else(PoisonError::into_inner);
         if last.is_none_or(|kept| kept.sent <= reading.sent) {
             *last = Some(reading);
@@ -117,8 +132,15 @@ mod tests {
         let now = clock.fresh().unwrap().read_us();
         assert!(now >= 2_000_000, "{now}");
         let clock = RedisClock::default();
-        let old = Instant::now().checked_sub(FRESH_FOR).unwrap();
-        clock.observe(Reading::new(1_000_000, old));
+        let slow = Instant::now().checked_sub(MAX_LEAD * 2).unwrap();
+        clock.observe(Reading::new(1_000_000, slow));
+        assert!(
+            clock.fresh().is_none(),
+            "a reading answered late is not kept"
+        );
+        clock.observe(Reading::new(1_000_000, Instant::now()));
+        assert!(clock.fresh().is_some());
+        std::thread::sleep(FRESH_FOR);
         assert!(
             clock.fresh().is_none(),
             "a reading as old as FRESH_FOR is not used"
