@@ -119,12 +119,20 @@ fn the_runtime_runs_the_worker_threads_it_is_given() {
         let sidecar = SidecarProcess::spawn(&["--worker-threads", &threads.to_string()]);
         let log = sidecar.log();
         assert!(log.contains(&format!("worker_threads={threads}")), "{log}");
-        let workers = std::fs::read_dir(format!("/proc/{}/task", sidecar.pid()))
-            .unwrap()
-            .filter_map(|task| std::fs::read_to_string(task.ok()?.path().join("comm")).ok())
-            .filter(|name| name.trim() == "idemgate-worker")
-            .count();
-        assert_eq!(workers, threads);
+        let workers = || {
+            std::fs::read_dir(format!("/proc/{}/task", sidecar.pid()))
+                .unwrap()
+                .filter_map(|task| std::fs::read_to_string(task.ok()?.path().join("comm")).ok())
+                .filter(|name| name.trim() == "idemgate-worker")
+                .count()
+        };
+        // A new thread takes its name once it first runs, which on a loaded machine may be
+        // after the sidecar accepts: wait for it, bounded.
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while workers() < threads && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        assert_eq!(workers(), threads);
     }
     // Zero is refused at start, not taken as "one per CPU".
     let refused = std::process::Command::new(env!("CARGO_BIN_EXE_idemgate-sidecar"))
