@@ -36,6 +36,22 @@ async fn claims_queues_and_replays_work_on_a_cluster() {
         let keys: u64 = node.cli(&["dbsize"]).unwrap().trim().parse().unwrap();
         assert!(keys > 0, "every node holds some keys");
     }
+    // Every primary has its own clock, so no claim is granted on a reading of another's:
+    // each of the 30 keys' three claims (fresh, busy, replay) ran the claim script, which
+    // reads `TIME` on the key's own primary (the complete, on the sidecar that answered its
+    // claim, reads none).
+    let time_calls: u64 = cluster
+        .nodes()
+        .iter()
+        .map(|node| {
+            let info = node.cli(&["INFO", "commandstats"]).unwrap();
+            info.lines()
+                .find_map(|l| l.strip_prefix("cmdstat_time:calls="))
+                .and_then(|rest| rest.split(',').next()?.parse().ok())
+                .unwrap_or(0)
+        })
+        .sum();
+    assert!(time_calls >= 90, "{time_calls} TIME calls for 90 claims");
     // Listing held keys scans every primary.
     let mut held = Vec::new();
     for i in 0..12 {

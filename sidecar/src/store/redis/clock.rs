@@ -21,6 +21,9 @@
 //!   one, where a response stored for less than that lead expired in between, would only
 //!   make a fencing backend refuse the new holder; the earlier holder had completed.)
 //!
+//! One clock: a standalone server, or the master behind Sentinels. On a Cluster each
+//! primary has its own, so a reading is not taken there (`RedisStore::claim`).
+//!
 //! After a Sentinel failover the reading follows the old master's clock for at most
 //! [`FRESH_FOR`]: the clock its replicated records' fences and leases were written on, so a
 //! grant made on it stands as those records do. What this does not cover is what Redis's

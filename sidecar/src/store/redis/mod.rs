@@ -288,7 +288,10 @@ impl Store for RedisStore {
         let grant_ttl_ms = self
             .record_ttl_ms
             .max(millis(args.lease).saturating_add(1000));
+        // On a Cluster every primary has its own clock, and a reading of one is no bound on
+        // another's: there every claim runs the script, on its key's primary.
         if !args.recheck
+            && matches!(self.conn, Conn::Gathered(_))
             && let Some(clock) = self.clock.fresh()
             && let Some(reply) = self.claim_fresh(&k, args, clock, grant_ttl_ms).await?
         {
