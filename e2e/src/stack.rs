@@ -44,13 +44,25 @@ impl Stack {
         self.rig.empty_redis().expect("FLUSHALL");
     }
 
-    /// The sidecar's `idemgate_sidecar_waiters` gauge: claims waiting in its queues.
+    /// The sidecar's `idemgate_sidecar_waiters` gauge: claims waiting through it, counted
+    /// from before their first step reaches Redis (so that no hand-off is missed).
     pub fn waiters(&self) -> u64 {
+        self.metric("idemgate_sidecar_waiters")
+    }
+
+    /// How many claims have joined a queue in Redis through the sidecar so far (the count of
+    /// its `queue_position` histogram, observed once Redis answered `queued`).
+    pub fn claims_queued(&self) -> u64 {
+        self.metric("idemgate_sidecar_queue_position_count")
+    }
+
+    /// One unlabelled sample of the sidecar's `/metrics` (0 when absent).
+    fn metric(&self, name: &str) -> u64 {
         let metrics = http(self.addr, "GET", "/metrics", &[], "");
         metrics
             .body
             .lines()
-            .find_map(|l| l.strip_prefix("idemgate_sidecar_waiters "))
+            .find_map(|l| l.strip_prefix(name)?.strip_prefix(' '))
             .and_then(|v| v.trim().parse().ok())
             .unwrap_or(0)
     }

@@ -235,9 +235,10 @@ fn queued_grpc_calls_run_one_at_a_time_in_fifo_order() {
     let mut queued = Vec::new();
     for seq in 1..=4 {
         queued.push(send(seq, 50));
-        // Each joins the queue before the next is sent: the queue's order is the send order.
-        eventually(&format!("{seq} waiting at the sidecar"), || {
-            world.stack.waiters() == seq as u64
+        // Each joins the queue in Redis before the next is sent: the queue's order is the
+        // send order.
+        eventually(&format!("{seq} queued at the sidecar"), || {
+            world.stack.claims_queued() == seq as u64
         });
     }
     let mut answers = Vec::new();
