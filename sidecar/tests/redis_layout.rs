@@ -118,6 +118,46 @@ async fn an_idle_record_lives_the_fence_ttl_and_fences_still_rise_after_it() {
     assert!(next > fence);
 }
 
+/// A fresh key's grant takes its fence from the sidecar's reading of Redis's clock (one
+/// `SET NX GET`, no script). A key whose record is gone, here a stored response kept for
+/// 1 ms, still gets a fence above every earlier one, claim after claim. Each cycle mixes the
+/// two ways a fence is made: the fresh `SET` and, for the busy claim, the script's `TIME`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn fences_rise_across_fresh_grants_of_a_key_whose_record_expired() {
+    let h = Harness::start(crate::util::Backend::Redis).await;
+    let redis = h.redis.as_ref().unwrap();
+    let key = "k-short-retention";
+    let response = StoredResponse {
+        status: 201,
+        headers: vec![],
+    };
+    let mut fences = Vec::new();
+    for _ in 0..50 {
+        let req = claim_req(key, Mode::Idempotency, 30_000);
+        let (owner, fence) = granted(&h.client.claim(&req).await.0);
+        assert!(matches!(
+            h.client.claim(&req).await.0,
+            ClaimOutcome::Busy { .. }
+        ));
+        fences.push(fence);
+        assert_eq!(
+            h.client
+                .complete(key, &owner, 1, Some((response.clone(), &b"x"[..])))
+                .await,
+            OwnerOutcome::Released
+        );
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
+        while int(redis, &["EXISTS", &record(key)]) == 1 {
+            assert!(tokio::time::Instant::now() < deadline, "the record stays");
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
+    }
+    assert!(
+        fences.windows(2).all(|w| w[0] < w[1]),
+        "fences not increasing: {fences:?}"
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn renewing_keeps_the_record_beyond_its_ttl() {
     let h = Harness::start_with(crate::util::Backend::Redis, |c| {
