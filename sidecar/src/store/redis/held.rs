@@ -13,6 +13,7 @@
 //! script, so the lease still ends exactly when it ends.
 
 use super::clock::Reading;
+use super::record::fresh_grant;
 use std::collections::HashMap;
 use std::hash::{BuildHasherDefault, Hasher};
 use std::sync::{Mutex, PoisonError};
@@ -30,6 +31,10 @@ pub(super) struct HeldGrant {
     pub fingerprint: Box<str>,
     /// Redis's clock as the grant read it.
     pub clock: Reading,
+    /// The lease granted, in ms.
+    pub lease_ms: u64,
+    /// The grant was written by the sidecar's own `SET` (`record::fresh_grant`), not a script.
+    pub fresh: bool,
     /// Past this the lease (as granted) is over: the entry may be dropped to make room.
     forget_after: Instant,
 }
@@ -43,6 +48,23 @@ pub(super) struct Answered<'a> {
     pub clock: Reading,
     /// When the claim was sent: the lease, as the holder counts it, runs from here.
     pub sent: Instant,
+    /// Written by the sidecar's own `SET`.
+    pub fresh: bool,
+}
+
+impl HeldGrant {
+    /// The record this grant's own `SET` wrote, byte for byte, while its lease is not over by
+    /// `now_us` (a reading never behind Redis's clock): what the complete compares the record
+    /// it replaced with. `None` for a grant a script made (its record may hold more: a
+    /// queue mark, an old response's retention), or a lease that seems over.
+    pub(super) fn fresh_record(&self, owner: &str, now_us: u64) -> Option<Vec<u8>> {
+        // A fresh grant's lease starts at its fence (both the reading).
+        let lease_end = self
+            .fence
+            .saturating_add(self.lease_ms.saturating_mul(1000));
+        (self.fresh && now_us < lease_end)
+            .then(|| fresh_grant(self.fence, owner, &self.fingerprint, self.lease_ms))
+    }
 }
 
 /// Hashes a token id by its low bits. Only this sidecar's own random tokens are inserted, so
@@ -134,6 +156,8 @@ impl HeldGrants {
                 fence: grant.fence,
                 fingerprint: grant.fingerprint.into(),
                 clock: grant.clock,
+                lease_ms: u64::try_from(grant.lease.as_millis()).unwrap_or(u64::MAX),
+                fresh: grant.fresh,
                 forget_after: grant.sent.checked_add(grant.lease).unwrap_or(grant.sent),
             },
         );
@@ -160,6 +184,7 @@ mod tests {
             lease: Duration::from_millis(lease_ms),
             clock: Reading::new(1_000_000, Instant::now()),
             sent: Instant::now(),
+            fresh: false,
         };
         grants.insert(owner, &grant);
     }

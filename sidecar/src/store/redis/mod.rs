@@ -192,15 +192,33 @@ impl RedisStore {
             .arg(body.as_ref())
             .arg(self.record_ttl_ms)
             .arg(&self.inbox_prefix);
-        match self.held.take(owner) {
-            Some(grant) => cmd
-                .arg(grant.fence)
-                .arg(&*grant.fingerprint)
-                .arg(grant.clock.now_us()),
-            None => cmd.arg("").arg("").arg(""),
-        };
+        let grant = self.held.take(owner);
+        // The reading the script checks the lease on, and what the holding was if the record
+        // replaced is the one this sidecar wrote (then the script answers `released` alone).
+        let mut written = None;
+        match &grant {
+            Some(grant) => {
+                let now_us = grant.clock.now_us();
+                cmd.arg(grant.fence).arg(&*grant.fingerprint).arg(now_us);
+                match grant.fresh_record(owner, now_us) {
+                    Some(record) => {
+                        cmd.arg(record);
+                        written = Some(Release::Released {
+                            held_ms: now_us.saturating_sub(grant.fence) / 1000,
+                            lease_ms: grant.lease_ms,
+                        });
+                    }
+                    None => {
+                        cmd.arg("");
+                    }
+                }
+            }
+            None => {
+                cmd.arg("").arg("").arg("").arg("");
+            }
+        }
         let reply: Value = self.run(Op::Script(script, &cmd)).await?;
-        reply::release(&reply)
+        reply::release(&reply, written)
     }
 
     /// A claim's first step with a fresh reading of Redis's clock: the grant written by one
@@ -240,7 +258,7 @@ impl RedisStore {
             lease_ms,
             granted_at_us: now_us,
         };
-        self.remember(args, &grant, clock, sent);
+        self.remember(args, &grant, clock, sent, true);
         Ok(Some(ClaimReply {
             step: ClaimStep::Granted(grant),
             lease_expired: false,
@@ -248,13 +266,21 @@ impl RedisStore {
     }
 
     /// Remembers a grant answered here, for its complete or abort (`held.rs`).
-    fn remember(&self, args: &ClaimArgs<'_>, grant: &Grant, clock: Reading, sent: Instant) {
+    fn remember(
+        &self,
+        args: &ClaimArgs<'_>,
+        grant: &Grant,
+        clock: Reading,
+        sent: Instant,
+        fresh: bool,
+    ) {
         let answered = held::Answered {
             fence: grant.fence,
             fingerprint: args.fingerprint.unwrap_or(""),
             lease: Duration::from_millis(grant.lease_ms),
             clock,
             sent,
+            fresh,
         };
         self.held.insert(args.owner, &answered);
     }
@@ -331,7 +357,7 @@ impl Store for RedisStore {
             // earlier and picked up by this step (then the step's clock follows).
             let clock = Reading::new(step_clock_us.unwrap_or(grant.granted_at_us), sent);
             self.clock.observe(clock);
-            self.remember(args, grant, clock, sent);
+            self.remember(args, grant, clock, sent, false);
         }
         Ok(reply)
     }

@@ -559,10 +559,13 @@ return 'released'
 /// KEYS: record, queue, waiters.
 /// ARGV: owner, retention_ms, store ('1'|'0'), status, headers_json, body, record_ttl_ms,
 ///       inbox_prefix, fence, fingerprint, now_us — the last three from the grant this
-///       sidecar answered (`held.rs`), or '' when it did not answer it.
+///       sidecar answered (`held.rs`), or '' when it did not answer it — and the record that
+///       grant's own `SET` wrote, byte for byte, while its lease is not over by `now_us` ('' for
+///       a grant a script made, or one whose lease seems over).
 /// Returns `released, held_ms, lease_ms` as one string of `\n`-separated fields, as the claim
 /// does (how long the holding lasted, the lease it ran under: what the wait hints learn
-/// from) | 'stale'.
+/// from) | `released` alone where the replaced record was the one the sidecar wrote (it
+/// knows both figures) | 'stale'.
 ///
 /// Atomic because the owner check, the stored response and the release must be one step:
 /// a holder whose lease just ran out must not overwrite the next holder's state, and no
@@ -596,6 +599,10 @@ if fence ~= '' then
   end
   -- No record (`XX` wrote nothing): no holder.
   if not v then return 'stale' end
+  -- The grant exactly as the sidecar wrote it: this owner's, this fence and fingerprint,
+  -- nobody queued, no response, its lease checked by the sidecar on `now` — everything the
+  -- field by field check below reads, without decoding the record.
+  if v == ARGV[12] then return 'released' end
   r = decode(v)
   if r.owner == owner and lease_end(r.at, r.lease) > now and r.fence == fence
       and r.fp == fp and r.q ~= '1' and (storing or not r.status) then
