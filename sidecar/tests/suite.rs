@@ -11,6 +11,7 @@ store_suite!(
     two_hundred_waiters_are_granted_once_in_fifo_order,
     wrong_owner_is_refused,
     lease_expiry_hands_over_with_a_higher_fence,
+    a_complete_after_the_lease_ran_out_is_stale_though_nobody_took_the_key,
     stored_response_is_replayed_byte_for_byte_until_retention_ends,
     waiters_get_the_stored_response,
     abort_hands_over_and_renew_is_capped,
@@ -157,6 +158,34 @@ async fn lease_expiry_hands_over_with_a_higher_fence(backend: Backend) {
     };
     assert!(next_fence > short_fence);
     assert_eq!(h.client.renew(key, &short, 1000).await, OwnerOutcome::Stale);
+}
+
+/// A lease that ran out ends the holding even when no other claim came: its complete, with
+/// or without a response, and its abort are stale, nothing is stored, and the next claim is
+/// granted with a higher fence.
+async fn a_complete_after_the_lease_ran_out_is_stale_though_nobody_took_the_key(backend: Backend) {
+    let h = Harness::start(backend).await;
+    let (response, body) = sample_response();
+    for (i, storing) in [false, true].into_iter().enumerate() {
+        let key = format!("k-ran-out-{i}");
+        let mode = if storing {
+            Mode::Idempotency
+        } else {
+            Mode::Lock
+        };
+        let (owner, fence) = granted(&h.client.claim(&claim_req(&key, mode, 100)).await.0);
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        let stored = storing.then(|| (response.clone(), &body[..]));
+        assert_eq!(
+            h.client.complete(&key, &owner, 60_000, stored).await,
+            OwnerOutcome::Stale
+        );
+        assert_eq!(h.client.abort(&key, &owner).await, OwnerOutcome::Stale);
+        match h.client.claim(&claim_req(&key, mode, 30_000)).await.0 {
+            ClaimOutcome::Granted { fence: next, .. } => assert!(next > fence),
+            other => panic!("{other:?}: a response was stored by a stale complete"),
+        }
+    }
 }
 
 fn sample_response() -> (StoredResponse, Vec<u8>) {
