@@ -22,7 +22,7 @@
 //!   make a fencing backend refuse the new holder; the earlier holder had completed.)
 //!
 //! One clock: a standalone server, or the master behind Sentinels. On a Cluster each
-//! primary has its own, so a reading is not taken there (`RedisStore::claim`).
+//! primary has its own, so no reading is kept there (`RedisStore`'s `clock`).
 //!
 //! After a Sentinel failover the reading follows the old master's clock for at most
 //! [`FRESH_FOR`]: the clock its replicated records' fences and leases were written on, so a

@@ -59,8 +59,10 @@ pub(crate) struct RedisStore {
     subscriber: JoinHandle<()>,
     /// The grants answered here, for their complete or abort.
     held: HeldGrants,
-    /// Redis's clock as the claims' scripts last read it: a fresh key's grant time.
-    clock: RedisClock,
+    /// Redis's clock as the claims' scripts last read it: a fresh key's grant time. None on a
+    /// Cluster: every primary has its own clock, and a reading of one is no bound on another's,
+    /// so there every claim runs the script on its key's primary.
+    clock: Option<RedisClock>,
 }
 
 impl Drop for RedisStore {
@@ -84,6 +86,7 @@ impl RedisStore {
         // installed its own already, which is as good.
         let _ = rustls::crypto::ring::default_provider().install_default();
         let conn = Conn::connect(cfg, timeout).await?;
+        let clock = (!matches!(conn, Conn::Cluster(_))).then(RedisClock::default);
         let inbox = crate::locks::random_token();
         let inbox_prefix = keys::inbox_prefix(&cfg.prefix);
         let (subscribed_tx, subscribed_rx) = tokio::sync::oneshot::channel();
@@ -106,7 +109,7 @@ impl RedisStore {
             timeout,
             subscriber,
             held: HeldGrants::default(),
-            clock: RedisClock::default(),
+            clock,
         })
     }
 
@@ -192,31 +195,26 @@ impl RedisStore {
             .arg(body.as_ref())
             .arg(self.record_ttl_ms)
             .arg(&self.inbox_prefix);
-        let grant = self.held.take(owner);
         // The reading the script checks the lease on, and what the holding was if the record
         // replaced is the one this sidecar wrote (then the script answers `released` alone).
-        let mut written = None;
-        match &grant {
+        let written = match self.held.take(owner) {
             Some(grant) => {
                 let now_us = grant.clock.now_us();
-                cmd.arg(grant.fence).arg(&*grant.fingerprint).arg(now_us);
-                match grant.fresh_record(owner, now_us) {
-                    Some(record) => {
-                        cmd.arg(record);
-                        written = Some(Release::Released {
-                            held_ms: now_us.saturating_sub(grant.fence) / 1000,
-                            lease_ms: grant.lease_ms,
-                        });
-                    }
-                    None => {
-                        cmd.arg("");
-                    }
-                }
+                let record = grant.fresh_record(owner, now_us);
+                cmd.arg(grant.fence)
+                    .arg(&*grant.fingerprint)
+                    .arg(now_us)
+                    .arg(record.as_deref().unwrap_or_default());
+                record.map(|_| Release::Released {
+                    held_ms: now_us.saturating_sub(grant.fence) / 1000,
+                    lease_ms: grant.lease_ms,
+                })
             }
             None => {
                 cmd.arg("").arg("").arg("").arg("");
+                None
             }
-        }
+        };
         let reply: Value = self.run(Op::Script(script, &cmd)).await?;
         reply::release(&reply, written)
     }
@@ -314,11 +312,8 @@ impl Store for RedisStore {
         let grant_ttl_ms = self
             .record_ttl_ms
             .max(millis(args.lease).saturating_add(1000));
-        // On a Cluster every primary has its own clock, and a reading of one is no bound on
-        // another's: there every claim runs the script, on its key's primary.
         if !args.recheck
-            && matches!(self.conn, Conn::Gathered(_))
-            && let Some(clock) = self.clock.fresh()
+            && let Some(clock) = self.clock.as_ref().and_then(RedisClock::fresh)
             && let Some(reply) = self.claim_fresh(&k, args, clock, grant_ttl_ms).await?
         {
             return Ok(reply);
@@ -356,7 +351,9 @@ impl Store for RedisStore {
             // The script's clock: the grant's time, unless the grant was a hand-off made
             // earlier and picked up by this step (then the step's clock follows).
             let clock = Reading::new(step_clock_us.unwrap_or(grant.granted_at_us), sent);
-            self.clock.observe(clock);
+            if let Some(redis_clock) = &self.clock {
+                redis_clock.observe(clock);
+            }
             self.remember(args, grant, clock, sent, false);
         }
         Ok(reply)

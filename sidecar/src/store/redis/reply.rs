@@ -171,9 +171,8 @@ pub(super) fn decode_claim(reply: &Value) -> StoreResult<(ClaimReply, Option<u64
 }
 
 /// Complete's and abort's reply (`scripts::COMPLETE`, packed): `released`, held_ms,
-/// lease_ms, or `stale`.
-/// A complete's or abort's reply; `written`: what the holding was when the record replaced
-/// was the one this sidecar wrote (then `released` comes alone).
+/// lease_ms, or `stale`; or `released` alone where the record replaced was the one this
+/// sidecar wrote, whose holding the caller passes as `written`.
 pub(super) fn release(reply: &Value, written: Option<Release>) -> StoreResult<Release> {
     let mut f = Fields::of(reply)?;
     match f.text() {
