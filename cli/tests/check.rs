@@ -7,10 +7,17 @@
 #![cfg(test)]
 
 use std::process::Command;
+use std::sync::atomic::{AtomicUsize, Ordering};
 
 fn check(name: &str, text: &str) -> (bool, String) {
-    // One directory per file: the tests run in parallel.
-    let dir = std::env::temp_dir().join(format!("idemgate-check-{}-{name}", std::process::id()));
+    // One directory per call: the tests run in parallel, and two of them check a file of the
+    // same name (with a shared directory one read the other's text now and then).
+    static CALLS: AtomicUsize = AtomicUsize::new(0);
+    let call = CALLS.fetch_add(1, Ordering::Relaxed);
+    let dir = std::env::temp_dir().join(format!(
+        "idemgate-check-{}-{call}-{name}",
+        std::process::id()
+    ));
     std::fs::create_dir_all(&dir).unwrap();
     let file = dir.join(name);
     std::fs::write(&file, text).unwrap();
