@@ -326,7 +326,7 @@ fn breakdown(counts: &[(&str, u64)]) -> std::collections::BTreeMap<String, u64> 
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_fresh_key_claim_and_complete_cost_three_redis_commands() {
+async fn a_fresh_key_claim_and_complete_cost_four_cheap_redis_commands() {
     let h = Harness::start(crate::util::Backend::Redis).await;
     let redis = h.redis.as_ref().unwrap();
     // A second sidecar on the same Redis, which answers none of the claims.
@@ -342,9 +342,10 @@ async fn a_fresh_key_claim_and_complete_cost_three_redis_commands() {
     }
     for mode in [Mode::Lock, Mode::Idempotency] {
         // The claim: one `SET NX GET PX`, no script (the grant, at the sidecar's reading of
-        // Redis's clock); the complete, on the sidecar that answered the claim: `EVALSHA`,
-        // `SET XX GET` (the record released, or with its stored response and expiry, written
-        // before it is read; the record it replaced is checked after).
+        // Redis's clock); the complete, on the sidecar that answered the claim: the small
+        // compare-and-set script (`COMPLETE_FRESH`: `EVALSHA`, `GET`, `SET`), which finds the
+        // grant as the sidecar wrote it and writes the record released, or with its stored
+        // response and expiry, packed by the sidecar.
         // The same whether the claim would queue behind a holder (with its place named, as
         // the shipped payments rule claims) or not: a fresh key has no queue to look at.
         for queued in [false, true] {
@@ -353,10 +354,10 @@ async fn a_fresh_key_claim_and_complete_cost_three_redis_commands() {
                 commands_per_fresh_pair(redis, &h.client, &h.client, mode, queued, &what).await;
             assert_eq!(
                 same,
-                breakdown(&[("evalsha", 1), ("set", 2)]),
+                breakdown(&[("evalsha", 1), ("get", 1), ("set", 2)]),
                 "{mode:?}, queued: {queued}"
             );
-            assert_eq!(same.values().sum::<u64>(), 3, "{mode:?}");
+            assert_eq!(same.values().sum::<u64>(), 4, "{mode:?}");
         }
         // A complete on a sidecar that did not answer the claim reads the record and Redis's
         // clock first: `EVALSHA`, `GET`, `TIME`, `SET`.

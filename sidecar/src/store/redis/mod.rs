@@ -38,6 +38,7 @@ use conn::{Conn, Op, cluster_primaries};
 use held::HeldGrants;
 use idemgate_wire::{Mode, OwnerOutcome};
 use keys::LockKeys;
+use record::StoredFields;
 use redis::cluster_routing::{RoutingInfo, SingleNodeRoutingInfo};
 use redis::{FromRedisValue, RedisError, Value};
 use reply::{count, decode_claim, grant_at, number, owner_outcome, text, unexpected};
@@ -167,7 +168,9 @@ impl RedisStore {
         self.run(Op::Script(script, &cmd)).await
     }
 
-    /// Complete (storing `response` for its retention, if any) or abort: one script.
+    /// Complete (storing `response` for its retention, if any) or abort. The grant this
+    /// sidecar wrote itself, with its lease not over, is released by a compare-and-set of its
+    /// record (`COMPLETE_FRESH`); anything else, or a record that changed since, by `COMPLETE`.
     async fn release(
         &self,
         key: &str,
@@ -175,15 +178,51 @@ impl RedisStore {
         response: Option<(Duration, Stored)>,
     ) -> StoreResult<Release> {
         let k = self.keys(key);
-        let (store, retention, status, headers, body) = match response {
+        let headers = match &response {
+            Some((_, stored)) => serde_json::to_string(&stored.response.headers)?,
+            None => String::new(),
+        };
+        // The reading the lease is checked on, and what the holding was if the record is
+        // still the one this sidecar wrote for it.
+        let grant = self.held.take(owner);
+        let now_us = grant.as_ref().map(|grant| grant.clock.now_us());
+        let written = grant
+            .as_ref()
+            .zip(now_us)
+            .and_then(|(grant, now_us)| Some((grant, now_us, grant.fresh_record(owner, now_us)?)));
+        if let Some((grant, now_us, record)) = &written {
+            let stored = response.as_ref().map(|(retention, stored)| StoredFields {
+                status: stored.response.status,
+                headers: &headers,
+                body: &stored.body,
+                fingerprint: &grant.fingerprint,
+                kept_us: now_us.saturating_add(millis(*retention).max(1).saturating_mul(1000)),
+            });
+            let expiry = response
+                .as_ref()
+                .map(|(retention, _)| millis(*retention).max(1).to_string())
+                .unwrap_or_default();
+            let script = &*scripts::COMPLETE_FRESH;
+            let mut cmd = evalsha(script, &[&k.record]);
+            cmd.arg(record.as_slice())
+                .arg(record::released(grant.fence, stored.as_ref()))
+                .arg(expiry);
+            let swapped: i64 = self.run(Op::Script(script, &cmd)).await?;
+            if swapped == 1 {
+                return Ok(Release::Released {
+                    held_ms: now_us.saturating_sub(grant.fence) / 1000,
+                    lease_ms: grant.lease_ms,
+                });
+            }
+        }
+        let (store, retention, status, body) = match &response {
             Some((retention, stored)) => (
                 "1",
-                millis(retention).max(1),
+                millis(*retention).max(1),
                 stored.response.status,
-                serde_json::to_string(&stored.response.headers)?,
-                stored.body,
+                stored.body.clone(),
             ),
-            None => ("0", 0, 0, String::new(), Bytes::new()),
+            None => ("0", 0, 0, Bytes::new()),
         };
         let script = &*scripts::COMPLETE;
         let mut cmd = evalsha(script, &k.all());
@@ -195,28 +234,16 @@ impl RedisStore {
             .arg(body.as_ref())
             .arg(self.record_ttl_ms)
             .arg(&self.inbox_prefix);
-        // The reading the script checks the lease on, and what the holding was if the record
-        // replaced is the one this sidecar wrote (then the script answers `released` alone).
-        let written = match self.held.take(owner) {
-            Some(grant) => {
-                let now_us = grant.clock.now_us();
-                let record = grant.fresh_record(owner, now_us);
-                cmd.arg(grant.fence)
-                    .arg(&*grant.fingerprint)
-                    .arg(now_us)
-                    .arg(record.as_deref().unwrap_or_default());
-                record.map(|_| Release::Released {
-                    held_ms: now_us.saturating_sub(grant.fence) / 1000,
-                    lease_ms: grant.lease_ms,
-                })
+        match grant.zip(now_us) {
+            Some((grant, now_us)) => {
+                cmd.arg(grant.fence).arg(&*grant.fingerprint).arg(now_us);
             }
             None => {
-                cmd.arg("").arg("").arg("").arg("");
-                None
+                cmd.arg("").arg("").arg("");
             }
-        };
+        }
         let reply: Value = self.run(Op::Script(script, &cmd)).await?;
-        reply::release(&reply, written)
+        reply::release(&reply)
     }
 
     /// A claim's first step with a fresh reading of Redis's clock: the grant written by one

@@ -171,12 +171,10 @@ pub(super) fn decode_claim(reply: &Value) -> StoreResult<(ClaimReply, Option<u64
 }
 
 /// Complete's and abort's reply (`scripts::COMPLETE`, packed): `released`, held_ms,
-/// lease_ms, or `stale`; or `released` alone where the record replaced was the one this
-/// sidecar wrote, whose holding the caller passes as `written`.
-pub(super) fn release(reply: &Value, written: Option<Release>) -> StoreResult<Release> {
+/// lease_ms, or `stale`.
+pub(super) fn release(reply: &Value) -> StoreResult<Release> {
     let mut f = Fields::of(reply)?;
     match f.text() {
-        Some("released") if f.0.is_empty() => written.ok_or_else(|| unexpected("release fields")),
         Some("released") => Ok(Release::Released {
             held_ms: f.number()?,
             lease_ms: f.number()?,
@@ -245,23 +243,14 @@ mod tests {
             assert!(decode_claim(&reply).is_err(), "{reply:?}");
         }
         assert!(matches!(
-            release(&packed(b"released\n12\n30000"), None),
+            release(&packed(b"released\n12\n30000")),
             Ok(Release::Released {
                 held_ms: 12,
                 lease_ms: 30_000
             })
         ));
-        assert!(matches!(
-            release(&packed(b"stale"), None),
-            Ok(Release::Stale)
-        ));
-        assert!(release(&packed(b"released\n12"), None).is_err());
-        // `released` alone: the holding the sidecar knows, and an error where it knows none.
-        let known = Release::Released {
-            held_ms: 3,
-            lease_ms: 30_000,
-        };
-        assert_eq!(release(&packed(b"released"), Some(known)).unwrap(), known);
-        assert!(release(&packed(b"released"), None).is_err());
+        assert!(matches!(release(&packed(b"stale")), Ok(Release::Stale)));
+        assert!(release(&packed(b"released\n12")).is_err());
+        assert!(release(&packed(b"released")).is_err());
     }
 }
