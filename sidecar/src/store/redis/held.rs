@@ -1,12 +1,13 @@
 //! The grants this sidecar answered that may still be held: what their complete or abort
-//! needs to write the record without reading it first (`scripts.rs`, `COMPLETE`) — the
+//! needs to release the record by a compare-and-set (`scripts.rs`, `COMPLETE_FRESH`, for a
+//! grant the sidecar wrote itself) or to write it without reading it first (`COMPLETE`) — the
 //! fence and fingerprint the record holds, and a reading of Redis's clock.
 //!
 //! A complete or abort usually comes back to the sidecar that answered the claim (one beside
 //! each gateway); one that does not, or whose grant was dropped here, takes the script's
 //! reading path, as every complete did before. Nothing here is trusted: the script checks
-//! the record it replaced against the grant assumed, and an entry that does not match (a
-//! token sent with another key, a forged one) costs a second write, never a wrong one.
+//! the record against the grant assumed, and an entry that does not match (a token sent with
+//! another key, a forged one) costs another script call, never a wrong write.
 //!
 //! The clock: a reading of Redis's clock taken with the grant (`clock.rs`), never behind
 //! Redis's clock. A lease that seems over by it is checked again on Redis's own clock by the
@@ -54,8 +55,8 @@ pub(super) struct Answered<'a> {
 
 impl HeldGrant {
     /// The record this grant's own `SET` wrote, byte for byte, while its lease is not over by
-    /// `now_us` (a reading never behind Redis's clock): what the complete compares the record
-    /// it replaced with. `None` for a grant a script made (its record may hold more: a
+    /// `now_us` (a reading never behind Redis's clock): what `COMPLETE_FRESH` compares the
+    /// record with. `None` for a grant a script made (its record may hold more: a
     /// queue mark, an old response's retention), or a lease that seems over.
     pub(super) fn fresh_record(&self, owner: &str, now_us: u64) -> Option<Vec<u8>> {
         // A fresh grant's lease starts at its fence (both the reading).
