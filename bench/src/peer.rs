@@ -18,7 +18,7 @@ use crate::client::Connection;
 use crate::cpu::{cpu_of, pid_cpu, redis_commands, threads_cpu};
 use crate::report::{Check, Figure, Goal, Group};
 use crate::sidecar_load::SIDECAR_THREADS;
-use crate::stack::{BackendSpec, GatewaySpec, Stack};
+use crate::stack::{BackendSpec, GatewaySpec, SIDECAR_WORKERS, Stack};
 use crate::stats::{Summary, percentile};
 use crate::wrk::{self, Keys, WrkRun};
 use anyhow::{Context, Result, bail};
@@ -962,7 +962,8 @@ fn report(ours: &[Run], theirs: &[Run], load_before: &str, load_after: &str) -> 
                  host, {GATEWAY_WORKERS} workers) with `envoy/envoy.yaml` and its shipped \
                  plugin configuration (`POST /payments`: idempotency, `on_conflict: queue`, \
                  `max_wait` 10 s, the default `max_queue` 16), and the sidecar in-process on \
-                 its own runtime threads on Redis. Both products run on loopback in front of \
+                 its own runtime on Redis, with as many worker threads as the shipped \
+                 Deployment gives a pod ({SIDECAR_WORKERS}: its CPU request rounded up). Both products run on loopback in front of \
                  one counting backend and each has its own `redis-server`; {RUNS} runs, \
                  alternating the two, each product restarted per run."
             ),

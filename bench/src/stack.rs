@@ -15,6 +15,12 @@ use std::sync::Arc;
 /// The shipped bootstrap's sidecar cluster, which the plugin configuration names.
 const SIDECAR: &str = shipped::SIDECAR;
 
+/// Runtime worker threads of the benchmarks' sidecar: what the shipped Deployment gives a pod
+/// (`envoy/kubernetes/base/sidecar.yaml`: `IDEMGATE_WORKER_THREADS` is the container's CPU
+/// request in whole CPUs, rounded up, and the request is 100m). A test below holds the two
+/// together.
+pub const SIDECAR_WORKERS: usize = 1;
+
 /// How a lock rule treats a call for a resource another call holds.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Conflict {
@@ -94,14 +100,17 @@ impl Stack {
         backend: BackendSpec,
         spec: &GatewaySpec<'_>,
     ) -> Result<Stack> {
-        let rig = Rig::builder().store(store).gateway(
-            Shipped::default()
-                .envoy_yaml(spec.envoy_yaml)
-                .module(spec.module)
-                .plugin(spec.plugin_config.clone())
-                .workers(spec.workers)
-                .quiet(),
-        );
+        let rig = Rig::builder()
+            .store(store)
+            .sidecar_workers(SIDECAR_WORKERS)
+            .gateway(
+                Shipped::default()
+                    .envoy_yaml(spec.envoy_yaml)
+                    .module(spec.module)
+                    .plugin(spec.plugin_config.clone())
+                    .workers(spec.workers)
+                    .quiet(),
+            );
         let rig = match backend {
             BackendSpec::Demo => rig.demo_backend(Timings::default()),
             BackendSpec::At(addr) => rig.backend_at(addr),
@@ -142,6 +151,7 @@ pub fn prometheus_sum(exposition: &str, metric: &str) -> f64 {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use serde::Deserialize;
 
     #[test]
     fn sums_a_counter_family() {
@@ -153,6 +163,47 @@ mod tests {
         assert_eq!(prometheus_sum(text, "idemgate_sidecar_claims_total"), 5.0);
         assert_eq!(prometheus_sum(text, "idemgate_sidecar_waiters"), 4.0);
         assert_eq!(prometheus_sum(text, "missing"), 0.0);
+    }
+
+    /// The shipped Deployment sizes the sidecar's runtime by its CPU request, and that
+    /// request rounds up to the workers the benchmarks run.
+    #[test]
+    fn the_benchmarks_run_the_sidecar_with_the_shipped_workers() {
+        let path = concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/../envoy/kubernetes/base/sidecar.yaml"
+        );
+        let text = std::fs::read_to_string(path).unwrap();
+        let deployment = serde_norway::Deserializer::from_str(&text)
+            .map(|doc| serde_norway::Value::deserialize(doc).unwrap())
+            .find(|doc| doc["kind"] == "Deployment")
+            .expect("a Deployment");
+        let container = deployment["spec"]["template"]["spec"]["containers"]
+            .as_sequence()
+            .unwrap()
+            .iter()
+            .find(|c| c["name"] == "sidecar")
+            .expect("the sidecar container");
+        let workers = container["env"]
+            .as_sequence()
+            .unwrap()
+            .iter()
+            .find(|e| e["name"] == "IDEMGATE_WORKER_THREADS")
+            .expect("IDEMGATE_WORKER_THREADS");
+        let from = &workers["valueFrom"]["resourceFieldRef"];
+        assert_eq!(from["containerName"], "sidecar");
+        assert_eq!(from["resource"], "requests.cpu");
+        assert_eq!(from["divisor"], "1");
+        let request = container["resources"]["requests"]["cpu"].as_str().unwrap();
+        let millicpus: usize = match request.strip_suffix('m') {
+            Some(m) => m.parse().unwrap(),
+            None => request.parse::<usize>().unwrap() * 1000,
+        };
+        assert_eq!(
+            millicpus.div_ceil(1000),
+            SIDECAR_WORKERS,
+            "cpu request {request}"
+        );
     }
 
     #[test]

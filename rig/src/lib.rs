@@ -34,7 +34,7 @@ use crate::backend::{Backend, Stats, Timings};
 use crate::child::ChildProcess;
 use crate::fault_proxy::FaultProxy;
 use crate::gateway::{LiveGateway, Shipped};
-use crate::sidecar::InProcessSidecar;
+use crate::sidecar::{InProcessSidecar, TEST_WORKERS};
 use anyhow::{Context, Result, bail};
 use idemgate_sidecar::testing::RedisServer;
 use idemgate_sidecar::{Config as SidecarConfig, RedisTopology, StoreConfig};
@@ -86,6 +86,7 @@ pub struct RigBuilder {
     fault_proxies: bool,
     gateway: Option<Shipped>,
     tune_sidecar: Option<TuneSidecar>,
+    sidecar_workers: usize,
     cancelled: Option<Arc<AtomicBool>>,
 }
 
@@ -126,6 +127,12 @@ impl RigBuilder {
     /// process only (a sidecar process is configured by its store and address).
     pub fn sidecar(mut self, tune: impl FnOnce(&mut SidecarConfig) + 'static) -> Self {
         self.tune_sidecar = Some(Box::new(tune));
+        self
+    }
+
+    /// The in-process sidecar's runtime worker threads ([`TEST_WORKERS`] unless told).
+    pub fn sidecar_workers(mut self, workers: usize) -> Self {
+        self.sidecar_workers = workers;
         self
     }
 
@@ -198,6 +205,7 @@ impl RigBuilder {
             gateway_admin: None,
             sidecar: None,
             sidecar_config,
+            sidecar_workers: self.sidecar_workers,
             sidecar_proxy: None,
             demo: None,
             upstream: None,
@@ -261,6 +269,7 @@ pub struct Rig {
     gateway_admin: Option<SocketAddr>,
     sidecar: Option<SidecarPart>,
     sidecar_config: SidecarConfig,
+    sidecar_workers: usize,
     sidecar_proxy: Option<FaultProxy>,
     demo: Option<BackendPart>,
     upstream: Option<SocketAddr>,
@@ -280,6 +289,7 @@ impl Rig {
             fault_proxies: false,
             gateway: None,
             tune_sidecar: None,
+            sidecar_workers: TEST_WORKERS,
             cancelled: None,
         }
     }
@@ -289,11 +299,15 @@ impl Rig {
     /// same port, its log appended to).
     fn start_sidecar(&mut self, restart: bool) -> Result<()> {
         let part = match &self.launch {
-            Launch::InProcess if restart => {
-                SidecarPart::InProcess(InProcessSidecar::start_on(&self.sidecar_config)?)
-            }
+            Launch::InProcess if restart => SidecarPart::InProcess(InProcessSidecar::start_on(
+                &self.sidecar_config,
+                self.sidecar_workers,
+            )?),
             Launch::InProcess => {
-                let sidecar = InProcessSidecar::start(self.sidecar_config.clone())?;
+                let sidecar = InProcessSidecar::start_with_workers(
+                    self.sidecar_config.clone(),
+                    self.sidecar_workers,
+                )?;
                 // Restarts bind the same address.
                 self.sidecar_config.listen = sidecar.addr();
                 SidecarPart::InProcess(sidecar)

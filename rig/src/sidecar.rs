@@ -13,6 +13,10 @@ const SETTLE: Duration = Duration::from_secs(20);
 /// the benchmarks tell the sidecar's CPU time apart from the gateway's and the client's by it.
 pub const SIDECAR_THREADS: &str = "idemgate-sc";
 
+/// Worker threads of a sidecar the tests start: two, so that what one request does can run
+/// beside another's on a second thread, as it may on any sidecar with more than one CPU.
+pub const TEST_WORKERS: usize = 2;
+
 /// A running sidecar and the runtime it runs on. Dropping it stops it without waiting for
 /// what is in flight (the sidecar first, then its runtime: fields drop in this order).
 pub struct InProcessSidecar {
@@ -23,8 +27,14 @@ pub struct InProcessSidecar {
 impl InProcessSidecar {
     /// Starts a sidecar with `config` on a two-thread runtime of its own.
     pub fn start(config: Config) -> Result<InProcessSidecar> {
+        InProcessSidecar::start_with_workers(config, TEST_WORKERS)
+    }
+
+    /// Starts a sidecar with `config` on a runtime of its own with `workers` worker threads
+    /// (what `--worker-threads` sets for the binary).
+    pub fn start_with_workers(config: Config, workers: usize) -> Result<InProcessSidecar> {
         let runtime = tokio::runtime::Builder::new_multi_thread()
-            .worker_threads(2)
+            .worker_threads(workers)
             .thread_name(SIDECAR_THREADS)
             .enable_all()
             .build()
@@ -35,12 +45,12 @@ impl InProcessSidecar {
         Ok(InProcessSidecar { runtime, sidecar })
     }
 
-    /// Starts a sidecar on `config.listen`, retrying (bounded) while a killed one's listener
-    /// still holds the address.
-    pub fn start_on(config: &Config) -> Result<InProcessSidecar> {
+    /// Starts a sidecar on `config.listen` with `workers` worker threads, retrying (bounded)
+    /// while a killed one's listener still holds the address.
+    pub fn start_on(config: &Config, workers: usize) -> Result<InProcessSidecar> {
         let deadline = Instant::now() + SETTLE;
         loop {
-            match InProcessSidecar::start(config.clone()) {
+            match InProcessSidecar::start_with_workers(config.clone(), workers) {
                 Ok(sidecar) => return Ok(sidecar),
                 Err(err) if Instant::now() < deadline => {
                     drop(err);

@@ -4,6 +4,7 @@
 use super::LOAD_RUNS;
 use crate::report::{Figure, Goal, Group};
 use crate::sidecar_load::{self, Repeated, Server};
+use crate::stack::SIDECAR_WORKERS;
 use crate::stats::{Summary, percentile};
 use anyhow::{Context, Result};
 use idemgate_sidecar::StoreConfig;
@@ -18,9 +19,10 @@ pub fn group() -> Result<Group> {
         .worker_threads(2)
         .enable_all()
         .build()?;
-    // The sidecar gets runtime threads of its own, as its own process would have.
+    // The sidecar gets runtime threads of its own, as its own process would have: as many as
+    // the shipped Deployment gives a pod.
     let server = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
+        .worker_threads(SIDECAR_WORKERS)
         .thread_name(sidecar_load::SIDECAR_THREADS)
         .enable_all()
         .build()?;
@@ -85,10 +87,10 @@ pub fn group() -> Result<Group> {
             figures,
             checks: Vec::new(),
             notes: vec![format!(
-                "Closed loop: each worker claims a fresh key (lock mode), completes it, repeats, \
+                "Closed loop: each client task claims a fresh key (lock mode), completes it, repeats, \
                  for {LOAD_SECONDS} s; {LOAD_RUNS} runs per configuration. The sidecar runs \
-                 in-process on its own runtime (two worker threads, as its own process would \
-                 have) and is driven over up to 4 h2c connections, as Envoy multiplexes \
+                 in-process on its own runtime (its worker threads as many as the shipped \
+                 Deployment gives a pod: {SIDECAR_WORKERS}, its CPU request rounded up) and is driven over up to 4 h2c connections, as Envoy multiplexes \
                  callouts per worker thread. The baseline is the minimal equivalent in raw \
                  Redis — `SET key owner NX PX` then a compare-and-delete script — over one \
                  multiplexed (auto-pipelining) connection against the same `redis-server` in \
