@@ -108,24 +108,44 @@ impl SentinelConn {
 }
 
 impl Conn {
+    /// A call that ran out of the store timeout: behind Sentinels, the master may be gone
+    /// or hung, so the next call asks the Sentinels again (the call's own future, dropped
+    /// at the timeout, never saw an answer to note).
+    pub(super) async fn timed_out(&self) {
+        if let Conn::Gathered(gather) = self {
+            let timeout = RedisError::from(std::io::Error::from(std::io::ErrorKind::TimedOut));
+            gather.target().note(Err(&timeout)).await;
+        }
+    }
+
     /// Connects to the configured topology: lazily where the client allows it (a server or
     /// Sentinel that is down only makes calls fail until it is back).
     ///
     /// # Errors
     /// A URL that does not parse, or a Cluster whose seed nodes are all unreachable.
     pub(super) async fn connect(cfg: &RedisConfig, timeout: Duration) -> StoreResult<Conn> {
+        // No response timeout on the connection: every call is bounded by the store timeout
+        // already (`RedisStore::bounded`, and a gathered batch by `Gather`), and a second
+        // timer per command is not free. A new timer due before any other makes tokio wake
+        // its I/O driver with an `eventfd` write (two per command at low load, one each
+        // now), and a response timeout does nothing a store timeout does not: in redis-rs
+        // it fails the call without dropping the connection, which a store timeout also does.
         let manager_config = ConnectionManagerConfig::new()
             .set_connection_timeout(Some(timeout))
-            .set_response_timeout(Some(timeout))
+            .set_response_timeout(None)
             .set_number_of_retries(1)
             .set_max_delay(Duration::from_millis(500));
         let first_url = cfg.urls.first().ok_or(StoreError::Config("no Redis URL"))?;
         Ok(match &cfg.topology {
             RedisTopology::Standalone => {
                 let client = node_client(first_url, &cfg.tls)?;
-                Conn::Gathered(Gather::new(Target::Server(
-                    ConnectionManager::new_lazy_with_config(client, manager_config)?,
-                )))
+                Conn::Gathered(Gather::new(
+                    Target::Server(ConnectionManager::new_lazy_with_config(
+                        client,
+                        manager_config,
+                    )?),
+                    timeout,
+                ))
             }
             RedisTopology::Cluster => {
                 let nodes = cfg
@@ -142,13 +162,14 @@ impl Conn {
                 }
                 Conn::Cluster(builder.build()?.get_async_connection().await?)
             }
-            RedisTopology::Sentinel { master } => {
-                Conn::Gathered(Gather::new(Target::Sentinel(Arc::new(SentinelConn {
+            RedisTopology::Sentinel { master } => Conn::Gathered(Gather::new(
+                Target::Sentinel(Arc::new(SentinelConn {
                     sentinel: Mutex::new(sentinel_client(cfg, master)?),
                     current: RwLock::new(None),
                     config: manager_config,
-                }))))
-            }
+                })),
+                timeout,
+            )),
         })
     }
 
@@ -312,6 +333,38 @@ fn tls_sentinel_client(
 #[cfg(test)]
 mod tests {
     use super::cluster_primaries;
+    use super::{Conn, ConnectionManager, ConnectionManagerConfig, Gather, SentinelConn, Target};
+    use redis::sentinel::{SentinelClient, SentinelServerType};
+    use std::sync::Arc;
+    use tokio::sync::{Mutex, RwLock};
+
+    /// A call that ran out of the store timeout behind Sentinels makes the next call ask the
+    /// Sentinels again: the connection sets no response timeout of its own, so nothing else
+    /// would tell it that the master it holds stopped answering.
+    #[tokio::test]
+    async fn a_store_timeout_behind_sentinels_asks_them_again() {
+        let nowhere = "redis://127.0.0.1:1";
+        let config = ConnectionManagerConfig::new();
+        let held = ConnectionManager::new_lazy_with_config(
+            redis::Client::open(nowhere).unwrap(),
+            config.clone(),
+        )
+        .unwrap();
+        let sentinel = Arc::new(SentinelConn {
+            sentinel: Mutex::new(
+                SentinelClient::build(vec![nowhere], "m", None, SentinelServerType::Master)
+                    .unwrap(),
+            ),
+            current: RwLock::new(Some(held)),
+            config,
+        });
+        let conn = Conn::Gathered(Gather::new(
+            Target::Sentinel(Arc::clone(&sentinel)),
+            std::time::Duration::from_secs(1),
+        ));
+        conn.timed_out().await;
+        assert!(sentinel.current.read().await.is_none());
+    }
 
     #[test]
     fn cluster_primaries_come_from_cluster_nodes() {

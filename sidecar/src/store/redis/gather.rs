@@ -23,11 +23,15 @@ use redis::aio::{ConnectionLike, ConnectionManager};
 use redis::{Cmd, ErrorKind, RedisError, RedisResult, Value};
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
+use std::time::Duration;
 use tokio::sync::oneshot;
 
 /// One connection's sender, and the batch it is gathering.
 pub(super) struct Gather {
     target: Target,
+    /// How long a batch may wait for its replies: the store timeout, which bounds every
+    /// caller's own wait too (the connection itself sets no response timeout).
+    timeout: Duration,
     pending: Mutex<Vec<Pending>>,
     /// Commands sent and not yet answered (or given up).
     in_flight: AtomicUsize,
@@ -47,9 +51,10 @@ pub(super) enum Target {
 }
 
 impl Gather {
-    pub(super) fn new(target: Target) -> Arc<Gather> {
+    pub(super) fn new(target: Target, timeout: Duration) -> Arc<Gather> {
         Arc::new(Gather {
             target,
+            timeout,
             pending: Mutex::default(),
             in_flight: AtomicUsize::new(0),
             batches: AtomicU64::new(0),
@@ -106,10 +111,19 @@ impl Gather {
         self.batches.fetch_add(1, Ordering::Relaxed);
         let (cmds, replies): (Vec<Cmd>, Vec<_>) =
             batch.into_iter().map(|p| (p.cmd, p.reply)).unzip();
-        let answers = match self.target.connection().await {
-            Ok(mut conn) => send_batch(&mut conn, cmds).await,
-            Err(e) => Err(e),
+        // Bounded: every caller stops waiting at the store timeout, and a batch on a
+        // connection that never answers must not keep its task alive after them.
+        let sent = async {
+            let mut conn = self.target.connection().await?;
+            send_batch(&mut conn, cmds).await
         };
+        let answers = tokio::time::timeout(self.timeout, sent)
+            .await
+            .unwrap_or_else(|_| {
+                Err(RedisError::from(std::io::Error::from(
+                    std::io::ErrorKind::TimedOut,
+                )))
+            });
         self.target.note(answers.as_deref()).await;
         match answers {
             Ok(values) => {
@@ -139,7 +153,7 @@ impl Target {
     }
 
     /// What the Sentinels' master answered, for [`SentinelConn::checked`].
-    async fn note(&self, answers: Result<&[Value], &RedisError>) {
+    pub(super) async fn note(&self, answers: Result<&[Value], &RedisError>) {
         if let Target::Sentinel(sentinel) = self {
             Box::pin(sentinel.checked(answers)).await;
         }
@@ -194,7 +208,7 @@ mod tests {
     async fn gather_on(redis: &crate::testing::RedisServer) -> std::sync::Arc<Gather> {
         let client = redis::Client::open(redis.url()).unwrap();
         let conn = ConnectionManager::new(client).await.unwrap();
-        Gather::new(Target::Server(conn))
+        Gather::new(Target::Server(conn), std::time::Duration::from_secs(5))
     }
 
     /// Requests are separate tasks, each sending one command as it is decoded: those sent in

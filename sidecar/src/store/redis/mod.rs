@@ -125,7 +125,10 @@ impl RedisStore {
     ) -> StoreResult<T> {
         match tokio::time::timeout(self.timeout, request).await {
             Ok(result) => Ok(result?),
-            Err(_) => Err(StoreError::Timeout(self.timeout)),
+            Err(_) => {
+                self.conn.timed_out().await;
+                Err(StoreError::Timeout(self.timeout))
+            }
         }
     }
 
