@@ -181,63 +181,57 @@ impl RedisStore {
         response: Option<(Duration, Stored)>,
     ) -> StoreResult<Release> {
         let k = self.keys(key);
+        let retention_ms = response
+            .as_ref()
+            .map(|(retention, _)| millis(*retention).max(1));
         let headers = match &response {
             Some((_, stored)) => serde_json::to_string(&stored.response.headers)?,
             None => String::new(),
         };
-        // The reading the lease is checked on, and what the holding was if the record is
-        // still the one this sidecar wrote for it.
-        let grant = self.held.take(owner);
-        let now_us = grant.as_ref().map(|grant| grant.clock.now_us());
-        let written = grant
-            .as_ref()
-            .zip(now_us)
-            .and_then(|(grant, now_us)| Some((grant, now_us, grant.fresh_record(owner, now_us)?)));
-        if let Some((grant, now_us, record)) = &written {
-            let stored = response.as_ref().map(|(retention, stored)| StoredFields {
-                status: stored.response.status,
-                headers: &headers,
-                body: &stored.body,
-                fingerprint: &grant.fingerprint,
-                kept_us: now_us.saturating_add(millis(*retention).max(1).saturating_mul(1000)),
-            });
-            let expiry = response
+        // The grant this sidecar answered, with the reading its lease is checked on.
+        let grant = self.held.take(owner).map(|grant| {
+            let now_us = grant.clock.now_us();
+            (grant, now_us)
+        });
+        if let Some((grant, now_us)) = &grant
+            && let Some(record) = grant.fresh_record(owner, *now_us)
+        {
+            let stored = response
                 .as_ref()
-                .map(|(retention, _)| millis(*retention).max(1).to_string())
-                .unwrap_or_default();
-            let script = &*scripts::COMPLETE_FRESH;
-            let mut cmd = evalsha(script, &[&k.record]);
-            cmd.arg(record.as_slice())
-                .arg(record::released(grant.fence, stored.as_ref()))
-                .arg(expiry);
-            let swapped: i64 = self.run(Op::Script(script, &cmd)).await?;
-            if swapped == 1 {
+                .zip(retention_ms)
+                .map(|((_, stored), ms)| StoredFields {
+                    status: stored.response.status,
+                    headers: &headers,
+                    body: &stored.body,
+                    fingerprint: &grant.fingerprint,
+                    kept_us: now_us.saturating_add(ms.saturating_mul(1000)),
+                });
+            let released = record::released(grant.fence, stored.as_ref());
+            if self
+                .compare_and_release(&k, &record, released, retention_ms)
+                .await?
+            {
                 return Ok(Release::Released {
                     held_ms: now_us.saturating_sub(grant.fence) / 1000,
                     lease_ms: grant.lease_ms,
                 });
             }
         }
-        let (store, retention, status, body) = match &response {
-            Some((retention, stored)) => (
-                "1",
-                millis(*retention).max(1),
-                stored.response.status,
-                stored.body.clone(),
-            ),
-            None => ("0", 0, 0, Bytes::new()),
+        let (store, status, body) = match &response {
+            Some((_, stored)) => ("1", stored.response.status, stored.body.clone()),
+            None => ("0", 0, Bytes::new()),
         };
         let script = &*scripts::COMPLETE;
         let mut cmd = evalsha(script, &k.all());
         cmd.arg(owner)
-            .arg(retention)
+            .arg(retention_ms.unwrap_or(0))
             .arg(store)
             .arg(status)
             .arg(headers)
             .arg(body.as_ref())
             .arg(self.record_ttl_ms)
             .arg(&self.inbox_prefix);
-        match grant.zip(now_us) {
+        match grant {
             Some((grant, now_us)) => {
                 cmd.arg(grant.fence).arg(&*grant.fingerprint).arg(now_us);
             }
@@ -247,6 +241,27 @@ impl RedisStore {
         }
         let reply: Value = self.run(Op::Script(script, &cmd)).await?;
         reply::release(&reply)
+    }
+
+    /// `COMPLETE_FRESH`: whether the record was `grant` byte for byte and is now `released`,
+    /// expiring after `expiry_ms` (`None`: its expiry kept). `false`: the record is anything
+    /// else, and nothing was written.
+    async fn compare_and_release(
+        &self,
+        k: &LockKeys,
+        grant: &[u8],
+        released: Vec<u8>,
+        expiry_ms: Option<u64>,
+    ) -> StoreResult<bool> {
+        let script = &*scripts::COMPLETE_FRESH;
+        let mut cmd = evalsha(script, &[&k.record]);
+        cmd.arg(grant).arg(released);
+        match expiry_ms {
+            Some(ms) => cmd.arg(ms),
+            None => cmd.arg(""),
+        };
+        let swapped: i64 = self.run(Op::Script(script, &cmd)).await?;
+        Ok(swapped == 1)
     }
 
     /// A claim's first step with a fresh reading of Redis's clock: the grant written by one
