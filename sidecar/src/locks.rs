@@ -38,13 +38,14 @@ pub(crate) enum LockError {
 
 /// 128 bits from the operating system's CSPRNG, hex-encoded: owner tokens and inbox ids.
 pub(crate) fn random_token() -> String {
+    use rand::Rng;
     let mut bytes = [0u8; 16];
-    // The OS generator failing is not recoverable in any useful way; a predictable token
-    // would be worse than no service.
-    if let Err(err) = getrandom::fill(&mut bytes) {
-        tracing::error!(%err, "the OS random generator failed");
-        std::process::abort();
-    }
+    // rand's thread-local CSPRNG (ChaCha12, seeded from the OS and reseeded from it every
+    // 64 KiB of output) rather than the OS generator itself: a `getrandom` system call per
+    // claim was one of the ~14 a claim+complete pair makes (BENCHMARKS.md, sidecar notes).
+    // It panics if the OS generator fails to seed it: a predictable token would be worse than
+    // no service.
+    rand::rng().fill_bytes(&mut bytes);
     hex::encode(bytes)
 }
 
@@ -465,5 +466,37 @@ fn record_claim_answer(label: &'static str, queued_since: Option<Instant>, wait:
             telemetry::attribute(wait, "idemgate.wait_ms", waited_ms);
             telemetry::attribute(wait, "idemgate.outcome", label);
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::random_token;
+    use std::collections::HashSet;
+
+    /// Owner tokens are 128 random bits as 32 lowercase hex digits (what `held.rs` parses),
+    /// different on every call and on every thread.
+    #[test]
+    fn owner_tokens_are_32_hex_digits_and_never_repeat() {
+        let tokens: Vec<String> = std::thread::scope(|scope| {
+            let threads: Vec<_> = (0..4)
+                .map(|_| scope.spawn(|| (0..5_000).map(|_| random_token()).collect::<Vec<_>>()))
+                .collect();
+            threads
+                .into_iter()
+                .flat_map(|t| t.join().unwrap())
+                .collect()
+        });
+        for token in &tokens {
+            assert_eq!(token.len(), 32, "{token}");
+            assert!(
+                token
+                    .bytes()
+                    .all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b)),
+                "{token}"
+            );
+        }
+        let distinct: HashSet<&String> = tokens.iter().collect();
+        assert_eq!(distinct.len(), tokens.len());
     }
 }
