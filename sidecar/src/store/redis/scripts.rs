@@ -17,9 +17,11 @@
 //! instead. The sidecar sends that `SET` itself, without a script, while its reading of
 //! Redis's clock is young (`clock.rs`, `record.rs`); `CLAIM` starts with the same write, for
 //! a claim without such a reading and for one whose `SET` found a record. Its complete, on
-//! the sidecar that answered it, is one `SET XX GET` the other way round: the released
-//! record written, the one it replaced checked after (`COMPLETE`). The fields, in their
-//! packed order (`false` = absent):
+//! the sidecar that answered it, is a compare-and-set (`COMPLETE_FRESH`): the record `GET`
+//! and, if it is still that grant byte for byte, the released record `SET`, packed by the
+//! sidecar (`record.rs`). A record that changed meanwhile takes `COMPLETE`, which writes
+//! the released record with `SET XX GET` and checks the one it replaced after. The fields,
+//! in their packed order (`false` = absent):
 //! - `fence`: the last fence issued for the key (kept while the key is free);
 //! - while held: `owner`, `fp` (fingerprint, '' = none), `since` (grant, µs), `at` (start of
 //!   the current lease: the grant or the last renewal, µs), `lease` (its length, ms) — the
