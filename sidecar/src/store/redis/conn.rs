@@ -3,7 +3,7 @@
 //! `ConnectionManager`, the cluster client, re-resolving the Sentinel master after an error).
 
 use super::StoreResult;
-use super::gather::{Gather, Target};
+use super::gather::{Gather, Target, timed_out};
 use crate::config::{RedisConfig, RedisTls, RedisTopology};
 use crate::store::StoreError;
 use redis::aio::{ConnectionLike, ConnectionManager, ConnectionManagerConfig};
@@ -113,8 +113,7 @@ impl Conn {
     /// at the timeout, never saw an answer to note).
     pub(super) async fn timed_out(&self) {
         if let Conn::Gathered(gather) = self {
-            let timeout = RedisError::from(std::io::Error::from(std::io::ErrorKind::TimedOut));
-            gather.target().note(Err(&timeout)).await;
+            gather.target().note(Err(&timed_out())).await;
         }
     }
 
@@ -126,10 +125,10 @@ impl Conn {
     pub(super) async fn connect(cfg: &RedisConfig, timeout: Duration) -> StoreResult<Conn> {
         // No response timeout on the connection: every call is bounded by the store timeout
         // already (`RedisStore::bounded`, and a gathered batch by `Gather`), and a second
-        // timer per command is not free. A new timer due before any other makes tokio wake
-        // its I/O driver with an `eventfd` write (two per command at low load, one each
-        // now), and a response timeout does nothing a store timeout does not: in redis-rs
-        // it fails the call without dropping the connection, which a store timeout also does.
+        // timer per command is not free: a timer due before any other makes tokio wake its
+        // I/O driver with an `eventfd` write, one more system call per command at low load.
+        // A response timeout does nothing a store timeout does not: in redis-rs it fails the
+        // call without dropping the connection, which a store timeout also does.
         let manager_config = ConnectionManagerConfig::new()
             .set_connection_timeout(Some(timeout))
             .set_response_timeout(None)

@@ -119,11 +119,7 @@ impl Gather {
         };
         let answers = tokio::time::timeout(self.timeout, sent)
             .await
-            .unwrap_or_else(|_| {
-                Err(RedisError::from(std::io::Error::from(
-                    std::io::ErrorKind::TimedOut,
-                )))
-            });
+            .unwrap_or_else(|_| Err(timed_out()));
         self.target.note(answers.as_deref()).await;
         match answers {
             Ok(values) => {
@@ -158,6 +154,12 @@ impl Target {
             Box::pin(sentinel.checked(answers)).await;
         }
     }
+}
+
+/// What a call that ran out of the store timeout failed with: an I/O time-out, which
+/// redis-rs retries rather than reconnects for (as its own response timeout failed).
+pub(super) fn timed_out() -> RedisError {
+    RedisError::from(std::io::Error::from(std::io::ErrorKind::TimedOut))
 }
 
 /// One command counted in flight until its future ends, answered or dropped.
