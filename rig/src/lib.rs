@@ -525,12 +525,16 @@ impl Rig {
         self.wait_ready(None)
     }
 
-    /// Another sidecar in this process on the same store, on a port of its own.
+    /// Another sidecar in this process on the same store, on a port of its own, with as many
+    /// workers as the first.
     pub fn another_sidecar(&self) -> Result<InProcessSidecar> {
-        InProcessSidecar::start(SidecarConfig {
-            listen: SocketAddr::from(([127, 0, 0, 1], 0)),
-            ..self.sidecar_config.clone()
-        })
+        InProcessSidecar::start_with_workers(
+            SidecarConfig {
+                listen: SocketAddr::from(([127, 0, 0, 1], 0)),
+                ..self.sidecar_config.clone()
+            },
+            self.sidecar_workers,
+        )
     }
 
     /// Redis loses everything it held, as a restart without persistence would.

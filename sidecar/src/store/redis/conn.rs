@@ -3,7 +3,7 @@
 //! `ConnectionManager`, the cluster client, re-resolving the Sentinel master after an error).
 
 use super::StoreResult;
-use super::gather::{Gather, Target, timed_out};
+use super::gather::{Gather, Target, timeout_error};
 use crate::config::{RedisConfig, RedisTls, RedisTopology};
 use crate::store::StoreError;
 use redis::aio::{ConnectionLike, ConnectionManager, ConnectionManagerConfig};
@@ -113,7 +113,7 @@ impl Conn {
     /// at the timeout, never saw an answer to note).
     pub(super) async fn timed_out(&self) {
         if let Conn::Gathered(gather) = self {
-            gather.target().note(Err(&timed_out())).await;
+            gather.target().note(Err(&timeout_error())).await;
         }
     }
 

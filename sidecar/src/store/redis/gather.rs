@@ -119,7 +119,7 @@ impl Gather {
         };
         let answers = tokio::time::timeout(self.timeout, sent)
             .await
-            .unwrap_or_else(|_| Err(timed_out()));
+            .unwrap_or_else(|_| Err(timeout_error()));
         self.target.note(answers.as_deref()).await;
         match answers {
             Ok(values) => {
@@ -158,7 +158,7 @@ impl Target {
 
 /// What a call that ran out of the store timeout failed with: an I/O time-out, which
 /// redis-rs retries rather than reconnects for (as its own response timeout failed).
-pub(super) fn timed_out() -> RedisError {
+pub(super) fn timeout_error() -> RedisError {
     RedisError::from(std::io::Error::from(std::io::ErrorKind::TimedOut))
 }
 
