@@ -84,13 +84,21 @@ pub fn run(stack: &Stack, key: &str) -> Result<StormRun> {
                         r#"{"amount":1}"#,
                     )
                     .await?;
-                Ok::<_, anyhow::Error>((answer, started.elapsed()))
+                let latency = started.elapsed();
+                // The connection is handed back, not dropped: a thousand connections closing
+                // while the rest are still being answered would put their teardown (both
+                // ends' FIN, epoll and socket bookkeeping) into the storm's latency.
+                Ok::<_, anyhow::Error>((answer, latency, connection))
             }));
         }
         let mut answers = Vec::new();
+        let mut connections = Vec::new();
         for request in requests {
-            answers.push(request.await??);
+            let (answer, latency, connection) = request.await??;
+            answers.push((answer, latency));
+            connections.push(connection);
         }
+        drop(connections);
         // Let the holder's release reach the sidecar before its counters are read.
         tokio::time::sleep(Duration::from_millis(500)).await;
         Ok::<_, anyhow::Error>(answers)

@@ -341,9 +341,6 @@ struct WorkerContext {
     shutdown: watch::Receiver<bool>,
 }
 
-/// A stream's VM id (when the chain has the wasm filter) and the waker of its driver.
-type StreamWaker = (Option<StreamId>, Rc<Notify>);
-
 /// One listener on one worker: its VM (if the chain has the wasm filter) and the wakers of
 /// the streams in flight, which a callout, timer or queue event may have given work.
 pub(crate) struct ListenerWorker {
@@ -355,9 +352,11 @@ pub(crate) struct ListenerWorker {
     pub(crate) shared: Arc<SharedState>,
     pub(crate) stats: Arc<Stats>,
     pub(crate) access_log: bool,
-    /// In-flight streams: their VM stream (if the chain has the wasm filter) and waker.
-    streams: RefCell<HashMap<u64, StreamWaker>>,
-    next_stream: std::cell::Cell<u64>,
+    /// The wakers of the in-flight streams that have a VM stream (the chain has the wasm
+    /// filter), by its id: after a VM call only the streams it gave events are looked up
+    /// (`Vm::streams_with_events`), not every stream in flight, which made each call of a
+    /// burst cost time in proportion to the requests parked before it.
+    wakers: RefCell<HashMap<StreamId, Rc<Notify>>>,
     timers: Notify,
     /// Keep-alive connections to clusters (upstream requests and callouts).
     pub(crate) pool: crate::client::Pool,
@@ -370,17 +369,15 @@ pub(crate) struct ListenerWorker {
 impl ListenerWorker {
     /// Registers a stream's waker; the guard unregisters it.
     pub(crate) fn register(self: &Rc<Self>, stream: Option<StreamId>) -> (Rc<Notify>, StreamSlot) {
-        let key = self.next_stream.get() + 1;
-        self.next_stream.set(key);
         let notify = Rc::new(Notify::new());
-        self.streams
-            .borrow_mut()
-            .insert(key, (stream, Rc::clone(&notify)));
+        if let Some(id) = stream {
+            self.wakers.borrow_mut().insert(id, Rc::clone(&notify));
+        }
         (
             notify,
             StreamSlot {
                 listener: Rc::clone(self),
-                key,
+                stream,
             },
         )
     }
@@ -417,12 +414,13 @@ impl ListenerWorker {
             });
             self.grpc.carry_out(grpc, &self.clusters, &deliver);
         }
-        let vm = vm.borrow();
+        let mut vm = vm.borrow_mut();
         if vm.next_deadline_ns() != self.planned_deadline.get() {
             self.timers.notify_one();
         }
-        for (stream, notify) in self.streams.borrow().values() {
-            if stream.is_some_and(|id| vm.has_events(id)) {
+        let wakers = self.wakers.borrow();
+        for id in vm.streams_with_events() {
+            if let Some(notify) = wakers.get(&id) {
                 notify.notify_one();
             }
         }
@@ -465,12 +463,14 @@ impl ListenerWorker {
 /// Unregisters a stream's waker when its driver ends.
 pub(crate) struct StreamSlot {
     listener: Rc<ListenerWorker>,
-    key: u64,
+    stream: Option<StreamId>,
 }
 
 impl Drop for StreamSlot {
     fn drop(&mut self) {
-        self.listener.streams.borrow_mut().remove(&self.key);
+        if let Some(id) = self.stream {
+            self.listener.wakers.borrow_mut().remove(&id);
+        }
     }
 }
 
@@ -501,8 +501,7 @@ fn run_worker(
                 shared: Arc::clone(&context.shared),
                 stats: Arc::clone(&context.stats),
                 access_log: context.access_log,
-                streams: RefCell::new(HashMap::new()),
-                next_stream: std::cell::Cell::new(0),
+                wakers: RefCell::new(HashMap::new()),
                 timers: Notify::new(),
                 planned_deadline: std::cell::Cell::new(None),
                 pool: crate::client::Pool::default(),

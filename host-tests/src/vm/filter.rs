@@ -197,6 +197,15 @@ impl Vm {
             .unwrap_or_default()
     }
 
+    /// The streams given events since the last call that their drivers have not taken yet.
+    pub fn streams_with_events(&mut self) -> Vec<StreamId> {
+        let mut touched = std::mem::take(&mut self.store.data_mut().touched);
+        touched.sort_unstable();
+        touched.dedup();
+        touched.retain(|&id| self.has_events(id));
+        touched
+    }
+
     /// Whether a stream has events its driver has not taken yet.
     pub fn has_events(&self, id: StreamId) -> bool {
         self.store
@@ -241,6 +250,8 @@ impl Vm {
         let state = self.store.data_mut();
         if state.streams.get(&id).is_some_and(|s| s.finished) {
             state.streams.remove(&id);
+            // A VM driven without `streams_with_events` (tests) keeps no note of the dead.
+            state.touched.retain(|&touched| touched != id);
         }
     }
 
@@ -259,8 +270,13 @@ impl Vm {
         self.store.data().streams.get(&id).map(|s| s.context_id)
     }
 
+    /// Every event is pushed through here: the stream is noted as touched.
     fn stream_mut(&mut self, id: StreamId) -> Option<&mut Stream> {
-        self.store.data_mut().streams.get_mut(&id)
+        let state = self.store.data_mut();
+        if state.touched.last() != Some(&id) {
+            state.touched.push(id);
+        }
+        state.streams.get_mut(&id)
     }
 
     fn vm_alive_for(&self, id: StreamId) -> bool {

@@ -93,6 +93,7 @@ impl Vm {
             next_context_id: 0,
             root: None,
             streams: BTreeMap::new(),
+            touched: Vec::new(),
             context_streams: HashMap::new(),
             next_stream: 0,
             active: None,

@@ -167,6 +167,10 @@ pub(crate) struct VmState {
     pub(super) next_context_id: u32,
     pub(crate) root: Option<Root>,
     pub(crate) streams: BTreeMap<StreamId, Stream>,
+    /// Streams looked up for change since the driver last asked (`Vm::streams_with_events`):
+    /// the only ones that can have new events, so waking a worker's streams after a VM call
+    /// costs what the call touched, not one lookup per stream in flight.
+    pub(super) touched: Vec<StreamId>,
     pub(super) context_streams: HashMap<u32, StreamId>,
     pub(super) next_stream: StreamId,
     pub(crate) active: Option<u32>,
