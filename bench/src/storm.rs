@@ -4,7 +4,7 @@
 //! claims that reached it, so the share of duplicates the local tier (shared data) answered
 //! without a network hop is read off the distributed tier, not the filter's own counters.
 
-use crate::client::{self, Connection};
+use crate::client::{self, RawConnection};
 use crate::stack::{Stack, prometheus_sum};
 use anyhow::{Context, Result};
 use std::collections::BTreeMap;
@@ -65,25 +65,25 @@ pub fn run(stack: &Stack, key: &str) -> Result<StormRun> {
     let answers = runtime.block_on(async {
         let barrier = Arc::new(Barrier::new(REQUESTS));
         let mut requests = Vec::new();
+        let request = Arc::new(RawConnection::request(
+            address,
+            "POST",
+            "/payments",
+            &[
+                ("idempotency-key", key),
+                ("x-user-id", "storm"),
+                ("x-demo-work-ms", &work),
+            ],
+            r#"{"amount":1}"#,
+        ));
         for _ in 0..REQUESTS {
-            let mut connection = Connection::open(address).await?;
+            let mut connection = RawConnection::open(address).await?;
             let barrier = Arc::clone(&barrier);
-            let (key, work) = (key.to_owned(), work.clone());
+            let request = Arc::clone(&request);
             requests.push(tokio::spawn(async move {
                 barrier.wait().await;
                 let started = Instant::now();
-                let answer = connection
-                    .call(
-                        "POST",
-                        "/payments",
-                        &[
-                            ("idempotency-key", &key),
-                            ("x-user-id", "storm"),
-                            ("x-demo-work-ms", &work),
-                        ],
-                        r#"{"amount":1}"#,
-                    )
-                    .await?;
+                let answer = connection.call(&request).await?;
                 let latency = started.elapsed();
                 // The connection is handed back, not dropped: a thousand connections closing
                 // while the rest are still being answered would put their teardown (both
