@@ -229,3 +229,25 @@ fn trailers_reach_the_plugin_and_upstream() {
             .any(|e| matches!(e, StreamEvent::UpstreamTrailers(_)))
     );
 }
+
+/// The gateway wakes after a VM call only the streams the call gave events: the VM names
+/// exactly those, once (the gateway used to look up every stream in flight after every call).
+#[test]
+fn a_vm_call_names_only_the_streams_it_gave_events() {
+    let (_host, vm) = probe();
+    let (quiet, busy, also_quiet) = (vm.stream(), vm.stream(), vm.stream());
+    quiet.send_request_headers(
+        Request::get("/").header("x-probe", "pause").headers_for(1),
+        true,
+    );
+    also_quiet.send_request_headers(
+        Request::get("/").header("x-probe", "pause").headers_for(3),
+        true,
+    );
+    assert_eq!(vm.with(|vm| vm.streams_with_events()), Vec::<u64>::new());
+    busy.send_request(Request::get("/"));
+    assert_eq!(vm.with(|vm| vm.streams_with_events()), vec![busy.id()]);
+    // Named once: the next call names only what gets events after this one.
+    assert_eq!(vm.with(|vm| vm.streams_with_events()), Vec::<u64>::new());
+    assert!(busy.upstream_headers().is_some());
+}
