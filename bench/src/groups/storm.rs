@@ -177,7 +177,10 @@ pub fn group(modules: &Modules) -> Result<Group> {
              first is a duplicate the local tier did not catch. Latency runs from the release \
              to the answer; the client sending all of them shares the 2 cores with the \
              gateway, so it is the storm's whole turnaround, not the filter's decision time \
-             (that is the plugin group's local-duplicate figure). The wait after the first call's \
+             (that is the plugin group's local-duplicate figure). The client is kept light for \
+             that reason: one task per connection, the request written from bytes prepared \
+             once, the answer parsed in place, and every connection held open until all \
+             answers are in. The wait after the first call's \
              answer is set beside reject mode's p99, where the local tier answers every \
              duplicate on arrival: what a thousand answers cost this gateway and client with \
              nothing waiting, the floor under handing one response to 999 waiters. Baseline: the same storm \
