@@ -454,3 +454,18 @@ fn http2_cluster_options_and_circuit_breakers_are_understood() {
         "{err}"
     );
 }
+
+/// `enable_reuse_port` (a `BoolValue`, true by default as in Envoy on Linux) is accepted.
+#[test]
+fn enable_reuse_port_is_read_and_defaults_to_true() {
+    let config = parse_edited(|_| {}).unwrap();
+    assert!(config.listeners[0].reuse_port);
+    let config =
+        parse_edited(|v| v["static_resources"]["listeners"][0]["enable_reuse_port"] = false.into())
+            .unwrap();
+    assert!(!config.listeners[0].reuse_port);
+    let rejected = parse_edited(|v| {
+        v["static_resources"]["listeners"][0]["enable_reuse_port"] = "sometimes".into();
+    });
+    assert!(rejected.is_err());
+}

@@ -141,6 +141,69 @@ fn bind(
     Ok(socket)
 }
 
+/// Pending connections a listening socket holds (Envoy's `tcp_backlog_size` default is the
+/// kernel's `somaxconn`, which clamps this).
+const BACKLOG: i32 = 4096;
+
+/// A listener's sockets, one per worker: with `reuse_port` (Envoy's `enable_reuse_port`,
+/// true by default on Linux) each its own `SO_REUSEPORT` socket on the one address, so the
+/// kernel spreads connections across workers by their addresses' hash (Envoy's
+/// source/common/network/listen_socket_impl.cc sets the option, and the listener manager
+/// creates a socket per worker); otherwise, or for a socket handed in without the option,
+/// one socket every worker accepts on.
+fn bind_workers(
+    listener: &ListenerConfig,
+    given: Option<TcpListener>,
+    workers: usize,
+) -> Result<Vec<TcpListener>, GatewayError> {
+    worker_sockets(listener.address, listener.reuse_port, given, workers).map_err(|source| {
+        GatewayError::Bind {
+            name: listener.name.clone(),
+            source,
+        }
+    })
+}
+
+fn worker_sockets(
+    address: SocketAddr,
+    reuse_port: bool,
+    given: Option<TcpListener>,
+    workers: usize,
+) -> std::io::Result<Vec<TcpListener>> {
+    let reusable =
+        |socket: &TcpListener| socket2::SockRef::from(socket).reuse_port().unwrap_or(false);
+    let first = match given {
+        Some(socket) => socket,
+        None if reuse_port && workers > 1 => reuse_port_socket(address)?,
+        None => TcpListener::bind(address)?,
+    };
+    first.set_nonblocking(true)?;
+    let address = first.local_addr()?;
+    let separate = reuse_port && reusable(&first);
+    let others = (1..workers).map(|_| {
+        if separate {
+            let socket = reuse_port_socket(address)?;
+            socket.set_nonblocking(true)?;
+            Ok(socket)
+        } else {
+            first.try_clone()
+        }
+    });
+    let others = others.collect::<std::io::Result<Vec<_>>>()?;
+    Ok(std::iter::once(first).chain(others).collect())
+}
+
+/// A listening socket on `address` with `SO_REUSEADDR` and `SO_REUSEPORT`.
+fn reuse_port_socket(address: SocketAddr) -> std::io::Result<TcpListener> {
+    use socket2::{Domain, Socket, Type};
+    let socket = Socket::new(Domain::for_address(address), Type::STREAM, None)?;
+    socket.set_reuse_address(true)?;
+    socket.set_reuse_port(true)?;
+    socket.bind(&address.into())?;
+    socket.listen(BACKLOG)?;
+    Ok(socket.into())
+}
+
 impl Gateway {
     /// Loads the modules, boots one VM per worker per wasm listener (after a configuration
     /// canary, as Envoy), binds, and starts serving.
@@ -172,18 +235,24 @@ impl Gateway {
                 }
                 None => None,
             };
-            let socket = bind(&l.name, l.address, options.listeners.remove(&l.name))?;
-            let local = socket.local_addr().map_err(|source| GatewayError::Bind {
-                name: l.name.clone(),
-                source,
-            })?;
+            let sockets = bind_workers(l, options.listeners.remove(&l.name), concurrency)?;
+            let local = sockets
+                .first()
+                .map_or_else(
+                    || Err(std::io::Error::other("no socket")),
+                    TcpListener::local_addr,
+                )
+                .map_err(|source| GatewayError::Bind {
+                    name: l.name.clone(),
+                    source,
+                })?;
             addresses.insert(l.name.clone(), local);
             listeners.push((
                 Arc::new(ListenerShared {
                     config: l.clone(),
                     module,
                 }),
-                socket,
+                sockets,
             ));
         }
         let (shutdown, _) = watch::channel(false);
@@ -198,8 +267,11 @@ impl Gateway {
             .collect();
         for worker in 0..concurrency {
             let mut assigned = Vec::new();
-            for (listener, socket) in &listeners {
-                let socket = socket.try_clone().map_err(GatewayError::Runtime)?;
+            for (listener, sockets) in &mut listeners {
+                let socket = sockets.pop().ok_or_else(|| GatewayError::Bind {
+                    name: listener.config.name.clone(),
+                    source: std::io::Error::other("a socket per worker"),
+                })?;
                 let vm = match (&listener.module, &listener.config.wasm) {
                     (Some(module), Some(w)) => Some(
                         Vm::boot(
@@ -746,5 +818,60 @@ impl Admin {
                 }
             }
         });
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::worker_sockets;
+    use std::net::{SocketAddr, TcpListener, TcpStream};
+
+    /// Connections accepted on each socket (all pending ones; the sockets are nonblocking).
+    fn accepted(sockets: &[TcpListener]) -> Vec<usize> {
+        sockets
+            .iter()
+            .map(|s| std::iter::from_fn(|| s.accept().ok()).take(1_000).count())
+            .collect()
+    }
+
+    fn connect(address: SocketAddr, n: usize) -> Vec<TcpStream> {
+        (0..n)
+            .map(|_| TcpStream::connect(address).unwrap())
+            .collect()
+    }
+
+    fn settle() {
+        std::thread::sleep(std::time::Duration::from_millis(100));
+    }
+
+    #[test]
+    fn with_reuse_port_each_worker_has_its_own_socket_and_the_kernel_spreads_connections() {
+        let loopback: SocketAddr = "127.0.0.1:0".parse().unwrap();
+        let sockets = worker_sockets(loopback, true, None, 4).unwrap();
+        let address = sockets[0].local_addr().unwrap();
+        for socket in &sockets {
+            assert_eq!(socket.local_addr().unwrap(), address);
+            assert!(socket2::SockRef::from(socket).reuse_port().unwrap());
+        }
+        let _clients = connect(address, 64);
+        settle();
+        let counts = accepted(&sockets);
+        assert_eq!(counts.iter().sum::<usize>(), 64, "{counts:?}");
+        // 64 connections hashed over 4 sockets: all on one has odds of 4^-63.
+        assert!(counts.iter().filter(|&&n| n > 0).count() > 1, "{counts:?}");
+    }
+
+    #[test]
+    fn without_reuse_port_or_for_a_socket_handed_in_without_it_the_workers_share_one() {
+        let loopback: SocketAddr = "127.0.0.1:0".parse().unwrap();
+        let handed_in = TcpListener::bind(loopback).unwrap();
+        for (reuse_port, given) in [(false, None), (true, Some(handed_in))] {
+            let sockets = worker_sockets(loopback, reuse_port, given, 4).unwrap();
+            let address = sockets[0].local_addr().unwrap();
+            let _clients = connect(address, 8);
+            settle();
+            // One accept queue: the first socket takes every connection.
+            assert_eq!(accepted(&sockets), vec![8, 0, 0, 0]);
+        }
     }
 }

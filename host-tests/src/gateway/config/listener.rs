@@ -142,6 +142,7 @@ pub(super) fn listener(
             "address",
             "filter_chains",
             "per_connection_buffer_limit_bytes",
+            "enable_reuse_port",
         ],
         &["stat_prefix", "traffic_direction"],
     );
@@ -150,6 +151,7 @@ pub(super) fn listener(
         .map_or_else(|| format!("listeners[{index}]"), str::to_owned);
     let address = raw.required("address").and_then(|a| socket_address(&a));
     let buffer_limit = raw.uint("per_connection_buffer_limit_bytes", u64::from(u32::MAX));
+    let reuse_port = raw.bool("enable_reuse_port").unwrap_or(true);
     let chains = raw.list("filter_chains");
     let [chain] = chains.as_slice() else {
         raw.issue_at("filter_chains", "exactly one filter chain is supported");
@@ -180,6 +182,7 @@ pub(super) fn listener(
     let mut config = connection_manager(&hcm?, base, clusters)?;
     config.name = name;
     config.address = address?;
+    config.reuse_port = reuse_port;
     if let (Some(limit), Some(w)) = (buffer_limit, config.wasm.as_mut()) {
         w.settings.buffer_limit = usize::try_from(limit).unwrap_or(usize::MAX);
     }
@@ -252,6 +255,7 @@ fn connection_manager(
     Some(ListenerConfig {
         name: String::new(),
         address: std::net::SocketAddr::from(([0, 0, 0, 0], 0)),
+        reuse_port: true,
         stat_prefix,
         virtual_hosts,
         route_config_headers,

@@ -84,6 +84,10 @@ pub struct ListenerConfig {
     /// The listener's `name`, or `listeners[<index>]` when it has none (Envoy generates one).
     pub name: String,
     pub address: SocketAddr,
+    /// `enable_reuse_port` (default true, as Envoy's on Linux): each worker accepts on its own
+    /// `SO_REUSEPORT` socket and the kernel spreads connections among them; false: the
+    /// workers share one socket and whichever wakes first accepts.
+    pub reuse_port: bool,
     pub stat_prefix: String,
     pub virtual_hosts: Vec<VirtualHost>,
     /// `route_config.request_headers_to_{add,remove}` (applied after the virtual host's).
