@@ -113,14 +113,15 @@ impl RawConnection {
         headers: &[(&str, &str)],
         body: &str,
     ) -> Vec<u8> {
+        use std::fmt::Write as _;
         let mut out = format!("{method} {path} HTTP/1.1\r\nhost: {address}\r\n");
         for (name, value) in headers {
-            out.push_str(&format!("{name}: {value}\r\n"));
+            let _ = write!(out, "{name}: {value}\r\n");
         }
         if !body.is_empty() {
             out.push_str("content-type: application/json\r\n");
         }
-        out.push_str(&format!("content-length: {}\r\n\r\n{body}", body.len()));
+        let _ = write!(out, "content-length: {}\r\n\r\n{body}", body.len());
         out.into_bytes()
     }
 

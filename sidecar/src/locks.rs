@@ -36,7 +36,8 @@ pub(crate) enum LockError {
     ShuttingDown,
 }
 
-/// 128 bits from the operating system's CSPRNG, hex-encoded: owner tokens and inbox ids.
+/// 128 bits from a CSPRNG seeded by the operating system, hex-encoded: owner tokens and
+/// inbox ids.
 pub(crate) fn random_token() -> String {
     use rand::Rng;
     let mut bytes = [0u8; 16];

@@ -150,12 +150,12 @@ const BACKLOG: i32 = 4096;
 /// kernel spreads connections across workers by their addresses' hash (Envoy's
 /// source/common/network/listen_socket_impl.cc sets the option, and the listener manager
 /// creates a socket per worker); otherwise, or for a socket handed in without the option,
-/// one socket every worker accepts on.
+/// one socket every worker accepts on. With the address they are bound to.
 fn bind_workers(
     listener: &ListenerConfig,
     given: Option<TcpListener>,
     workers: usize,
-) -> Result<Vec<TcpListener>, GatewayError> {
+) -> Result<(SocketAddr, Vec<TcpListener>), GatewayError> {
     worker_sockets(listener.address, listener.reuse_port, given, workers).map_err(|source| {
         GatewayError::Bind {
             name: listener.name.clone(),
@@ -169,7 +169,7 @@ fn worker_sockets(
     reuse_port: bool,
     given: Option<TcpListener>,
     workers: usize,
-) -> std::io::Result<Vec<TcpListener>> {
+) -> std::io::Result<(SocketAddr, Vec<TcpListener>)> {
     let reusable =
         |socket: &TcpListener| socket2::SockRef::from(socket).reuse_port().unwrap_or(false);
     let first = match given {
@@ -190,7 +190,7 @@ fn worker_sockets(
         }
     });
     let others = others.collect::<std::io::Result<Vec<_>>>()?;
-    Ok(std::iter::once(first).chain(others).collect())
+    Ok((address, std::iter::once(first).chain(others).collect()))
 }
 
 /// A listening socket on `address` with `SO_REUSEADDR` and `SO_REUSEPORT`.
@@ -235,17 +235,7 @@ impl Gateway {
                 }
                 None => None,
             };
-            let sockets = bind_workers(l, options.listeners.remove(&l.name), concurrency)?;
-            let local = sockets
-                .first()
-                .map_or_else(
-                    || Err(std::io::Error::other("no socket")),
-                    TcpListener::local_addr,
-                )
-                .map_err(|source| GatewayError::Bind {
-                    name: l.name.clone(),
-                    source,
-                })?;
+            let (local, sockets) = bind_workers(l, options.listeners.remove(&l.name), concurrency)?;
             addresses.insert(l.name.clone(), local);
             listeners.push((
                 Arc::new(ListenerShared {
@@ -847,8 +837,7 @@ mod tests {
     #[test]
     fn with_reuse_port_each_worker_has_its_own_socket_and_the_kernel_spreads_connections() {
         let loopback: SocketAddr = "127.0.0.1:0".parse().unwrap();
-        let sockets = worker_sockets(loopback, true, None, 4).unwrap();
-        let address = sockets[0].local_addr().unwrap();
+        let (address, sockets) = worker_sockets(loopback, true, None, 4).unwrap();
         for socket in &sockets {
             assert_eq!(socket.local_addr().unwrap(), address);
             assert!(socket2::SockRef::from(socket).reuse_port().unwrap());
@@ -866,8 +855,7 @@ mod tests {
         let loopback: SocketAddr = "127.0.0.1:0".parse().unwrap();
         let handed_in = TcpListener::bind(loopback).unwrap();
         for (reuse_port, given) in [(false, None), (true, Some(handed_in))] {
-            let sockets = worker_sockets(loopback, reuse_port, given, 4).unwrap();
-            let address = sockets[0].local_addr().unwrap();
+            let (address, sockets) = worker_sockets(loopback, reuse_port, given, 4).unwrap();
             let _clients = connect(address, 8);
             settle();
             // One accept queue: the first socket takes every connection.
