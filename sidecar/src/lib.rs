@@ -2,6 +2,7 @@
 //! mutating call run?". It is stateless itself and keeps all state in a store.
 //!
 //! Components:
+//! - `batched`: a connection's writes gathered per scheduler turn.
 //! - [`check`]: `--check`, the flags and the store proven for init containers.
 //! - [`config`]: flags ([`Cli`]) → validated [`Config`].
 //! - `http`: the versioned HTTP API (`/v1/claim|complete|abort|renew`), admin, health,
@@ -24,6 +25,7 @@
 //! # }
 //! ```
 
+mod batched;
 pub mod check;
 pub mod config;
 mod hints;

@@ -5,6 +5,7 @@
 //! [`run`] takes a pre-bound listener and any shutdown future; [`Sidecar`] starts one on a
 //! task (tests, the demo) and stops it again.
 
+use crate::batched::BatchedWrites;
 use crate::config::{Config, StoreConfig};
 use crate::http::{Api, App};
 use crate::locks::Locks;
@@ -305,7 +306,7 @@ where
         })
     };
     let connection = builder
-        .serve_connection(TokioIo::new(stream), service)
+        .serve_connection(TokioIo::new(BatchedWrites::new(stream)), service)
         .into_owned();
     tokio::pin!(connection);
     let mut closed_by = None;
