@@ -14,7 +14,9 @@
 //! that wakes itself goes to the back of the run queue, so by the time the connection runs
 //! again every handler woken with it has handed over its answer, and the next flush writes
 //! them all. With nothing else ready the task runs again at once: one more poll, no system
-//! call and no timer.
+//! call and no timer. And when the connection has no other request in flight (HTTP/1.1 always,
+//! HTTP/2 at concurrency one), no answer can join: writes go straight to the socket, so a lone
+//! request pays nothing for it.
 
 use std::io::{self, IoSlice};
 use std::pin::Pin;
@@ -26,9 +28,11 @@ use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 const KEEP_AT_MOST: usize = 64 * 1024;
 
 /// An I/O stream whose writes are kept until a flush, and whose flush waits one scheduler
-/// turn before it writes (see the module's documentation).
-pub(crate) struct BatchedWrites<T> {
+/// turn before it writes, while `others_in_flight` says other answers may join (see the
+/// module's documentation).
+pub(crate) struct BatchedWrites<T, F> {
     inner: T,
+    others_in_flight: F,
     kept: Vec<u8>,
     /// How much of `kept` the socket has taken.
     written: usize,
@@ -36,10 +40,11 @@ pub(crate) struct BatchedWrites<T> {
     yielded: bool,
 }
 
-impl<T> BatchedWrites<T> {
-    pub(crate) fn new(inner: T) -> Self {
+impl<T, F: Fn() -> bool> BatchedWrites<T, F> {
+    pub(crate) fn new(inner: T, others_in_flight: F) -> Self {
         BatchedWrites {
             inner,
+            others_in_flight,
             kept: Vec::new(),
             written: 0,
             yielded: false,
@@ -47,10 +52,21 @@ impl<T> BatchedWrites<T> {
     }
 }
 
-impl<T: AsyncWrite + Unpin> BatchedWrites<T> {
+impl<T, F: Fn() -> bool> BatchedWrites<T, F> {
+    /// Nothing is kept and no other answer is in flight: a write goes straight to the socket.
+    fn writes_through(&self) -> bool {
+        self.kept.is_empty() && !(self.others_in_flight)()
+    }
+}
+
+impl<T: AsyncWrite + Unpin, F> BatchedWrites<T, F> {
     /// Writes everything kept to the socket.
     fn poll_write_kept(&mut self, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-        while let Some(rest) = self.kept.get(self.written..).filter(|rest| !rest.is_empty()) {
+        while let Some(rest) = self
+            .kept
+            .get(self.written..)
+            .filter(|rest| !rest.is_empty())
+        {
             let n = ready!(Pin::new(&mut self.inner).poll_write(cx, rest))?;
             if n == 0 {
                 return Poll::Ready(Err(io::ErrorKind::WriteZero.into()));
@@ -72,7 +88,7 @@ impl<T: AsyncWrite + Unpin> BatchedWrites<T> {
     }
 }
 
-impl<T: AsyncRead + Unpin> AsyncRead for BatchedWrites<T> {
+impl<T: AsyncRead + Unpin, F: Unpin> AsyncRead for BatchedWrites<T, F> {
     fn poll_read(
         mut self: Pin<&mut Self>,
         cx: &mut Context<'_>,
@@ -82,7 +98,7 @@ impl<T: AsyncRead + Unpin> AsyncRead for BatchedWrites<T> {
     }
 }
 
-impl<T: AsyncWrite + Unpin> AsyncWrite for BatchedWrites<T> {
+impl<T: AsyncWrite + Unpin, F: Fn() -> bool + Unpin> AsyncWrite for BatchedWrites<T, F> {
     fn poll_write(
         mut self: Pin<&mut Self>,
         cx: &mut Context<'_>,
@@ -90,8 +106,9 @@ impl<T: AsyncWrite + Unpin> AsyncWrite for BatchedWrites<T> {
     ) -> Poll<io::Result<usize>> {
         let this = &mut *self;
         ready!(this.poll_room(cx, buf.len()))?;
-        if buf.len() > KEEP_AT_MOST {
-            // Larger than anything worth keeping: straight through (nothing is kept now).
+        if buf.len() > KEEP_AT_MOST || this.writes_through() {
+            // Larger than anything worth keeping, or nothing could join it: straight through
+            // (nothing is kept now).
             return Pin::new(&mut this.inner).poll_write(cx, buf);
         }
         this.kept.extend_from_slice(buf);
@@ -106,7 +123,7 @@ impl<T: AsyncWrite + Unpin> AsyncWrite for BatchedWrites<T> {
         let this = &mut *self;
         let total: usize = bufs.iter().map(|b| b.len()).sum();
         ready!(this.poll_room(cx, total))?;
-        if total > KEEP_AT_MOST {
+        if total > KEEP_AT_MOST || this.writes_through() {
             return Pin::new(&mut this.inner).poll_write_vectored(cx, bufs);
         }
         for buf in bufs {
@@ -236,24 +253,39 @@ mod tests {
             server_rt.spawn(async move {
                 let (socket, _) = listener.accept().await.unwrap();
                 socket.set_nodelay(true).unwrap();
-                let service = hyper::service::service_fn(move |_req| {
-                    let mut open = open_rx.clone();
-                    entered.fetch_add(1, Ordering::SeqCst);
-                    async move {
-                        let _ = open.wait_for(|open| *open).await;
-                        Ok::<_, std::convert::Infallible>(hyper::Response::new(Full::new(
-                            Bytes::from_static(b"granted"),
-                        )))
-                    }
-                });
+                // As the server counts them: a request counts itself out before its answer
+                // is written.
+                let in_flight = Arc::new(AtomicUsize::new(0));
+                let service = {
+                    let in_flight = Arc::clone(&in_flight);
+                    hyper::service::service_fn(move |_req| {
+                        let mut open = open_rx.clone();
+                        entered.fetch_add(1, Ordering::SeqCst);
+                        in_flight.fetch_add(1, Ordering::SeqCst);
+                        let in_flight = Arc::clone(&in_flight);
+                        async move {
+                            let _ = open.wait_for(|open| *open).await;
+                            in_flight.fetch_sub(1, Ordering::SeqCst);
+                            Ok::<_, std::convert::Infallible>(hyper::Response::new(Full::new(
+                                Bytes::from_static(b"granted"),
+                            )))
+                        }
+                    })
+                };
+                let others_in_flight = move || in_flight.load(Ordering::SeqCst) > 0;
                 let counted = Counted { socket, writes };
                 let builder = hyper::server::conn::http2::Builder::new(TokioExecutor::new());
                 let _ = if batched {
                     builder
-                        .serve_connection(TokioIo::new(BatchedWrites::new(counted)), service)
+                        .serve_connection(
+                            TokioIo::new(BatchedWrites::new(counted, others_in_flight)),
+                            service,
+                        )
                         .await
                 } else {
-                    builder.serve_connection(TokioIo::new(counted), service).await
+                    builder
+                        .serve_connection(TokioIo::new(counted), service)
+                        .await
                 };
             });
         }
@@ -282,7 +314,11 @@ mod tests {
                 }
                 tokio::time::sleep(Duration::from_millis(10)).await;
             }
-            assert_eq!(entered.load(Ordering::SeqCst), STREAMS, "every stream is waiting");
+            assert_eq!(
+                entered.load(Ordering::SeqCst),
+                STREAMS,
+                "every stream is waiting"
+            );
             // Let the server write what it has (acknowledgements, window updates) first.
             tokio::time::sleep(Duration::from_millis(50)).await;
             let before = writes.load(Ordering::SeqCst);
@@ -306,7 +342,10 @@ mod tests {
     fn without_it_each_answer_is_a_write_of_its_own() {
         // What the batching is for: the unbatched connection writes nearly one per answer.
         let writes = writes_for_sixteen_answers_ready_together(false);
-        assert!(writes >= 8, "16 answers took only {writes} writes unbatched");
+        assert!(
+            writes >= 8,
+            "16 answers took only {writes} writes unbatched"
+        );
     }
 
     #[tokio::test]
@@ -320,12 +359,21 @@ mod tests {
             got
         });
         let mut expected = Vec::new();
-        let mut writer = BatchedWrites::new(TcpStream::connect(addr).await.unwrap());
+        let mut writer = BatchedWrites::new(TcpStream::connect(addr).await.unwrap(), || true);
         // Small pieces kept together, one past the keeping limit, and vectored writes on
         // both sides of it, flushed at various points.
-        for (i, size) in [1, 100, 5, KEEP_AT_MOST - 50, 200, KEEP_AT_MOST + 1, 3, 300_000]
-            .into_iter()
-            .enumerate()
+        for (i, size) in [
+            1,
+            100,
+            5,
+            KEEP_AT_MOST - 50,
+            200,
+            KEEP_AT_MOST + 1,
+            3,
+            300_000,
+        ]
+        .into_iter()
+        .enumerate()
         {
             let piece: Vec<u8> = (0..size).map(|b| (b * 7 + i) as u8).collect();
             if i % 2 == 0 {
@@ -348,5 +396,31 @@ mod tests {
         let got = reader.await.unwrap();
         assert_eq!(got.len(), expected.len());
         assert!(got == expected, "the bytes arrived changed or out of order");
+    }
+
+    /// One answer written and flushed through a fresh connection: whether the flush finished
+    /// on its first poll, and whether the bytes reached the socket before the flush.
+    async fn lone_answer(others_in_flight: bool) -> (bool, bool) {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let socket = TcpStream::connect(listener.local_addr().unwrap())
+            .await
+            .unwrap();
+        let mut writer = BatchedWrites::new(socket, move || others_in_flight);
+        writer.write_all(b"answer").await.unwrap();
+        let written_through = writer.kept.is_empty();
+        let flushed =
+            std::future::poll_fn(|cx| Poll::Ready(Pin::new(&mut writer).poll_flush(cx).is_ready()))
+                .await;
+        (flushed, written_through)
+    }
+
+    #[tokio::test]
+    async fn a_lone_answer_goes_straight_through_and_one_among_others_waits_a_turn() {
+        assert_eq!(
+            lone_answer(false).await,
+            (true, true),
+            "nothing else in flight"
+        );
+        assert_eq!(lone_answer(true).await, (false, false), "others in flight");
     }
 }

@@ -305,8 +305,16 @@ where
             }
         })
     };
+    // A request counts itself out before hyper writes its answer, so any left are others.
+    let others_in_flight = {
+        let activity = Arc::clone(&activity);
+        move || activity.in_flight.load(Ordering::Relaxed) > 0
+    };
     let connection = builder
-        .serve_connection(TokioIo::new(BatchedWrites::new(stream)), service)
+        .serve_connection(
+            TokioIo::new(BatchedWrites::new(stream, others_in_flight)),
+            service,
+        )
         .into_owned();
     tokio::pin!(connection);
     let mut closed_by = None;
