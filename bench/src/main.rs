@@ -61,13 +61,40 @@ enum Command {
     },
 }
 
+/// mimalloc's setting for how long freed memory stays before it goes back to the OS.
+const PURGE_DELAY: &str = "MIMALLOC_PURGE_DELAY";
+
+/// Runs the benchmarks again in a process whose allocator keeps the memory it frees (unless
+/// the caller set [`PURGE_DELAY`] itself). Every gateway group starts fresh stacks in this one
+/// process, and by default mimalloc hands a stopped stack's memory back to the OS a second
+/// later, so each storm zeroed its thousand connections' pages again: up to half of the
+/// gateway workers' time in a storm's arrival burst went to the kernel's page clearing
+/// (`perf`), which a gateway in service does not pay. Envoy's allocator keeps freed memory
+/// too: Envoy asks it to release only beyond 100 MiB unused (`source/common/memory/utils.cc`).
+/// The setting is read when the process starts, hence the second process.
+fn with_freed_memory_kept() -> Result<()> {
+    if std::env::var_os(PURGE_DELAY).is_some() {
+        return Ok(());
+    }
+    use std::os::unix::process::CommandExt;
+    let program = std::env::current_exe().context("finding the bench's own executable")?;
+    let failed = std::process::Command::new(program)
+        .args(std::env::args_os().skip(1))
+        .env(PURGE_DELAY, "-1")
+        .exec();
+    Err(failed).context("running the bench with its allocator keeping freed memory")
+}
+
 fn main() -> Result<()> {
     match Cli::parse().command {
         Command::Run {
             groups,
             target,
             out,
-        } => groups::run(&groups, &target, &out),
+        } => {
+            with_freed_memory_kept()?;
+            groups::run(&groups, &target, &out)
+        }
         Command::CallgrindChild {
             module,
             kind,
