@@ -93,7 +93,9 @@ repeated runs with their spread (half the min–max range, relative to the media
 counts come from `valgrind --tool=callgrind` and repeat within a few percent (hash seeds vary \
 between runs): they are the stable figures. Wall-clock figures on a shared 2-core VM drift by up \
 to 1.5× between runs, and more while other builds run beside the bench (as they did when the \
-committed figures were taken), so read them as ratios to their same-run baselines.
+committed figures were taken), so read them as ratios to their same-run baselines. The bench's \
+process keeps the memory it frees (it runs itself with `MIMALLOC_PURGE_DELAY=-1`), as a gateway \
+in service keeps its working set: every gateway group starts fresh stacks in that one process.
 
 Groups: `plugin` (cost per request in the VM, compile, VM start, memory, size), `host` (the \
 gateway with and without a filter), `sidecar` (claim+complete against raw Redis), `queue` \
