@@ -50,9 +50,7 @@ impl<T, F: Fn() -> bool> BatchedWrites<T, F> {
             yielded: false,
         }
     }
-}
 
-impl<T, F: Fn() -> bool> BatchedWrites<T, F> {
     /// Nothing is kept and no other answer is in flight: a write goes straight to the socket.
     fn writes_through(&self) -> bool {
         self.kept.is_empty() && !(self.others_in_flight)()
@@ -100,19 +98,11 @@ impl<T: AsyncRead + Unpin, F: Unpin> AsyncRead for BatchedWrites<T, F> {
 
 impl<T: AsyncWrite + Unpin, F: Fn() -> bool + Unpin> AsyncWrite for BatchedWrites<T, F> {
     fn poll_write(
-        mut self: Pin<&mut Self>,
+        self: Pin<&mut Self>,
         cx: &mut Context<'_>,
         buf: &[u8],
     ) -> Poll<io::Result<usize>> {
-        let this = &mut *self;
-        ready!(this.poll_room(cx, buf.len()))?;
-        if buf.len() > KEEP_AT_MOST || this.writes_through() {
-            // Larger than anything worth keeping, or nothing could join it: straight through
-            // (nothing is kept now).
-            return Pin::new(&mut this.inner).poll_write(cx, buf);
-        }
-        this.kept.extend_from_slice(buf);
-        Poll::Ready(Ok(buf.len()))
+        self.poll_write_vectored(cx, &[IoSlice::new(buf)])
     }
 
     fn poll_write_vectored(
@@ -124,6 +114,8 @@ impl<T: AsyncWrite + Unpin, F: Fn() -> bool + Unpin> AsyncWrite for BatchedWrite
         let total: usize = bufs.iter().map(|b| b.len()).sum();
         ready!(this.poll_room(cx, total))?;
         if total > KEEP_AT_MOST || this.writes_through() {
+            // Larger than anything worth keeping, or nothing could join it: straight through
+            // (nothing is kept now).
             return Pin::new(&mut this.inner).poll_write_vectored(cx, bufs);
         }
         for buf in bufs {
@@ -185,20 +177,30 @@ mod tests {
         }
     }
 
+    /// One write, counted unless it did not happen. Counted before the system call: the peer
+    /// may read the bytes (and the test read the count) before this thread runs on.
+    fn counted(
+        writes: &AtomicUsize,
+        write: impl FnOnce() -> Poll<io::Result<usize>>,
+    ) -> Poll<io::Result<usize>> {
+        writes.fetch_add(1, Ordering::SeqCst);
+        let written = write();
+        if written.is_pending() {
+            writes.fetch_sub(1, Ordering::SeqCst);
+        }
+        written
+    }
+
     impl AsyncWrite for Counted {
         fn poll_write(
             mut self: Pin<&mut Self>,
             cx: &mut Context<'_>,
             buf: &[u8],
         ) -> Poll<io::Result<usize>> {
-            // Counted before the system call: the peer may read the bytes (and the test
-            // read the count) before this thread runs on.
-            self.writes.fetch_add(1, Ordering::SeqCst);
-            let written = Pin::new(&mut self.socket).poll_write(cx, buf);
-            if written.is_pending() {
-                self.writes.fetch_sub(1, Ordering::SeqCst);
-            }
-            written
+            let this = &mut *self;
+            counted(&this.writes, || {
+                Pin::new(&mut this.socket).poll_write(cx, buf)
+            })
         }
 
         fn poll_write_vectored(
@@ -206,12 +208,10 @@ mod tests {
             cx: &mut Context<'_>,
             bufs: &[IoSlice<'_>],
         ) -> Poll<io::Result<usize>> {
-            self.writes.fetch_add(1, Ordering::SeqCst);
-            let written = Pin::new(&mut self.socket).poll_write_vectored(cx, bufs);
-            if written.is_pending() {
-                self.writes.fetch_sub(1, Ordering::SeqCst);
-            }
-            written
+            let this = &mut *self;
+            counted(&this.writes, || {
+                Pin::new(&mut this.socket).poll_write_vectored(cx, bufs)
+            })
         }
 
         fn is_write_vectored(&self) -> bool {
