@@ -3,17 +3,17 @@
 //! `ConnectionManager`, the cluster client, re-resolving the Sentinel master after an error).
 
 use super::StoreResult;
-use super::gather::{Gather, Target, timeout_error};
+use super::gather::{ClusterTarget, ConnectPrimary, Gather, Target, timeout_error};
 use crate::config::{RedisConfig, RedisTls, RedisTopology};
 use crate::store::StoreError;
-use redis::aio::{ConnectionLike, ConnectionManager, ConnectionManagerConfig};
+use redis::aio::{ConnectionManager, ConnectionManagerConfig};
 use redis::cluster_async::ClusterConnection;
 use redis::sentinel::{
     SentinelClient, SentinelClientBuilder, SentinelNodeConnectionInfo, SentinelServerType,
 };
 use redis::{
-    Cmd, ErrorKind, FromRedisValue, IntoConnectionInfo, RedisError, RedisResult, RetryMethod,
-    Script, ServerErrorKind, Value,
+    Cmd, ConnectionAddr, ErrorKind, FromRedisValue, IntoConnectionInfo, RedisError, RedisResult,
+    RetryMethod, Script, ServerErrorKind, Value,
 };
 use std::sync::Arc;
 use std::time::Duration;
@@ -56,14 +56,14 @@ pub(super) fn node_client(url: &str, tls: &RedisTls) -> Result<redis::Client, Re
     }
 }
 
-/// One logical connection, whatever the topology. A server's (or the Sentinels' master's)
-/// commands go through a [`Gather`], which writes those sent at the same moment as one
-/// pipeline; a Cluster's go to each slot's node as they come (the cluster client routes
-/// every command, and a pipeline must not span slots).
+/// One logical connection, whatever the topology. Commands go through a [`Gather`], which
+/// writes those sent at the same moment as one pipeline (on a Cluster, one per primary).
 pub(super) enum Conn {
     /// A standalone server, or the master behind Sentinels.
     Gathered(Arc<Gather>),
-    Cluster(ClusterConnection),
+    /// A Cluster: its client (for what is routed by hand: `SCAN` per primary, `CLUSTER
+    /// NODES`, loading scripts) and the gather over it.
+    Cluster(ClusterConnection, Arc<Gather>),
 }
 
 /// The master behind Sentinels: resolved lazily and again after any transient error, so a
@@ -108,13 +108,17 @@ impl SentinelConn {
 }
 
 impl Conn {
+    fn gather(&self) -> &Arc<Gather> {
+        match self {
+            Conn::Gathered(gather) | Conn::Cluster(_, gather) => gather,
+        }
+    }
+
     /// A call that ran out of the store timeout: behind Sentinels, the master may be gone
     /// or hung, so the next call asks the Sentinels again (the call's own future, dropped
     /// at the timeout, never saw an answer to note).
     pub(super) async fn timed_out(&self) {
-        if let Conn::Gathered(gather) = self {
-            gather.target().note(Err(&timeout_error())).await;
-        }
+        self.gather().target().note(Err(&timeout_error())).await;
     }
 
     /// Connects to the configured topology: lazily where the client allows it (a server or
@@ -159,7 +163,11 @@ impl Conn {
                 if let Some(certs) = certificates(&cfg.tls) {
                     builder = builder.certs(certs);
                 }
-                Conn::Cluster(builder.build()?.get_async_connection().await?)
+                let conn = builder.build()?.get_async_connection().await?;
+                let connect =
+                    primary_connections(connection_info(first_url)?, &cfg.tls, manager_config);
+                let target = ClusterTarget::new(conn.clone(), connect, timeout);
+                Conn::Cluster(conn, Gather::new(Target::Cluster(target), timeout))
             }
             RedisTopology::Sentinel { master } => Conn::Gathered(Gather::new(
                 Target::Sentinel(Arc::new(SentinelConn {
@@ -191,16 +199,7 @@ impl Conn {
 
     /// One command; its reply, with a server error as `Err`.
     async fn send_once(&self, cmd: &Cmd) -> RedisResult<Value> {
-        match self {
-            Conn::Gathered(gather) => gather.send(cmd).await,
-            Conn::Cluster(c) => {
-                Box::pin(async move {
-                    let reply = c.clone().req_packed_command(cmd).await;
-                    reply.and_then(Value::extract_error)
-                })
-                .await
-            }
-        }
+        self.gather().send(cmd).await
     }
 
     /// Loads a script the server did not know (first use, restart, failover) and sends its
@@ -212,30 +211,44 @@ impl Conn {
                     .load_async(&mut gather.target().connection().await?)
                     .await?
             }
-            Conn::Cluster(c) => script.load_async(&mut c.clone()).await?,
+            Conn::Cluster(c, _) => script.load_async(&mut c.clone()).await?,
         };
         self.send_once(cmd).await
     }
 }
 
-/// The primaries of a Cluster (`host`, `port`) from a `CLUSTER NODES` reply; failed ones
-/// are left out (their slots' keys are listed once a replica took over).
-pub(super) fn cluster_primaries(nodes: &str) -> Vec<(String, u16)> {
-    nodes
-        .lines()
-        .filter_map(|line| {
-            let mut fields = line.split_whitespace();
-            let address = fields.nth(1)?;
-            let flags = fields.next()?;
-            let flag = |f: &str| flags.split(',').any(|x| x == f);
-            if !flag("master") || flag("fail") || flag("noaddr") {
-                return None;
-            }
-            // `ip:port@cport[,hostname]`
-            let (host, port) = address.split(['@', ',']).next()?.rsplit_once(':')?;
-            Some((host.to_owned(), port.parse().ok()?))
-        })
-        .collect()
+/// A Cluster primary's own connection (for the gather's pipelines): the first seed's
+/// settings (credentials, TLS and its certificates) at the primary's address.
+fn primary_connections(
+    seed: redis::ConnectionInfo,
+    tls: &RedisTls,
+    config: ConnectionManagerConfig,
+) -> ConnectPrimary {
+    let certs = certificates(tls);
+    Box::new(move |host: &str, port: u16| {
+        let (addr, secure) = match seed.addr() {
+            ConnectionAddr::TcpTls {
+                insecure,
+                tls_params,
+                ..
+            } => (
+                ConnectionAddr::TcpTls {
+                    host: host.to_owned(),
+                    port,
+                    insecure: *insecure,
+                    tls_params: tls_params.clone(),
+                },
+                true,
+            ),
+            _ => (ConnectionAddr::Tcp(host.to_owned(), port), false),
+        };
+        let info = seed.clone().set_addr(addr);
+        let client = match &certs {
+            Some(certs) if secure => redis::Client::build_with_tls(info, certs.clone())?,
+            _ => redis::Client::open(info)?,
+        };
+        ConnectionManager::new_lazy_with_config(client, config.clone())
+    })
 }
 
 /// What [`RedisStore::run`] sends.
@@ -331,7 +344,6 @@ fn tls_sentinel_client(
 
 #[cfg(test)]
 mod tests {
-    use super::cluster_primaries;
     use super::{Conn, ConnectionManager, ConnectionManagerConfig, Gather, SentinelConn, Target};
     use redis::sentinel::{SentinelClient, SentinelServerType};
     use std::sync::Arc;
@@ -363,24 +375,5 @@ mod tests {
         ));
         conn.timed_out().await;
         assert!(sentinel.current.read().await.is_none());
-    }
-
-    #[test]
-    fn cluster_primaries_come_from_cluster_nodes() {
-        let nodes = "\
-a1 127.0.0.1:7001@17001 myself,master - 0 0 1 connected 0-5460
-b2 127.0.0.1:7002@17002,redis-b master - 0 1 2 connected 5461-10922
-c3 127.0.0.1:7003@17003 master,fail - 0 1 3 disconnected
-d4 127.0.0.1:7004@17004 slave a1 0 1 1 connected
-e5 [::1]:7005@17005 master - 0 1 5 connected 10923-16383
-";
-        assert_eq!(
-            cluster_primaries(nodes),
-            vec![
-                ("127.0.0.1".to_owned(), 7001),
-                ("127.0.0.1".to_owned(), 7002),
-                ("[::1]".to_owned(), 7005),
-            ]
-        );
     }
 }

@@ -9,6 +9,7 @@
 //! - `keys`: every key and channel name; `scripts`: every Lua script; `record`: the one
 //!   record written without a script, a fresh key's grant;
 //! - `reply`: decoding script replies;
+//! - `slots`: which Cluster primary serves a command, for gathering per primary;
 //! - here: [`RedisStore`], the [`Store`] (and rate store) on top, every call bounded by the
 //!   store timeout.
 
@@ -22,6 +23,7 @@ mod rate;
 mod record;
 mod reply;
 mod scripts;
+mod slots;
 
 #[cfg(feature = "testing")]
 pub(crate) use scripts::RECORD_CODEC;
@@ -34,7 +36,7 @@ use crate::config::RedisConfig;
 use crate::waiters::Waiters;
 use bytes::Bytes;
 use clock::{Reading, RedisClock};
-use conn::{Conn, Op, cluster_primaries};
+use conn::{Conn, Op};
 use held::HeldGrants;
 use idemgate_wire::{Mode, OwnerOutcome};
 use keys::LockKeys;
@@ -87,7 +89,7 @@ impl RedisStore {
         // installed its own already, which is as good.
         let _ = rustls::crypto::ring::default_provider().install_default();
         let conn = Conn::connect(cfg, timeout).await?;
-        let clock = (!matches!(conn, Conn::Cluster(_))).then(RedisClock::default);
+        let clock = (!matches!(conn, Conn::Cluster(..))).then(RedisClock::default);
         let inbox = crate::locks::random_token();
         let inbox_prefix = keys::inbox_prefix(&cfg.prefix);
         let (subscribed_tx, subscribed_rx) = tokio::sync::oneshot::channel();
@@ -146,7 +148,7 @@ impl RedisStore {
             .arg("COUNT")
             .arg(1000);
         match (node, &self.conn) {
-            (Some((host, port)), Conn::Cluster(c)) => {
+            (Some((host, port)), Conn::Cluster(c, _)) => {
                 let routing = RoutingInfo::SingleNode(SingleNodeRoutingInfo::ByAddress {
                     host: host.clone(),
                     port: *port,
@@ -510,7 +512,7 @@ impl Store for RedisStore {
         let pattern = keys::record_pattern(&self.prefix);
         // SCAN walks one server's keyspace: on a Cluster, every primary's in turn.
         let nodes = match &self.conn {
-            Conn::Cluster(c) => {
+            Conn::Cluster(c, _) => {
                 let nodes: String = self
                     .bounded(
                         redis::cmd("CLUSTER")
@@ -518,7 +520,9 @@ impl Store for RedisStore {
                             .query_async(&mut c.clone()),
                     )
                     .await?;
-                cluster_primaries(&nodes).into_iter().map(Some).collect()
+                slots::primaries(&nodes)
+                    .map(|p| Some((p.host.to_owned(), p.port)))
+                    .collect()
             }
             _ => vec![None],
         };
