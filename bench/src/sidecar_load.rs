@@ -139,28 +139,36 @@ pub struct CpuSplit {
     pub redis: f64,
 }
 
-/// CPU seconds used so far: (this process, its sidecar threads, Redis).
-fn cpu_seconds(redis: &RedisServer) -> Result<(f64, f64, f64)> {
+/// CPU seconds used so far: (this process, its sidecar threads, the Redis servers).
+fn cpu_seconds(redis: &[&RedisServer]) -> Result<(f64, f64, f64)> {
     let process = cpu_of(Path::new("/proc/self"))
         .context("cannot parse /proc/self/stat")?
         .1;
     let sidecar = threads_cpu(SIDECAR_THREADS);
-    let info = redis.cli(&["INFO", "cpu"])?;
-    let redis_seconds = info
-        .lines()
-        .filter_map(|l| {
-            l.strip_prefix("used_cpu_sys:")
-                .or_else(|| l.strip_prefix("used_cpu_user:"))
-        })
-        .filter_map(|v| v.trim().parse::<f64>().ok())
-        .sum();
+    let mut redis_seconds = 0.0;
+    for server in redis {
+        let info = server.cli(&["INFO", "cpu"])?;
+        redis_seconds += info
+            .lines()
+            .filter_map(|l| {
+                l.strip_prefix("used_cpu_sys:")
+                    .or_else(|| l.strip_prefix("used_cpu_user:"))
+            })
+            .filter_map(|v| v.trim().parse::<f64>().ok())
+            .sum::<f64>();
+    }
     Ok((process, sidecar, redis_seconds))
+}
+
+/// Commands the Redis servers ran so far.
+fn commands_of(redis: &[&RedisServer]) -> Result<f64> {
+    redis.iter().map(|server| redis_commands(server)).sum()
 }
 
 /// Runs `op(worker, i)` from `concurrency` workers for `seconds`, accounting CPU time and
 /// Redis commands.
 async fn closed_loop<F, Fut>(
-    redis: &RedisServer,
+    redis: &[&RedisServer],
     concurrency: usize,
     seconds: f64,
     op: F,
@@ -170,7 +178,7 @@ where
     Fut: Future<Output = Result<()>> + Send,
 {
     let cpu_before = cpu_seconds(redis)?;
-    let commands_before = redis_commands(redis)?;
+    let commands_before = commands_of(redis)?;
     let op = Arc::new(op);
     let started = Instant::now();
     let until = started + Duration::from_secs_f64(seconds);
@@ -196,7 +204,7 @@ where
     }
     let elapsed = started.elapsed().as_secs_f64();
     let cpu_after = cpu_seconds(redis)?;
-    let commands = redis_commands(redis)? - commands_before;
+    let commands = commands_of(redis)? - commands_before;
     let per_op = |before: f64, after: f64| (after - before) * 1e6 / all.len().max(1) as f64;
     let sidecar = per_op(cpu_before.1, cpu_after.1);
     let cpu = CpuSplit {
@@ -227,12 +235,12 @@ pub enum Server {
 }
 
 /// claim (granted) + complete (released) round trips through `target`, served by the
-/// runtime `server` (whose threads are named [`SIDECAR_THREADS`]); `redis` is the server
-/// whose CPU time and commands are accounted.
+/// runtime `server` (whose threads are named [`SIDECAR_THREADS`]); `redis` are the servers
+/// whose CPU time and commands are accounted (a Cluster's primaries).
 pub async fn sidecar_round_trips(
     server: &Handle,
     target: Server,
-    redis: &RedisServer,
+    redis: &[&RedisServer],
     concurrency: usize,
     seconds: f64,
 ) -> Result<Run> {
@@ -281,7 +289,7 @@ pub async fn raw_redis_round_trips(
     let release = Arc::new(redis::Script::new(
         "if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) else return 0 end",
     ));
-    closed_loop(redis, concurrency, seconds, move |w, i| {
+    closed_loop(&[redis], concurrency, seconds, move |w, i| {
         let mut conn = conn.clone();
         let release = Arc::clone(&release);
         async move {

@@ -8,7 +8,7 @@ use crate::stack::SIDECAR_WORKERS;
 use crate::stats::{Summary, percentile};
 use anyhow::{Context, Result};
 use idemgate_sidecar::StoreConfig;
-use idemgate_sidecar::testing::RedisServer;
+use idemgate_sidecar::testing::{RedisCluster, RedisServer};
 
 /// Seconds per closed-loop run, hand-off samples per run.
 const LOAD_SECONDS: f64 = 3.0;
@@ -29,6 +29,7 @@ pub fn group() -> Result<Group> {
     let server = server.handle();
     runtime.block_on(async {
         let redis = RedisServer::start().context("starting redis-server")?;
+        let standalone = [&redis];
         let mut figures = Vec::new();
         for concurrency in [1usize, 64] {
             println!(
@@ -40,20 +41,23 @@ pub fn group() -> Result<Group> {
                 sidecar_load::raw_redis_round_trips(redis, concurrency, LOAD_SECONDS)
             })
             .await?;
-            let through = |target: Server| {
-                sidecar_load::repeat(LOAD_RUNS, move || {
-                    let target = target.clone();
-                    sidecar_load::sidecar_round_trips(server, target, redis, concurrency, LOAD_SECONDS)
-                })
-            };
-            let on_redis = through(Server::Sidecar(redis.store_config())).await?;
-            let on_memory = through(Server::Sidecar(StoreConfig::Memory)).await?;
-            let hop = through(Server::HttpHop).await?;
+            let on_standalone = |target| through(server, target, &standalone, concurrency);
+            let on_redis = on_standalone(Server::Sidecar(redis.store_config())).await?;
+            let on_memory = on_standalone(Server::Sidecar(StoreConfig::Memory)).await?;
+            let hop = on_standalone(Server::HttpHop).await?;
             let goal = (concurrency == 64).then_some(Goal::RatioAtLeast(0.5));
             for (store, run, goal) in [("Redis", &on_redis, goal), ("memory", &on_memory, None)] {
                 figures.extend(load_figures(store, concurrency, run, &raw, goal));
             }
             figures.extend(hop_figures(concurrency, &hop, &on_redis, &raw));
+            if concurrency == 64 {
+                println!("  concurrency 64: sidecar on a three-primary Cluster");
+                let cluster = RedisCluster::start().context("starting a Redis Cluster")?;
+                let primaries: Vec<&RedisServer> = cluster.nodes().iter().collect();
+                let target = Server::Sidecar(cluster.store_config());
+                let on_cluster = through(server, target, &primaries, concurrency).await?;
+                figures.extend(cluster_figures(&on_cluster, &on_redis));
+            }
         }
         for (store, config) in [
             ("memory", StoreConfig::Memory),
@@ -111,9 +115,70 @@ pub fn group() -> Result<Group> {
                  to raw Redis is the ceiling of the goal's ratio on this machine. Redis \
                  commands per round trip come from `INFO commandstats` (every call inside a \
                  script counts, plus the `EVALSHA` itself) and do not depend on load."
-                .to_owned()],
+                .to_owned(), "The Cluster rows: three primaries (`redis-server \
+                 --cluster-enabled yes`, no replicas) started by the bench on this machine, the \
+                 sidecar's Cluster topology over them, concurrency 64; the primaries' CPU is \
+                 their sum. The baseline is the sidecar on one Redis server in the same run. \
+                 On a Cluster a fresh key's claim runs the claim script on its key's primary \
+                 (the primaries have no one clock the sidecar could read for the script-less \
+                 `SET`), so each round trip runs more commands there.".to_owned()],
         })
     })
+}
+
+/// `LOAD_RUNS` runs of claim+complete pairs through `target` at `concurrency`, the CPU and
+/// commands of the `accounted` Redis servers counted.
+async fn through(
+    server: &tokio::runtime::Handle,
+    target: Server,
+    accounted: &[&RedisServer],
+    concurrency: usize,
+) -> Result<Repeated> {
+    sidecar_load::repeat(LOAD_RUNS, || {
+        sidecar_load::sidecar_round_trips(
+            server,
+            target.clone(),
+            accounted,
+            concurrency,
+            LOAD_SECONDS,
+        )
+    })
+    .await
+}
+
+/// The sidecar on a Cluster against the sidecar on one server, same run: what the Cluster's
+/// gathering per primary leaves of the topology's cost.
+fn cluster_figures(on_cluster: &Repeated, on_redis: &Repeated) -> Vec<Figure> {
+    let name = |what: &str| format!("sidecar on a three-primary Cluster, concurrency 64: {what}");
+    let against = |value: Summary, baseline: Summary, unit| Figure {
+        name: String::new(),
+        unit,
+        value,
+        baseline: Some(("sidecar on one Redis server".into(), baseline)),
+        goal: None,
+    };
+    vec![
+        Figure {
+            name: name("throughput"),
+            ..against(on_cluster.ops, on_redis.ops, "round trips/s")
+        },
+        Figure {
+            name: name("CPU per round trip, sidecar"),
+            ..against(on_cluster.cpu_sidecar, on_redis.cpu_sidecar, "µs")
+        },
+        Figure {
+            name: name("CPU per round trip, the primaries (redis-server)"),
+            ..against(on_cluster.cpu_redis, on_redis.cpu_redis, "µs")
+        },
+        Figure {
+            name: name("Redis commands per round trip"),
+            ..against(
+                on_cluster.redis_commands,
+                on_redis.redis_commands,
+                "commands",
+            )
+        },
+    ]
 }
 
 fn load_figures(
