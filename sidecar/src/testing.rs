@@ -211,13 +211,33 @@ impl RedisServer {
     /// # Errors
     /// `redis-cli` is missing or fails.
     pub fn clear_record_field(&self, record: &str, field: &str) -> io::Result<bool> {
+        self.edit_record_field(record, field, None)
+    }
+
+    /// Sets one field of the lock record `record` to `value` behind the sidecar's back (its
+    /// expiry kept); `false` when there is no record.
+    ///
+    /// # Errors
+    /// `redis-cli` is missing or fails.
+    pub fn set_record_field(&self, record: &str, field: &str, value: &str) -> io::Result<bool> {
+        self.edit_record_field(record, field, Some(value))
+    }
+
+    fn edit_record_field(
+        &self,
+        record: &str,
+        field: &str,
+        value: Option<&str>,
+    ) -> io::Result<bool> {
         let script = format!(
             "{}\nlocal v = redis.call('GET', KEYS[1])\nif not v then return 0 end\n\
-             local r = decode(v)\nr[ARGV[1]] = false\n\
+             local r = decode(v)\nr[ARGV[1]] = ARGV[2] or false\n\
              redis.call('SET', KEYS[1], encode(r), 'KEEPTTL')\nreturn 1",
             RECORD_CODEC
         );
-        Ok(self.cli(&["EVAL", &script, "1", record, field])?.trim() == "1")
+        let mut args = vec!["EVAL", &script, "1", record, field];
+        args.extend(value);
+        Ok(self.cli(&args)?.trim() == "1")
     }
 }
 

@@ -388,6 +388,34 @@ async fn a_fresh_key_claim_and_complete_cost_four_cheap_redis_commands() {
     }
 }
 
+/// A fresh key's grant time is the sidecar's reading of Redis's clock, which may be ahead of
+/// it by up to the claim's round trip (`store/redis/clock.rs`, `MAX_LEAD`, 50 ms). Inspecting
+/// such a key at once must not compute a negative age: it was a "permanent store error" (503)
+/// on a loaded machine (`a_stale_complete_that_wrote_first_puts_the_record_back` failed on it).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_grant_timed_ahead_of_redis_clock_inspects_as_just_granted() {
+    let h = Harness::start(crate::util::Backend::Redis).await;
+    let redis = h.redis.as_ref().unwrap();
+    let key = "k-ahead";
+    let (_, fence) = granted(&h.client.claim(&claim_req(key, Mode::Lock, 30_000)).await.0);
+    // The grant's time 40 ms ahead of Redis's clock, as a reading that led it would write.
+    let since: u64 = redis
+        .record_field(&record(key), "since")
+        .unwrap()
+        .unwrap()
+        .parse()
+        .unwrap();
+    let ahead = (since + 40_000).to_string();
+    assert!(
+        redis
+            .set_record_field(&record(key), "since", &ahead)
+            .unwrap()
+    );
+    let info = h.client.inspect(key).await;
+    let holder = info.holder.expect("held");
+    assert_eq!((holder.fence, holder.age_ms), (fence, 0));
+}
+
 /// A complete of a grant this sidecar answered writes the record before reading it; when the
 /// record was not that grant's any more, it is put back as it was, with (at least) the expiry
 /// it had: another holder keeps its claim, another's stored response keeps its retention,

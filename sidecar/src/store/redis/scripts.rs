@@ -801,7 +801,9 @@ local held = r.owner and lease_end(r.at, r.lease) > now
 local lease_left, age_ms = 0, 0
 if held then
   lease_left = remaining_ms(lease_end(r.at, r.lease))
-  age_ms = math.floor((now - tonumber(r.since)) / 1000)
+  -- A fresh key's grant time is the sidecar's reading of this clock, which may be ahead of it
+  -- (`clock.rs`): such a holding is just granted, not of a negative age.
+  age_ms = math.max(math.floor((now - tonumber(r.since)) / 1000), 0)
 end
 local status, kept_left = false, 0
 if r.status and tonumber(r.kept) > now then
