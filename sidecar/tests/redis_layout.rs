@@ -398,14 +398,16 @@ async fn a_grant_timed_ahead_of_redis_clock_inspects_as_just_granted() {
     let redis = h.redis.as_ref().unwrap();
     let key = "k-ahead";
     let (_, fence) = granted(&h.client.claim(&claim_req(key, Mode::Lock, 30_000)).await.0);
-    // The grant's time 40 ms ahead of Redis's clock, as a reading that led it would write.
+    // The grant's time ahead of Redis's clock, as a reading that led it would write: a minute
+    // rather than the 50 ms a reading may lead, so that however slowly this machine gets to
+    // the inspect, the grant is still ahead of the clock then.
     let since: u64 = redis
         .record_field(&record(key), "since")
         .unwrap()
         .unwrap()
         .parse()
         .unwrap();
-    let ahead = (since + 40_000).to_string();
+    let ahead = (since + 60_000_000).to_string();
     assert!(
         redis
             .set_record_field(&record(key), "since", &ahead)
