@@ -166,9 +166,13 @@ impl Target {
                 .await
                 .unwrap_or_else(|_| vec![Err(timeout_error()); count]);
         }
+        let mut pipe = redis::Pipeline::with_capacity(count);
+        for cmd in cmds {
+            pipe.add_command(cmd);
+        }
         let sent = async {
             let mut conn = self.connection().await?;
-            send_batch(&mut conn, cmds).await
+            send_batch(&mut conn, &pipe).await
         };
         let answers = tokio::time::timeout(timeout, sent)
             .await
@@ -383,11 +387,16 @@ impl ClusterTarget {
                     .find(|g| g.primary.is_some_and(|(i, _)| i == index))
             });
             match same {
-                Some(group) => group.members.push((position, cmd)),
-                None => groups.push(Group {
-                    primary,
-                    members: vec![(position, cmd)],
-                }),
+                Some(group) => group.add(position, cmd),
+                None => {
+                    let mut group = Group {
+                        primary,
+                        positions: Vec::new(),
+                        cmds: redis::Pipeline::new(),
+                    };
+                    group.add(position, cmd);
+                    groups.push(group);
+                }
             }
         }
         if unknown {
@@ -400,7 +409,8 @@ impl ClusterTarget {
         for (group, result) in groups.iter().zip(sent) {
             match result {
                 Ok(values) => {
-                    for ((position, cmd), value) in group.members.iter().zip(values) {
+                    let members = group.positions.iter().zip(group.cmds.cmd_iter());
+                    for ((position, cmd), value) in members.zip(values) {
                         if group.pipelined() && is_redirect(&value) {
                             again.push((*position, cmd));
                         } else {
@@ -411,7 +421,7 @@ impl ClusterTarget {
                 Err(e) => {
                     // The primary may be gone: the map may be out of date.
                     self.read_map_soon();
-                    answers.extend(group.members.iter().map(|(p, _)| (*p, Err(e.clone()))));
+                    answers.extend(group.positions.iter().map(|p| (*p, Err(e.clone()))));
                 }
             }
         }
@@ -433,15 +443,14 @@ impl ClusterTarget {
     async fn send(&self, group: &Group<'_>) -> RedisResult<Vec<Value>> {
         match group.primary {
             Some((_, conn)) if group.pipelined() => {
-                let members = group.members.len() as u64;
+                let members = group.positions.len() as u64;
                 self.pipelined.fetch_add(members, Ordering::Relaxed);
-                let cmds = group.members.iter().map(|(_, cmd)| cmd.clone()).collect();
-                send_batch(&mut conn.clone(), cmds).await
+                send_batch(&mut conn.clone(), &group.cmds).await
             }
             _ => {
                 let mut client = self.conn.clone();
-                let mut values = Vec::with_capacity(group.members.len());
-                for (_, cmd) in &group.members {
+                let mut values = Vec::with_capacity(group.positions.len());
+                for cmd in group.cmds.cmd_iter() {
                     values.push(client.req_packed_command(cmd).await?);
                 }
                 Ok(values)
@@ -454,14 +463,20 @@ impl ClusterTarget {
 struct Group<'m> {
     /// Its primary's index and the sidecar's own connection to it, when the map knows them.
     primary: Option<(u16, &'m ConnectionManager)>,
-    /// Each command with its position in the batch.
-    members: Vec<(usize, Cmd)>,
+    /// Each command's position in the batch, in the order of `cmds`.
+    positions: Vec<usize>,
+    cmds: redis::Pipeline,
 }
 
 impl Group<'_> {
+    fn add(&mut self, position: usize, cmd: Cmd) {
+        self.positions.push(position);
+        self.cmds.add_command(cmd);
+    }
+
     /// Sent as a pipeline on the sidecar's own connection (else through the client).
     fn pipelined(&self) -> bool {
-        self.primary.is_some() && self.members.len() > 1
+        self.primary.is_some() && self.positions.len() > 1
     }
 }
 
@@ -504,17 +519,15 @@ impl Drop for InFlight<'_> {
     }
 }
 
-/// Several commands as one pipeline (one as itself); one reply per command either way.
-async fn send_batch(conn: &mut ConnectionManager, cmds: Vec<Cmd>) -> RedisResult<Vec<Value>> {
-    let count = cmds.len();
-    let values = if let [cmd] = cmds.as_slice() {
-        vec![conn.req_packed_command(cmd).await?]
-    } else {
-        let mut pipe = redis::Pipeline::with_capacity(count);
-        for cmd in cmds {
-            pipe.add_command(cmd);
-        }
-        conn.req_packed_commands(&pipe, 0, count).await?
+/// The commands of `pipe` as one pipeline (one as itself); one reply per command either way.
+async fn send_batch(
+    conn: &mut ConnectionManager,
+    pipe: &redis::Pipeline,
+) -> RedisResult<Vec<Value>> {
+    let count = pipe.len();
+    let values = match pipe.cmd_iter().next() {
+        Some(cmd) if count == 1 => vec![conn.req_packed_command(cmd).await?],
+        _ => conn.req_packed_commands(pipe, 0, count).await?,
     };
     if values.len() == count {
         Ok(values)
@@ -626,6 +639,19 @@ mod tests {
         (gather, target)
     }
 
+    /// Waits (bounded) until the slot map's view of slot 0, (placed, with a connection of
+    /// its own), satisfies `read`.
+    async fn map_read(target: &ClusterTarget, read: fn((bool, bool)) -> bool) {
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+        while !read(target.knows(0)) {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "the slot map was not read"
+            );
+            tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+        }
+    }
+
     /// `INCR` of 64 keys spread over the Cluster's slots, each on a task of its own, all
     /// in flight together: the replies, by key.
     async fn incr_spread(gather: &Arc<Gather>) -> Vec<i64> {
@@ -651,14 +677,7 @@ mod tests {
     async fn a_clusters_commands_go_in_one_pipeline_per_primary() {
         let cluster = crate::testing::RedisCluster::start().unwrap();
         let (gather, target) = cluster_gather(&cluster).await;
-        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
-        while !target.knows(0).1 {
-            assert!(
-                std::time::Instant::now() < deadline,
-                "the slot map was not read"
-            );
-            tokio::time::sleep(std::time::Duration::from_millis(10)).await;
-        }
+        map_read(&target, |(_, connected)| connected).await;
         // What the primaries read: one read per command when each goes on its own.
         let reads = || -> u64 {
             cluster
@@ -697,14 +716,7 @@ mod tests {
         let cluster = crate::testing::RedisCluster::start().unwrap();
         let (gather, target) = cluster_gather(&cluster).await;
         // Past the first read of the map, which would replace the stale one.
-        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
-        while !target.knows(0).1 {
-            assert!(
-                std::time::Instant::now() < deadline,
-                "the slot map was not read"
-            );
-            tokio::time::sleep(std::time::Duration::from_millis(10)).await;
-        }
+        map_read(&target, |(_, connected)| connected).await;
         let first = cluster.nodes()[0].port();
         target
             .set_map(&format!(
@@ -729,14 +741,7 @@ mod tests {
         let cluster = crate::testing::RedisCluster::start().unwrap();
         let (gather, target) =
             cluster_gather_reaching(&cluster, |_, _| "redis://127.0.0.1:1".to_owned()).await;
-        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
-        while !target.knows(0).0 {
-            assert!(
-                std::time::Instant::now() < deadline,
-                "the slot map was not read"
-            );
-            tokio::time::sleep(std::time::Duration::from_millis(10)).await;
-        }
+        map_read(&target, |(placed, _)| placed).await;
         assert_eq!(target.knows(0), (true, false));
         assert_eq!(incr_spread(&gather).await, vec![1; 64]);
         assert_eq!(target.pipelined(), 0);
