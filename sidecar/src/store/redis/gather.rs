@@ -25,7 +25,9 @@
 //! Cluster paid one write per command at any load (1.7 `writev` per claim+complete pair at
 //! concurrency 64, against 0.2 on a server: `benchmarks/sidecar.notes.md`). The slot map may
 //! be stale (a slot migrated, a failover): a command a primary answers with a redirect is sent
-//! again on its own, through the client's own redirect handling, and the map is read again.
+//! again on its own, through the client's own redirect handling, and the map is read again;
+//! an `ASK` (a slot being migrated) goes with its `ASKING` in one pipeline to the importing
+//! primary, which the client cannot do safely (`ClusterTarget::resend`).
 
 use super::conn::SentinelConn;
 use super::slots::{SlotOwners, command_slot};
@@ -412,7 +414,7 @@ impl ClusterTarget {
                     let members = group.positions.iter().zip(group.cmds.cmd_iter());
                     for ((position, cmd), value) in members.zip(values) {
                         if group.pipelined() && is_redirect(&value) {
-                            again.push((*position, cmd));
+                            again.push((*position, cmd, value));
                         } else {
                             answers.push((*position, Ok(value)));
                         }
@@ -427,15 +429,38 @@ impl ClusterTarget {
         }
         if !again.is_empty() {
             self.read_map_soon();
-            let resent = futures_util::future::join_all(again.iter().map(|(_, cmd)| {
-                let mut client = self.conn.clone();
-                async move { client.req_packed_command(cmd).await }
-            }))
+            let resent = futures_util::future::join_all(
+                again
+                    .iter()
+                    .map(|(_, cmd, redirect)| self.resend(&map, cmd, redirect)),
+            )
             .await;
-            answers.extend(again.iter().map(|(position, _)| *position).zip(resent));
+            answers.extend(again.iter().map(|(position, ..)| *position).zip(resent));
         }
         answers.sort_unstable_by_key(|(position, _)| *position);
         answers.into_iter().map(|(_, answer)| answer).collect()
+    }
+
+    /// A command a primary answered with `redirect`, sent once more. An `ASK` (its slot is
+    /// being migrated and the key is not on the primary any more) goes to the importing
+    /// primary as `ASKING` and the command in one pipeline, on the sidecar's own connection
+    /// to it: `ASKING` lets only the connection's next command through, and one pipeline is
+    /// written whole, so no other command comes between. The cluster client sends the two
+    /// apart on a connection other requests share (`get_redirected_connection` in redis-rs
+    /// 1.8), so with several redirected at once one's `ASKING` could let another's command
+    /// through and leave its own to be redirected again, until its retries ran out and the
+    /// caller got the `ASK` (the regression test below). A `MOVED` or an answer the
+    /// importing primary redirects again goes through the client, which follows it.
+    async fn resend(&self, map: &ClusterMap, cmd: &Cmd, redirect: &Value) -> RedisResult<Value> {
+        if let Some(conn) = asked_primary(map, redirect) {
+            let mut asking = redis::Pipeline::with_capacity(2);
+            asking.cmd("ASKING").add_command(cmd.clone());
+            let answered = send_batch(&mut conn.clone(), &asking).await?.pop();
+            if let Some(value) = answered.filter(|value| !is_redirect(value)) {
+                return Ok(value);
+            }
+        }
+        self.conn.clone().req_packed_command(cmd).await
     }
 
     /// One group: a pipeline to its primary, or its one command through the client. One
@@ -494,6 +519,24 @@ async fn answers(conn: ConnectionManager, timeout: Duration) -> RedisResult<Conn
 /// A primary's answer that the command's slot is served elsewhere now, or not at the moment
 /// (`MOVED`, `ASK`, `TRYAGAIN`, `CLUSTERDOWN`): the command did not run, and the cluster
 /// client's own path sends it again where it belongs.
+/// The sidecar's own connection to the primary an `ASK` answer names, when it has one.
+fn asked_primary<'m>(map: &'m ClusterMap, answer: &Value) -> Option<&'m ConnectionManager> {
+    let Value::ServerError(_) = answer else {
+        return None;
+    };
+    let err = answer.clone().extract_error().err()?;
+    if err.kind() != ErrorKind::Server(redis::ServerErrorKind::Ask) {
+        return None;
+    }
+    let (host, port) = err.redirect_node()?.0.rsplit_once(':')?;
+    let port = port.parse::<u16>().ok()?;
+    map.primaries
+        .iter()
+        .find(|p| p.host == host && p.port == port)?
+        .conn
+        .as_ref()
+}
+
 fn is_redirect(value: &Value) -> bool {
     matches!(value, Value::ServerError(_))
         && value
@@ -731,6 +774,73 @@ mod tests {
             errors.contains("errorstat_MOVED:count="),
             "the first primary redirected none: {errors}"
         );
+    }
+
+    /// A slot being migrated answers `ASK` for a key its old primary no longer has (here:
+    /// none yet, so every key of the slot): each such command goes again on its own through
+    /// the client, which sends it with `ASKING` to the importing primary, and runs there
+    /// exactly once.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_migrating_slots_ask_sends_the_command_to_the_importing_primary() {
+        use super::super::slots::{SlotOwners, key_slot, primaries};
+        let cluster = crate::testing::RedisCluster::start().unwrap();
+        let (gather, target) = cluster_gather(&cluster).await;
+        map_read(&target, |(_, connected)| connected).await;
+        // Every key of this test shares one slot (the hash tag): one primary's pipeline.
+        let slot = key_slot(b"{ask}");
+        let nodes = cluster.nodes()[0].cli(&["CLUSTER", "NODES"]).unwrap();
+        let owner = SlotOwners::from_cluster_nodes(&nodes).owner(slot).unwrap();
+        let owner_port = primaries(&nodes).nth(usize::from(owner)).unwrap().port;
+        let node = |port: u16| cluster.nodes().iter().find(|n| n.port() == port).unwrap();
+        let (from, to) = (
+            node(owner_port),
+            cluster.nodes().iter().find(|n| n.port() != owner_port).unwrap(),
+        );
+        let id = |n: &crate::testing::RedisServer| n.cli(&["CLUSTER", "MYID"]).unwrap();
+        let slot_arg = slot.to_string();
+        let set = |on: &crate::testing::RedisServer, state: &str, peer: &str| {
+            let reply = on
+                .cli(&["CLUSTER", "SETSLOT", &slot_arg, state, peer.trim()])
+                .unwrap();
+            assert_eq!(reply.trim(), "OK", "SETSLOT {state}: {reply}");
+        };
+        set(to, "IMPORTING", &id(from));
+        set(from, "MIGRATING", &id(to));
+        let incr_all = || {
+            let tasks: Vec<_> = (0..16)
+                .map(|i| {
+                    let gather = Arc::clone(&gather);
+                    tokio::spawn(async move {
+                        let cmd = redis::cmd("INCR").arg(format!("{{ask}}:{i}")).clone();
+                        redis::from_redis_value::<i64>(gather.send(&cmd).await.unwrap())
+                            .unwrap()
+                    })
+                })
+                .collect::<Vec<_>>();
+            async move {
+                let mut replies = Vec::new();
+                for task in tasks {
+                    replies.push(task.await.unwrap());
+                }
+                replies
+            }
+        };
+        // Each ran once, and the second time found what the first wrote.
+        assert_eq!(incr_all().await, vec![1; 16]);
+        assert_eq!(incr_all().await, vec![2; 16]);
+        assert!(target.pipelined() > 0, "the migrating primary's pipeline was used");
+        let errors = from.cli(&["INFO", "errorstats"]).unwrap();
+        assert!(
+            errors.contains("errorstat_ASK:count="),
+            "the migrating primary answered no ASK: {errors}"
+        );
+        let count = |n: &crate::testing::RedisServer| {
+            let reply = n
+                .cli(&["CLUSTER", "COUNTKEYSINSLOT", &slot_arg])
+                .unwrap();
+            reply.trim().parse::<u64>().unwrap()
+        };
+        assert_eq!((count(from), count(to)), (0, 16), "the keys live on the importing primary");
     }
 
     /// A primary the sidecar cannot reach on a connection of its own (here every one: the
