@@ -17,6 +17,7 @@
 //! installs them.
 
 pub mod otlp;
+pub mod tls;
 
 /// The Lua functions that read and write a lock record (`decode(value)` → a table of
 /// fields, `encode(table)`, `clock()`, `lease_end(at, lease)`): what the sidecar's own
@@ -259,9 +260,18 @@ impl RedisCluster {
     /// # Errors
     /// A node does not start or the cluster does not form.
     pub fn start() -> io::Result<Self> {
+        Self::start_with(|| Ok(Vec::new()))
+    }
+
+    /// Starts three primaries as [`RedisCluster::start`] does, each with the arguments
+    /// `node_args` makes for it (`tls::Pki::redis_cluster`: a TLS port of its own).
+    ///
+    /// # Errors
+    /// `node_args` fails, a node does not start or the cluster does not form.
+    pub fn start_with(node_args: impl Fn() -> io::Result<Vec<String>>) -> io::Result<Self> {
         let mut nodes = Vec::new();
         for _ in 0..3 {
-            nodes.push(Self::start_node()?);
+            nodes.push(Self::start_node(node_args()?)?);
         }
         let addrs: Vec<String> = nodes
             .iter()
@@ -292,7 +302,7 @@ impl RedisCluster {
         Ok(RedisCluster { nodes })
     }
 
-    fn start_node() -> io::Result<RedisServer> {
+    fn start_node(args: Vec<String>) -> io::Result<RedisServer> {
         let mut last_err = None;
         for _ in 0..5 {
             // The cluster bus listens on port + 10000: both must be free.
@@ -309,7 +319,10 @@ impl RedisCluster {
                     conf,
                     "--cluster-node-timeout".into(),
                     "2000".into(),
-                ],
+                ]
+                .into_iter()
+                .chain(args.iter().cloned())
+                .collect(),
                 sentinel_conf: None,
                 child: None,
             };

@@ -1,128 +1,14 @@
 //! Reaching Redis securely: TLS (`rediss://`) with a private CA and the client certificate
 //! Redis asks for by default — standalone and behind a Sentinel — and an ACL user named in
 //! the URL. The certificates are made
-//! at test time (rcgen); nothing is read from or written to the machine's trust store.
+//! at test time (`testing::tls`); nothing is read from or written to the machine's trust store.
 
 use crate::util::{Client, Harness, claim_req, granted};
 use hyper::StatusCode;
+use idemgate_sidecar::testing::tls::{Pki, redis_has_tls};
 use idemgate_sidecar::testing::{RedisSentinel, RedisServer};
 use idemgate_sidecar::{RedisConfig, RedisTls, RedisTopology, StoreConfig};
 use idemgate_wire::{ClaimOutcome, Mode, OwnerOutcome, paths};
-use rcgen::{BasicConstraints, CertificateParams, DnType, IsCa, Issuer, KeyPair};
-use std::path::PathBuf;
-
-/// A throw-away CA, a server certificate for 127.0.0.1 and a client certificate, as PEM
-/// files in a scratch directory (removed on drop).
-struct Pki {
-    dir: PathBuf,
-}
-
-impl Pki {
-    fn create() -> Pki {
-        let dir = std::env::temp_dir().join(format!(
-            "idemgate-tls-{}-{:?}",
-            std::process::id(),
-            std::time::SystemTime::now()
-                .duration_since(std::time::UNIX_EPOCH)
-                .unwrap()
-                .as_nanos()
-        ));
-        std::fs::create_dir_all(&dir).unwrap();
-        // Distinct subject names: a leaf named like its issuer looks self-signed to OpenSSL.
-        let mut ca_params = CertificateParams::new(Vec::<String>::new()).unwrap();
-        ca_params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
-        ca_params
-            .distinguished_name
-            .push(DnType::CommonName, "idemgate test CA");
-        let ca_key = KeyPair::generate().unwrap();
-        let ca = ca_params.self_signed(&ca_key).unwrap();
-        let issuer = Issuer::new(ca_params, ca_key);
-        let leaf = |names: Vec<String>| {
-            let key = KeyPair::generate().unwrap();
-            let mut params = CertificateParams::new(names.clone()).unwrap();
-            params
-                .distinguished_name
-                .push(DnType::CommonName, names[0].as_str());
-            params.use_authority_key_identifier_extension = true;
-            let cert = params.signed_by(&key, &issuer).unwrap();
-            (cert.pem(), key.serialize_pem())
-        };
-        let (server_cert, server_key) = leaf(vec!["127.0.0.1".into(), "localhost".into()]);
-        let (client_cert, client_key) = leaf(vec!["idemgate-sidecar".into()]);
-        for (name, pem) in [
-            ("ca.pem", ca.pem()),
-            ("server.pem", server_cert),
-            ("server.key", server_key),
-            ("client.pem", client_cert),
-            ("client.key", client_key),
-        ] {
-            std::fs::write(dir.join(name), pem).unwrap();
-        }
-        Pki { dir }
-    }
-
-    fn file(&self, name: &str) -> PathBuf {
-        self.dir.join(name)
-    }
-
-    fn path(&self, name: &str) -> String {
-        self.file(name).to_string_lossy().into_owned()
-    }
-
-    /// A `redis-server` speaking TLS on `tls_port` (and plain text on its own port) with the
-    /// server certificate. It requires client certificates (Redis's default,
-    /// `tls-auth-clients yes`).
-    fn redis_server(&self, tls_port: u16) -> RedisServer {
-        RedisServer::start_with(&[
-            "--tls-port",
-            &tls_port.to_string(),
-            "--tls-cert-file",
-            &self.path("server.pem"),
-            "--tls-key-file",
-            &self.path("server.key"),
-            "--tls-ca-cert-file",
-            &self.path("ca.pem"),
-        ])
-        .unwrap()
-    }
-
-    /// What the sidecar is given: the private CA and the client certificate.
-    fn client_tls(&self) -> RedisTls {
-        RedisTls::from_files(
-            Some(&self.file("ca.pem")),
-            Some((&self.file("client.pem"), &self.file("client.key"))),
-        )
-        .unwrap()
-    }
-}
-
-impl Drop for Pki {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.dir);
-    }
-}
-
-/// Whether the installed `redis-server` was built with TLS (a build without it refuses
-/// the `tls-port` directive itself, before looking at any file).
-fn redis_has_tls() -> bool {
-    let probe = std::process::Command::new("redis-server")
-        .args([
-            "--port",
-            "0",
-            "--tls-port",
-            "1",
-            "--tls-cert-file",
-            "/nonexistent",
-        ])
-        .output();
-    match probe {
-        Ok(out) => {
-            let text = String::from_utf8_lossy(&out.stdout) + String::from_utf8_lossy(&out.stderr);
-            !text.contains("Bad directive")
-        }
-        Err(_) => false,
-    }
-}
 
 fn free_port() -> u16 {
     std::net::TcpListener::bind("127.0.0.1:0")
@@ -168,14 +54,14 @@ async fn the_master_behind_a_tls_sentinel_is_reached_with_a_private_ca() {
         eprintln!("SKIPPED: the installed redis-server was built without TLS support");
         return;
     }
-    let pki = Pki::create();
+    let pki = Pki::create().unwrap();
     let (cert, key, ca) = (
         pki.path("server.pem"),
         pki.path("server.key"),
         pki.path("ca.pem"),
     );
     let master_tls = free_port();
-    let master = pki.redis_server(master_tls);
+    let master = pki.redis_server(master_tls).unwrap();
     let sentinel_tls = free_port();
     let sentinel = RedisSentinel::watching(
         master,
@@ -192,7 +78,7 @@ async fn the_master_behind_a_tls_sentinel_is_reached_with_a_private_ca() {
             master: RedisSentinel::MASTER.into(),
         },
         prefix: "idemgate".into(),
-        tls: pki.client_tls(),
+        tls: pki.client_tls().unwrap(),
     });
     let h = Harness::on_store(store, None, |_| {}).await;
     hand_off(&h.client, "sentinel-tls-key").await;
@@ -211,11 +97,11 @@ async fn claims_hand_offs_and_replays_work_over_tls() {
         eprintln!("SKIPPED: the installed redis-server was built without TLS support");
         return;
     }
-    let pki = Pki::create();
+    let pki = Pki::create().unwrap();
     let tls_port = free_port();
-    let redis = pki.redis_server(tls_port);
+    let redis = pki.redis_server(tls_port).unwrap();
     let url = format!("rediss://127.0.0.1:{tls_port}");
-    let tls = pki.client_tls();
+    let tls = pki.client_tls().unwrap();
     let h = Harness::on_store(store(url.clone(), "idemgate", tls.clone()), None, |_| {}).await;
     hand_off(&h.client, "tls-key").await;
     // The data really went to this server (read back over its plain port).

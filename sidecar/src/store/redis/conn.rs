@@ -108,7 +108,7 @@ impl SentinelConn {
 }
 
 impl Conn {
-    fn gather(&self) -> &Arc<Gather> {
+    pub(super) fn gather(&self) -> &Arc<Gather> {
         match self {
             Conn::Gathered(gather) | Conn::Cluster(_, gather) => gather,
         }

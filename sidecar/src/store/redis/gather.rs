@@ -794,7 +794,11 @@ mod tests {
         let node = |port: u16| cluster.nodes().iter().find(|n| n.port() == port).unwrap();
         let (from, to) = (
             node(owner_port),
-            cluster.nodes().iter().find(|n| n.port() != owner_port).unwrap(),
+            cluster
+                .nodes()
+                .iter()
+                .find(|n| n.port() != owner_port)
+                .unwrap(),
         );
         let id = |n: &crate::testing::RedisServer| n.cli(&["CLUSTER", "MYID"]).unwrap();
         let slot_arg = slot.to_string();
@@ -812,8 +816,7 @@ mod tests {
                     let gather = Arc::clone(&gather);
                     tokio::spawn(async move {
                         let cmd = redis::cmd("INCR").arg(format!("{{ask}}:{i}")).clone();
-                        redis::from_redis_value::<i64>(gather.send(&cmd).await.unwrap())
-                            .unwrap()
+                        redis::from_redis_value::<i64>(gather.send(&cmd).await.unwrap()).unwrap()
                     })
                 })
                 .collect::<Vec<_>>();
@@ -828,19 +831,68 @@ mod tests {
         // Each ran once, and the second time found what the first wrote.
         assert_eq!(incr_all().await, vec![1; 16]);
         assert_eq!(incr_all().await, vec![2; 16]);
-        assert!(target.pipelined() > 0, "the migrating primary's pipeline was used");
+        assert!(
+            target.pipelined() > 0,
+            "the migrating primary's pipeline was used"
+        );
         let errors = from.cli(&["INFO", "errorstats"]).unwrap();
         assert!(
             errors.contains("errorstat_ASK:count="),
             "the migrating primary answered no ASK: {errors}"
         );
         let count = |n: &crate::testing::RedisServer| {
-            let reply = n
-                .cli(&["CLUSTER", "COUNTKEYSINSLOT", &slot_arg])
-                .unwrap();
+            let reply = n.cli(&["CLUSTER", "COUNTKEYSINSLOT", &slot_arg]).unwrap();
             reply.trim().parse::<u64>().unwrap()
         };
-        assert_eq!((count(from), count(to)), (0, 16), "the keys live on the importing primary");
+        assert_eq!(
+            (count(from), count(to)),
+            (0, 16),
+            "the keys live on the importing primary"
+        );
+    }
+
+    /// A Cluster reached over TLS (`rediss://` seeds, a private CA, the client certificate
+    /// Redis asks for): the primaries' own connections take the seed's TLS settings at the
+    /// addresses the Cluster lists (its nodes' TLS ports, `tls-cluster yes`), answer, and
+    /// carry the pipelines. Were they refused (a certificate not matching the listed address,
+    /// say), the map would never have them and the wait below would fail.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_tls_clusters_primaries_are_pipelined_on_tls_connections_of_their_own() {
+        use crate::config::{RedisConfig, RedisTopology};
+        use crate::testing::tls::{Pki, redis_has_tls};
+        if !redis_has_tls() {
+            eprintln!("SKIPPED: the installed redis-server was built without TLS support");
+            return;
+        }
+        let pki = Pki::create().unwrap();
+        let cluster = pki.redis_cluster().unwrap();
+        let urls = cluster
+            .nodes()
+            .iter()
+            .map(|node| {
+                let reply = node.cli(&["CONFIG", "GET", "tls-port"]).unwrap();
+                let port = reply.lines().last().unwrap().trim().parse::<u16>().unwrap();
+                format!("rediss://127.0.0.1:{port}")
+            })
+            .collect();
+        let cfg = RedisConfig {
+            urls,
+            topology: RedisTopology::Cluster,
+            prefix: "idemgate".into(),
+            tls: pki.client_tls().unwrap(),
+        };
+        let conn = super::super::conn::Conn::connect(&cfg, std::time::Duration::from_secs(5))
+            .await
+            .unwrap();
+        let gather = Arc::clone(conn.gather());
+        let Target::Cluster(target) = gather.target() else {
+            panic!("a Cluster configuration gave another target");
+        };
+        map_read(target, |(_, connected)| connected).await;
+        assert_eq!(incr_spread(&gather).await, vec![1; 64]);
+        assert_eq!(incr_spread(&gather).await, vec![2; 64]);
+        let pipelined = target.pipelined();
+        assert!(pipelined >= 96, "{pipelined} of 128 commands in pipelines");
     }
 
     /// A primary the sidecar cannot reach on a connection of its own (here every one: the
