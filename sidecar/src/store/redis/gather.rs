@@ -19,8 +19,10 @@
 //! multiplexed connection before.
 //!
 //! A Cluster's batch is split by primary (`slots.rs`: each command's slot, and the slot ranges
-//! `CLUSTER NODES` listed): each primary's commands go as one pipeline to it, a lone one
-//! through the cluster client as before. The cluster client sends every command on its own
+//! `CLUSTER NODES` listed): each primary's commands go as one pipeline to it, on a connection
+//! of the sidecar's own, and so does a lone command whose primary the map knows; the cluster
+//! client carries the rest (a slot not placed yet, a primary without a connection of its
+//! own) and the redirected commands. The cluster client sends every command on its own
 //! otherwise, and its connections to the primaries are multiplexed ones, so without this a
 //! Cluster paid one write per command at any load (1.7 `writev` per claim+complete pair at
 //! concurrency 64, against 0.2 on a server: `benchmarks/sidecar.notes.md`). The slot map may
@@ -149,8 +151,7 @@ impl Target {
     /// One command sent at once.
     async fn one(&self, cmd: &Cmd) -> RedisResult<Value> {
         if let Target::Cluster(cluster) = self {
-            let mut conn = cluster.conn.clone();
-            return Box::pin(async move { conn.req_packed_command(cmd).await }).await;
+            return Box::pin(cluster.one(cmd)).await;
         }
         let mut conn = self.connection().await?;
         let answer = conn.req_packed_command(cmd).await;
@@ -371,8 +372,8 @@ impl ClusterTarget {
     }
 
     /// `cmds` split by primary: each primary's as one pipeline on the sidecar's own
-    /// connection to it; a lone command, or one whose primary the map does not know,
-    /// through the client. One reply per command, in order.
+    /// connection to it; a command whose primary the map does not know (or has no connection
+    /// to) through the client. One reply per command, in order.
     async fn batch(self: &Arc<Self>, cmds: Vec<Cmd>) -> Vec<RedisResult<Value>> {
         let map = self.current();
         let count = cmds.len();
@@ -413,7 +414,7 @@ impl ClusterTarget {
                 Ok(values) => {
                     let members = group.positions.iter().zip(group.cmds.cmd_iter());
                     for ((position, cmd), value) in members.zip(values) {
-                        if group.pipelined() && is_redirect(&value) {
+                        if group.primary.is_some() && is_redirect(&value) {
                             again.push((*position, cmd, value));
                         } else {
                             answers.push((*position, Ok(value)));
@@ -463,16 +464,45 @@ impl ClusterTarget {
         self.conn.clone().req_packed_command(cmd).await
     }
 
-    /// One group: a pipeline to its primary, or its one command through the client. One
-    /// reply per member, or the error that failed them all.
+    /// One command sent at once: on the sidecar's own connection to its primary when the
+    /// map knows it (a redirect answer sent again as [`ClusterTarget::resend`] says), else
+    /// through the client.
+    async fn one(self: &Arc<Self>, cmd: &Cmd) -> RedisResult<Value> {
+        let map = self.current();
+        let slot = command_slot(cmd);
+        let Some((_, conn)) = slot.and_then(|slot| map.primary_of(slot)) else {
+            if slot.is_some_and(|slot| map.owners.owner(slot).is_none()) {
+                self.read_map_soon();
+            }
+            return self.conn.clone().req_packed_command(cmd).await;
+        };
+        match conn.clone().req_packed_command(cmd).await {
+            Ok(value) if is_redirect(&value) => {
+                self.read_map_soon();
+                self.resend(&map, cmd, &value).await
+            }
+            Err(err) => {
+                // The primary may be gone: the map may be out of date.
+                self.read_map_soon();
+                Err(err)
+            }
+            answer => answer,
+        }
+    }
+
+    /// One group: its commands on the sidecar's own connection to their primary (one
+    /// pipeline), or through the client one by one when the map has no connection for them.
+    /// One reply per member, or the error that failed them all.
     async fn send(&self, group: &Group<'_>) -> RedisResult<Vec<Value>> {
         match group.primary {
-            Some((_, conn)) if group.pipelined() => {
-                let members = group.positions.len() as u64;
-                self.pipelined.fetch_add(members, Ordering::Relaxed);
+            Some((_, conn)) => {
+                if group.pipelined() {
+                    let members = group.positions.len() as u64;
+                    self.pipelined.fetch_add(members, Ordering::Relaxed);
+                }
                 send_batch(&mut conn.clone(), &group.cmds).await
             }
-            _ => {
+            None => {
                 let mut client = self.conn.clone();
                 let mut values = Vec::with_capacity(group.positions.len());
                 for cmd in group.cmds.cmd_iter() {
@@ -499,7 +529,7 @@ impl Group<'_> {
         self.cmds.add_command(cmd);
     }
 
-    /// Sent as a pipeline on the sidecar's own connection (else through the client).
+    /// Sent as a pipeline of two or more on the sidecar's own connection.
     fn pipelined(&self) -> bool {
         self.primary.is_some() && self.positions.len() > 1
     }
