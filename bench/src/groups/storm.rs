@@ -17,7 +17,10 @@ pub fn group(modules: &Modules) -> Result<Group> {
     // cores zeroing pages, storm notes, Session 17/19), which a gateway in service has long
     // paid. The bench keeps freed memory (`with_freed_memory_kept`), so the measured storms
     // that follow reuse what this one faulted in, baseline and idemgate alike.
-    println!("  warm-up: {} identical requests, not measured", storm::REQUESTS);
+    println!(
+        "  warm-up: {} identical requests, not measured",
+        storm::REQUESTS
+    );
     let stack = Stack::start(
         redis.store_config(),
         BackendSpec::Demo,
