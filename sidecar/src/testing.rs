@@ -269,8 +269,44 @@ impl RedisCluster {
     /// # Errors
     /// `node_args` fails, a node does not start or the cluster does not form.
     pub fn start_with(node_args: impl Fn() -> io::Result<Vec<String>>) -> io::Result<Self> {
+        Self::start_nodes(0, node_args)
+    }
+
+    /// Three primaries, each with one replica (six nodes), for failovers: the replicas are
+    /// in sync when this returns.
+    ///
+    /// # Errors
+    /// A node does not start, the cluster does not form or a replica does not sync.
+    pub fn with_replicas() -> io::Result<Self> {
+        let cluster = Self::start_nodes(1, || Ok(Vec::new()))?;
+        let deadline = Instant::now() + START_TIMEOUT;
+        for node in &cluster.nodes {
+            while node.cli(&["INFO", "replication"]).is_ok_and(|info| {
+                info.contains("role:slave") && !info.contains("master_link_status:up")
+            }) {
+                if Instant::now() > deadline {
+                    return Err(io::Error::other("a replica did not sync with its primary"));
+                }
+                std::thread::sleep(Duration::from_millis(100));
+            }
+        }
+        Ok(cluster)
+    }
+
+    /// Kills node `index` (of [`Self::nodes`]), as a crash would.
+    pub fn stop_node(&mut self, index: usize) {
+        if let Some(node) = self.nodes.get_mut(index) {
+            node.stop();
+        }
+    }
+
+    fn start_nodes(
+        replicas: usize,
+        node_args: impl Fn() -> io::Result<Vec<String>>,
+    ) -> io::Result<Self> {
+        let replicas_arg = replicas.to_string();
         let mut nodes = Vec::new();
-        for _ in 0..3 {
+        for _ in 0..3 * (1 + replicas) {
             nodes.push(Self::start_node(node_args()?)?);
         }
         let addrs: Vec<String> = nodes
@@ -279,7 +315,7 @@ impl RedisCluster {
             .collect();
         let mut args = vec!["--cluster", "create"];
         args.extend(addrs.iter().map(String::as_str));
-        args.extend(["--cluster-replicas", "0", "--cluster-yes"]);
+        args.extend(["--cluster-replicas", &replicas_arg, "--cluster-yes"]);
         let out = Command::new("redis-cli").args(&args).output()?;
         if !out.status.success() {
             return Err(io::Error::other(format!(

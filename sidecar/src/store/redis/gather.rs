@@ -333,6 +333,15 @@ impl ClusterTarget {
         )
     }
 
+    /// The port of the primary the slot map has serving `slot`, with a connection of the
+    /// sidecar's own to it.
+    #[cfg(test)]
+    pub(super) fn connected_owner_port(&self, slot: u16) -> Option<u16> {
+        let map = self.current();
+        let (index, _) = map.primary_of(slot)?;
+        map.primaries.get(usize::from(index)).map(|p| p.port)
+    }
+
     /// Replaces the slot map with one read from `nodes` (tests: a stale one).
     #[cfg(test)]
     pub(super) async fn set_map(&self, nodes: &str) {
@@ -728,12 +737,24 @@ mod tests {
     /// `INCR` of 64 keys spread over the Cluster's slots, each on a task of its own, all
     /// in flight together: the replies, by key.
     async fn incr_spread(gather: &Arc<Gather>) -> Vec<i64> {
+        try_incr_spread(gather)
+            .await
+            .into_iter()
+            .map(|reply| reply.unwrap())
+            .collect()
+    }
+
+    /// [`incr_spread`], each reply as it came, error or not.
+    async fn try_incr_spread(gather: &Arc<Gather>) -> Vec<redis::RedisResult<i64>> {
         let tasks: Vec<_> = (0..64)
             .map(|i| {
                 let gather = Arc::clone(gather);
                 tokio::spawn(async move {
                     let cmd = redis::cmd("INCR").arg(format!("n:{{{i}}}")).clone();
-                    redis::from_redis_value::<i64>(gather.send(&cmd).await.unwrap()).unwrap()
+                    gather
+                        .send(&cmd)
+                        .await
+                        .and_then(|v| Ok(redis::from_redis_value::<i64>(v)?))
                 })
             })
             .collect();
@@ -923,6 +944,95 @@ mod tests {
         assert_eq!(incr_spread(&gather).await, vec![2; 64]);
         let pipelined = target.pipelined();
         assert!(pipelined >= 96, "{pipelined} of 128 commands in pipelines");
+    }
+
+    /// A primary that dies is replaced by its replica, the Cluster's own failover: the
+    /// commands for its slots fail while it is down, then reach the promoted replica, on a
+    /// connection of the sidecar's own once the slot map is read again (the errors ask for
+    /// that). No command is lost to a stale map after the failover.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn after_a_failover_commands_reach_the_promoted_replica_on_an_own_connection() {
+        use super::super::slots::{SlotOwners, primaries};
+        let mut cluster = crate::testing::RedisCluster::with_replicas().unwrap();
+        // As the sidecar connects (its connection settings), with a one-second store timeout.
+        let crate::StoreConfig::Redis(cfg) = cluster.store_config() else {
+            panic!("a Cluster's store configuration is Redis");
+        };
+        let conn = super::super::conn::Conn::connect(&cfg, std::time::Duration::from_secs(1))
+            .await
+            .unwrap();
+        let gather = Arc::clone(conn.gather());
+        let Target::Cluster(target) = gather.target() else {
+            panic!("a Cluster configuration gave another target");
+        };
+        map_read(target, |(_, connected)| connected).await;
+        assert_eq!(incr_spread(&gather).await, vec![1; 64]);
+        // Slot 0's primary, and the replica of it.
+        let nodes = cluster.nodes()[0].cli(&["CLUSTER", "NODES"]).unwrap();
+        let owner = SlotOwners::from_cluster_nodes(&nodes).owner(0).unwrap();
+        let owner_port = primaries(&nodes).nth(usize::from(owner)).unwrap().port;
+        let line_of = |port: u16| {
+            nodes
+                .lines()
+                .find(|l| l.contains(&format!("127.0.0.1:{port}@")))
+                .unwrap()
+                .to_owned()
+        };
+        let owner_id = line_of(owner_port)
+            .split_whitespace()
+            .next()
+            .unwrap()
+            .to_owned();
+        let replica_port = cluster
+            .nodes()
+            .iter()
+            .map(crate::testing::RedisServer::port)
+            .find(|port| line_of(*port).split_whitespace().nth(3) == Some(owner_id.as_str()))
+            .expect("slot 0's primary has a replica");
+        let index = cluster
+            .nodes()
+            .iter()
+            .position(|n| n.port() == owner_port)
+            .unwrap();
+        cluster.stop_node(index);
+        let killed = std::time::Instant::now();
+        // Bounded: the node timeout is 2 s, the failover a few seconds after it.
+        let deadline = killed + std::time::Duration::from_secs(30);
+        let mut failed_rounds = 0;
+        loop {
+            let replies = try_incr_spread(&gather).await;
+            if replies.iter().all(Result::is_ok) {
+                break;
+            }
+            failed_rounds += 1;
+            assert!(
+                std::time::Instant::now() < deadline,
+                "no recovery after the failover: {:?}",
+                replies.iter().find(|r| r.is_err())
+            );
+            tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+        }
+        assert!(failed_rounds > 0, "the dead primary's slots never failed");
+        eprintln!(
+            "recovered {:?} after the kill, {failed_rounds} rounds failing",
+            killed.elapsed()
+        );
+        // Served by the promoted replica on a connection of the sidecar's own.
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+        while target.connected_owner_port(0) != Some(replica_port) {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "slot 0 is mapped to {:?}, not the promoted replica {replica_port}",
+                target.connected_owner_port(0)
+            );
+            tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+        }
+        let before = target.pipelined();
+        assert!(try_incr_spread(&gather).await.iter().all(Result::is_ok));
+        assert!(
+            target.pipelined() > before,
+            "the promoted replica's pipelines were used"
+        );
     }
 
     /// A primary the sidecar cannot reach on a connection of its own (here every one: the
