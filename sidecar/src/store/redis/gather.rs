@@ -734,6 +734,33 @@ mod tests {
         }
     }
 
+    /// The gather of a store connected to `cfg` as the sidecar connects (`Conn::connect`,
+    /// with the sidecar's connection settings), once its slot map has connections of its own.
+    async fn sidecar_gather(
+        cfg: &crate::config::RedisConfig,
+        timeout: std::time::Duration,
+    ) -> (Arc<Gather>, Arc<ClusterTarget>) {
+        let conn = super::super::conn::Conn::connect(cfg, timeout)
+            .await
+            .unwrap();
+        let gather = Arc::clone(conn.gather());
+        let Target::Cluster(target) = gather.target() else {
+            panic!("a Cluster configuration gave another target");
+        };
+        let target = Arc::clone(target);
+        map_read(&target, |(_, connected)| connected).await;
+        (gather, target)
+    }
+
+    /// The port of the primary serving `slot`, as `CLUSTER NODES` says now, and that reply.
+    fn primary_port(cluster: &crate::testing::RedisCluster, slot: u16) -> (u16, String) {
+        use super::super::slots::{SlotOwners, primaries};
+        let nodes = cluster.nodes()[0].cli(&["CLUSTER", "NODES"]).unwrap();
+        let owner = SlotOwners::from_cluster_nodes(&nodes).owner(slot).unwrap();
+        let port = primaries(&nodes).nth(usize::from(owner)).unwrap().port;
+        (port, nodes)
+    }
+
     /// `INCR` of 64 keys spread over the Cluster's slots, each on a task of its own, all
     /// in flight together: the replies, by key.
     async fn incr_spread(gather: &Arc<Gather>) -> Vec<i64> {
@@ -833,15 +860,13 @@ mod tests {
     /// exactly once.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_migrating_slots_ask_sends_the_command_to_the_importing_primary() {
-        use super::super::slots::{SlotOwners, key_slot, primaries};
+        use super::super::slots::key_slot;
         let cluster = crate::testing::RedisCluster::start().unwrap();
         let (gather, target) = cluster_gather(&cluster).await;
         map_read(&target, |(_, connected)| connected).await;
         // Every key of this test shares one slot (the hash tag): one primary's pipeline.
         let slot = key_slot(b"{ask}");
-        let nodes = cluster.nodes()[0].cli(&["CLUSTER", "NODES"]).unwrap();
-        let owner = SlotOwners::from_cluster_nodes(&nodes).owner(slot).unwrap();
-        let owner_port = primaries(&nodes).nth(usize::from(owner)).unwrap().port;
+        let (owner_port, _) = primary_port(&cluster, slot);
         let node = |port: u16| cluster.nodes().iter().find(|n| n.port() == port).unwrap();
         let (from, to) = (
             node(owner_port),
@@ -932,14 +957,7 @@ mod tests {
             prefix: "idemgate".into(),
             tls: pki.client_tls().unwrap(),
         };
-        let conn = super::super::conn::Conn::connect(&cfg, std::time::Duration::from_secs(5))
-            .await
-            .unwrap();
-        let gather = Arc::clone(conn.gather());
-        let Target::Cluster(target) = gather.target() else {
-            panic!("a Cluster configuration gave another target");
-        };
-        map_read(target, |(_, connected)| connected).await;
+        let (gather, target) = sidecar_gather(&cfg, std::time::Duration::from_secs(5)).await;
         assert_eq!(incr_spread(&gather).await, vec![1; 64]);
         assert_eq!(incr_spread(&gather).await, vec![2; 64]);
         let pipelined = target.pipelined();
@@ -952,25 +970,15 @@ mod tests {
     /// that). No command is lost to a stale map after the failover.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn after_a_failover_commands_reach_the_promoted_replica_on_an_own_connection() {
-        use super::super::slots::{SlotOwners, primaries};
         let mut cluster = crate::testing::RedisCluster::with_replicas().unwrap();
-        // As the sidecar connects (its connection settings), with a one-second store timeout.
         let crate::StoreConfig::Redis(cfg) = cluster.store_config() else {
             panic!("a Cluster's store configuration is Redis");
         };
-        let conn = super::super::conn::Conn::connect(&cfg, std::time::Duration::from_secs(1))
-            .await
-            .unwrap();
-        let gather = Arc::clone(conn.gather());
-        let Target::Cluster(target) = gather.target() else {
-            panic!("a Cluster configuration gave another target");
-        };
-        map_read(target, |(_, connected)| connected).await;
+        // A one-second store timeout: each failing round costs that at most.
+        let (gather, target) = sidecar_gather(&cfg, std::time::Duration::from_secs(1)).await;
         assert_eq!(incr_spread(&gather).await, vec![1; 64]);
         // Slot 0's primary, and the replica of it.
-        let nodes = cluster.nodes()[0].cli(&["CLUSTER", "NODES"]).unwrap();
-        let owner = SlotOwners::from_cluster_nodes(&nodes).owner(0).unwrap();
-        let owner_port = primaries(&nodes).nth(usize::from(owner)).unwrap().port;
+        let (owner_port, nodes) = primary_port(&cluster, 0);
         let line_of = |port: u16| {
             nodes
                 .lines()
