@@ -3,8 +3,10 @@
 //! through a Sentinel.
 
 use crate::util::{Harness, claim_req, granted, waiting};
+use hyper::StatusCode;
 use idemgate_sidecar::testing::{RedisCluster, RedisSentinel};
-use idemgate_wire::{ClaimOutcome, Mode, OwnerOutcome, StoredResponse};
+use idemgate_wire::{ClaimOutcome, Mode, OwnerOutcome, StoredResponse, paths, problem_types};
+use std::time::{Duration, Instant};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn claims_queues_and_replays_work_on_a_cluster() {
@@ -105,6 +107,76 @@ async fn claims_queues_and_replays_work_on_a_cluster() {
         last = next;
         c.complete(key, &owner, 1000, None).await;
     }
+}
+
+/// A primary that dies in service: while the Cluster fails over, claims of its keys are
+/// answered 503 `store-unavailable` (problem+json, never a grant the store did not record,
+/// never a hang past the store timeout), claims of the other primaries' keys go on being
+/// granted, and once the replica is promoted the same sidecar grants every key again: no
+/// restart.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_primary_failover_costs_its_keys_a_few_seconds_of_503_not_a_restart() {
+    let mut cluster = RedisCluster::with_replicas().unwrap();
+    let h = Harness::on_store(cluster.store_config(), None, |c| {
+        c.store_timeout = Duration::from_secs(1);
+    })
+    .await;
+    let c = &h.client;
+    let round = |n: usize| async move {
+        let mut statuses = Vec::new();
+        for i in 0..30 {
+            let key = format!("failover-{n}-{i}");
+            let started = Instant::now();
+            let reply = c
+                .post(paths::CLAIM, &claim_req(&key, Mode::Lock, 60_000), &[])
+                .await;
+            assert!(
+                started.elapsed() < Duration::from_secs(3),
+                "a claim took {:?}, past the store timeout",
+                started.elapsed()
+            );
+            if reply.status == StatusCode::OK {
+                let (outcome, _) = c.claim(&claim_req(&key, Mode::Lock, 60_000)).await;
+                assert!(matches!(outcome, ClaimOutcome::Busy { .. }), "{outcome:?}");
+            } else {
+                assert_eq!(reply.status, StatusCode::SERVICE_UNAVAILABLE);
+                assert_eq!(reply.problem().type_uri, problem_types::STORE_UNAVAILABLE);
+            }
+            statuses.push(reply.status);
+        }
+        statuses
+    };
+    assert!(round(0).await.iter().all(|s| *s == StatusCode::OK));
+    let primary = cluster
+        .nodes()
+        .iter()
+        .position(|n| n.cli(&["ROLE"]).unwrap().starts_with("master"))
+        .unwrap();
+    cluster.stop_node(primary);
+    let killed = Instant::now();
+    let deadline = killed + Duration::from_secs(40);
+    let mut refused_rounds = 0;
+    for n in 1.. {
+        let statuses = round(n).await;
+        let refused = statuses.iter().filter(|s| **s != StatusCode::OK).count();
+        if refused == 0 {
+            break;
+        }
+        assert!(
+            refused < statuses.len(),
+            "the other primaries' keys were refused too"
+        );
+        refused_rounds += 1;
+        assert!(Instant::now() < deadline, "no recovery after the failover");
+    }
+    assert!(
+        refused_rounds > 0,
+        "the dead primary's keys were never refused"
+    );
+    eprintln!(
+        "every key granted again {:?} after the kill, {refused_rounds} rounds with refusals",
+        killed.elapsed()
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
