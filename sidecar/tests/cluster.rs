@@ -1,6 +1,6 @@
 //! Redis topologies beyond a standalone server: a three-node Cluster (keys spread over
-//! slots, every script stays in one slot, listing scans every primary) and a master found
-//! through a Sentinel.
+//! slots, every script stays in one slot, listing scans every primary), a primary's failover
+//! on a Cluster with replicas, and a master found through a Sentinel.
 
 use crate::util::{Harness, claim_req, granted, waiting};
 use hyper::StatusCode;
@@ -111,9 +111,8 @@ async fn claims_queues_and_replays_work_on_a_cluster() {
 
 /// A primary that dies in service: while the Cluster fails over, claims of its keys are
 /// answered 503 `store-unavailable` (problem+json, never a grant the store did not record,
-/// never a hang past the store timeout), claims of the other primaries' keys go on being
-/// granted, and once the replica is promoted the same sidecar grants every key again: no
-/// restart.
+/// never a hang past the store timeout), other keys are still granted, and once the replica
+/// is promoted the same sidecar grants every key again: no restart.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_primary_failover_costs_its_keys_a_few_seconds_of_503_not_a_restart() {
     let mut cluster = RedisCluster::with_replicas().unwrap();
