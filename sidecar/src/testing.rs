@@ -165,6 +165,27 @@ impl RedisServer {
         }
     }
 
+    /// Freezes the server (`SIGSTOP`), as a hung host or a network partition would: the
+    /// kernel still accepts connections for it, but nothing is answered. Killing it (drop,
+    /// [`Self::stop`]) works on a frozen server too.
+    ///
+    /// # Errors
+    /// The server is not running, or `kill` failed.
+    pub fn freeze(&self) -> io::Result<()> {
+        let child = self
+            .child
+            .as_ref()
+            .ok_or_else(|| io::Error::other("the server is not running"))?;
+        let status = Command::new("kill")
+            .args(["-STOP", &child.id().to_string()])
+            .status()?;
+        if status.success() {
+            Ok(())
+        } else {
+            Err(io::Error::other(format!("kill -STOP failed: {status}")))
+        }
+    }
+
     /// Starts a fresh, empty server on the same port.
     ///
     /// # Errors
@@ -298,6 +319,18 @@ impl RedisCluster {
         if let Some(node) = self.nodes.get_mut(index) {
             node.stop();
         }
+    }
+
+    /// Freezes node `index` (of [`Self::nodes`]), as a hung host or a partition would
+    /// ([`RedisServer::freeze`]).
+    ///
+    /// # Errors
+    /// No such node, or it could not be frozen.
+    pub fn freeze_node(&self, index: usize) -> io::Result<()> {
+        self.nodes
+            .get(index)
+            .ok_or_else(|| io::Error::other("no such node"))?
+            .freeze()
     }
 
     fn start_nodes(

@@ -205,14 +205,7 @@ impl Conn {
     /// Loads a script the server did not know (first use, restart, failover) and sends its
     /// command once more.
     async fn load_and_send(&self, script: &Script, cmd: &Cmd) -> RedisResult<Value> {
-        match self {
-            Conn::Gathered(gather) => {
-                script
-                    .load_async(&mut gather.target().connection().await?)
-                    .await?
-            }
-            Conn::Cluster(c, _) => script.load_async(&mut c.clone()).await?,
-        };
+        Box::pin(self.gather().target().load_script(script, cmd)).await?;
         self.send_once(cmd).await
     }
 }
