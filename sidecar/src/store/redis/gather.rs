@@ -30,6 +30,12 @@
 //! again on its own, through the client's own redirect handling, and the map is read again;
 //! an `ASK` (a slot being migrated) goes with its `ASKING` in one pipeline to the importing
 //! primary, which the client cannot do safely (`ClusterTarget::resend`).
+//!
+//! A Cluster's primaries fail apart: each one's callers are answered as soon as it answers,
+//! each one's time-out is its own, and any failure of a primary, a time-out included, asks
+//! for the slot map again. A primary that dies is refused at once; one that hangs (a frozen
+//! host, a partition) only times out, so without the time-outs asking, the map kept the
+//! hung node's slots on it after the Cluster had failed it over, for good.
 
 use super::conn::SentinelConn;
 use super::slots::{SlotOwners, command_slot};
