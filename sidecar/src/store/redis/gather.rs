@@ -258,6 +258,8 @@ pub(super) struct ClusterTarget {
     reading: AtomicBool,
     /// Commands sent in pipelines of two or more (what the tests check the grouping by).
     pipelined: AtomicU64,
+    /// Slot map reads started (what the tests check the asking by).
+    map_reads: AtomicU64,
 }
 
 /// Which primary serves which slot, and each primary's connection (by the same index).
@@ -342,6 +344,7 @@ impl ClusterTarget {
             map: RwLock::default(),
             reading: AtomicBool::new(false),
             pipelined: AtomicU64::new(0),
+            map_reads: AtomicU64::new(0),
         });
         cluster.read_map_soon();
         cluster
@@ -351,6 +354,12 @@ impl ClusterTarget {
     #[cfg(test)]
     pub(super) fn pipelined(&self) -> u64 {
         self.pipelined.load(Ordering::Relaxed)
+    }
+
+    /// Slot map reads started so far.
+    #[cfg(test)]
+    pub(super) fn map_reads(&self) -> u64 {
+        self.map_reads.load(Ordering::Relaxed)
     }
 
     /// Whether the slot map knows `slot`'s primary, and with a connection of its own to it.
@@ -390,6 +399,7 @@ impl ClusterTarget {
         if self.reading.swap(true, Ordering::AcqRel) {
             return;
         }
+        self.map_reads.fetch_add(1, Ordering::Relaxed);
         let cluster = Arc::clone(self);
         tokio::spawn(async move {
             match cluster.cluster_nodes().await {
@@ -556,24 +566,29 @@ impl ClusterTarget {
     async fn one(self: &Arc<Self>, cmd: &Cmd) -> RedisResult<Value> {
         let map = self.current();
         let slot = command_slot(cmd);
-        let Some((_, conn)) = slot.and_then(|slot| map.primary_of(slot)) else {
-            if slot.is_some_and(|slot| map.owners.owner(slot).is_none()) {
-                self.read_map_soon();
+        let answer = match slot.and_then(|slot| map.primary_of(slot)) {
+            Some((_, conn)) => match conn.clone().req_packed_command(cmd).await {
+                Ok(value) if is_redirect(&value) => {
+                    self.read_map_soon();
+                    self.resend(&map, cmd, &value).await
+                }
+                answer => answer,
+            },
+            None => {
+                if slot.is_some_and(|slot| map.owners.owner(slot).is_none()) {
+                    self.read_map_soon();
+                }
+                self.conn.clone().req_packed_command(cmd).await
             }
-            return self.conn.clone().req_packed_command(cmd).await;
         };
-        match conn.clone().req_packed_command(cmd).await {
-            Ok(value) if is_redirect(&value) => {
-                self.read_map_soon();
-                self.resend(&map, cmd, &value).await
-            }
-            Err(err) => {
-                // The primary may be gone: the map may be out of date.
-                self.read_map_soon();
-                Err(err)
-            }
-            answer => answer,
+        if answer.is_err() {
+            // The primary may be gone or hung: the map may be out of date. Through the
+            // client too: a primary the map keeps without a connection (it did not answer
+            // the map's `PING`) is reached through the client, whose own response timeout
+            // can end the call before the store timeout does, and nothing else would ask.
+            self.read_map_soon();
         }
+        answer
     }
 
     /// Loads `script` where `cmd` goes: on the sidecar's own connection to the primary of
@@ -1174,6 +1189,61 @@ mod tests {
         assert!(
             target.pipelined() > before,
             "the promoted replica's pipelines were used"
+        );
+    }
+
+    /// A command that fails through the cluster client asks for the slot map, as one that
+    /// fails on a connection of the sidecar's own does: a primary the map keeps without a
+    /// connection (one that did not answer the map's `PING`: it hangs) is reached through the
+    /// client, whose own response timeout can end the call before the store timeout does,
+    /// and then nothing else asked (the hung-primary failover through the API stayed on the
+    /// hung node past its 20 s bound in about one run of three).
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_command_failing_through_the_client_asks_for_the_slot_map() {
+        let mut cluster = crate::testing::RedisCluster::start().unwrap();
+        // No connections of its own (a closed port), and a client that gives up at once.
+        let client = redis::cluster::ClusterClientBuilder::new(cluster.urls())
+            .retries(0)
+            .response_timeout(std::time::Duration::from_secs(1))
+            .build()
+            .unwrap();
+        let target = ClusterTarget::new(
+            client.get_async_connection().await.unwrap(),
+            Box::new(|_: &str, _: u16| {
+                let client = redis::Client::open("redis://127.0.0.1:1")?;
+                ConnectionManager::new_lazy_with_config(client, Default::default())
+            }),
+            std::time::Duration::from_secs(1),
+        );
+        let gather = Gather::new(
+            Target::Cluster(Arc::clone(&target)),
+            std::time::Duration::from_secs(5),
+        );
+        map_read(&target, |(placed, connected)| placed && !connected).await;
+        // Past the re-read interval, so that a read can start again.
+        tokio::time::sleep(super::REREAD_AFTER * 2).await;
+        let (port, _) = primary_port(&cluster, 0);
+        let index = cluster
+            .nodes()
+            .iter()
+            .position(|n| n.port() == port)
+            .unwrap();
+        cluster.stop_node(index);
+        // A key of the stopped primary's: slot 0 is its.
+        let key = (0..)
+            .map(|i| format!("k{i}"))
+            .find(|key| super::super::slots::key_slot(key.as_bytes()) == 0)
+            .unwrap();
+        let reads = target.map_reads();
+        let sent = tokio::time::timeout(
+            std::time::Duration::from_secs(10),
+            gather.send(redis::cmd("INCR").arg(&key)),
+        )
+        .await;
+        assert!(matches!(sent, Ok(Err(_))), "{sent:?}");
+        assert!(
+            target.map_reads() > reads,
+            "the failure did not ask for the slot map"
         );
     }
 
