@@ -114,12 +114,9 @@ impl Gather {
         if first {
             tokio::spawn(Arc::clone(self).flush());
         }
-        answer.await.unwrap_or_else(|_| {
-            Err(RedisError::from((
-                ErrorKind::Io,
-                "the Redis batch was dropped before it was answered",
-            )))
-        })
+        // A reply dropped unanswered: the batch ran out of its time (a Cluster's batch drops
+        // the primaries still unanswered then), or the runtime is shutting down.
+        answer.await.unwrap_or_else(|_| Err(timeout_error()))
     }
 
     async fn flush(self: Arc<Self>) {
@@ -450,10 +447,11 @@ impl ClusterTarget {
     /// `batch` split by primary: each primary's commands as one pipeline on the sidecar's
     /// own connection to it; a command whose primary the map does not know (or has no
     /// connection to) through the client. Each primary's callers are answered as soon as it
-    /// answers, and its time-out (`timeout`) is its own: a primary that hangs holds up
-    /// nobody else's commands, and its callers' failures ask for the slot map.
+    /// answers, so a primary that hangs holds up nobody else's commands. By `timeout` the
+    /// groups still unanswered are dropped (their callers get a time-out) and the slot map
+    /// is read again: one timer for the batch, not one per primary (each is a timer entry
+    /// to register and cancel, per batch).
     async fn batch(self: &Arc<Self>, batch: Vec<Pending>, timeout: Duration) {
-        let deadline = tokio::time::Instant::now() + timeout;
         let map = self.current();
         let mut groups: Vec<Group<'_>> = Vec::new();
         let mut unknown = false;
@@ -485,22 +483,19 @@ impl ClusterTarget {
         }
         let answered = groups
             .into_iter()
-            .map(|group| self.answer_group(&map, group, deadline));
-        futures_util::future::join_all(answered).await;
+            .map(|group| self.answer_group(&map, group));
+        let answered = futures_util::future::join_all(answered);
+        if tokio::time::timeout(timeout, answered).await.is_err() {
+            // A primary that did not answer in time may be gone or hung.
+            self.read_map_soon();
+        }
     }
 
-    /// Sends one group of a batch and answers its callers, by `deadline`: a redirected
-    /// command sent once more ([`ClusterTarget::resend`]); on a failure (the time-out among
-    /// them) every member gets the error and the slot map is read again.
-    async fn answer_group(
-        self: &Arc<Self>,
-        map: &ClusterMap,
-        group: Group<'_>,
-        deadline: tokio::time::Instant,
-    ) {
-        let sent = tokio::time::timeout_at(deadline, self.send(&group))
-            .await
-            .unwrap_or_else(|_| Err(timeout_error()));
+    /// Sends one group of a batch and answers its callers: a redirected command sent once
+    /// more ([`ClusterTarget::resend`]); on a failure every member gets the error and the
+    /// slot map is read again.
+    async fn answer_group(self: &Arc<Self>, map: &ClusterMap, group: Group<'_>) {
+        let sent = self.send(&group).await;
         let Group {
             primary,
             replies,
@@ -530,10 +525,7 @@ impl ClusterTarget {
         }
         self.read_map_soon();
         let resent = again.into_iter().map(|(reply, cmd, redirect)| async move {
-            let resent = tokio::time::timeout_at(deadline, self.resend(map, cmd, &redirect))
-                .await
-                .unwrap_or_else(|_| Err(timeout_error()));
-            answer(reply, resent);
+            answer(reply, self.resend(map, cmd, &redirect).await);
         });
         futures_util::future::join_all(resent).await;
     }
