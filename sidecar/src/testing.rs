@@ -172,17 +172,29 @@ impl RedisServer {
     /// # Errors
     /// The server is not running, or `kill` failed.
     pub fn freeze(&self) -> io::Result<()> {
+        self.signal("-STOP")
+    }
+
+    /// Resumes a server [`Self::freeze`] froze (`SIGCONT`): it answers what queued meanwhile.
+    ///
+    /// # Errors
+    /// The server is not running, or `kill` failed.
+    pub fn thaw(&self) -> io::Result<()> {
+        self.signal("-CONT")
+    }
+
+    fn signal(&self, signal: &str) -> io::Result<()> {
         let child = self
             .child
             .as_ref()
             .ok_or_else(|| io::Error::other("the server is not running"))?;
         let status = Command::new("kill")
-            .args(["-STOP", &child.id().to_string()])
+            .args([signal, &child.id().to_string()])
             .status()?;
         if status.success() {
             Ok(())
         } else {
-            Err(io::Error::other(format!("kill -STOP failed: {status}")))
+            Err(io::Error::other(format!("kill {signal} failed: {status}")))
         }
     }
 

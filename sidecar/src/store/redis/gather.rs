@@ -232,6 +232,10 @@ pub(super) fn timeout_error() -> RedisError {
 /// slot migration come by the hundred, and one read per interval follows them.
 const REREAD_AFTER: Duration = Duration::from_millis(100);
 
+/// How often a primary the slot map places without a connection of the sidecar's own is
+/// tried again (`ClusterTarget::reconnect_soon`).
+const RECONNECT_AFTER: Duration = Duration::from_secs(5);
+
 /// Makes a primary's own connection from its address (the seed's settings otherwise:
 /// credentials, TLS).
 pub(super) type ConnectPrimary =
@@ -257,6 +261,10 @@ pub(super) struct ClusterTarget {
     pipelined: AtomicU64,
     /// Slot map reads started (what the tests check the asking by).
     map_reads: AtomicU64,
+    /// When the sidecar was last asked to connect again to a primary it has no connection
+    /// to, in ms since `started`.
+    reconnect_asked_ms: AtomicU64,
+    started: std::time::Instant,
 }
 
 /// Which primary serves which slot, and each primary's connection (by the same index).
@@ -342,6 +350,8 @@ impl ClusterTarget {
             reading: AtomicBool::new(false),
             pipelined: AtomicU64::new(0),
             map_reads: AtomicU64::new(0),
+            reconnect_asked_ms: AtomicU64::new(0),
+            started: std::time::Instant::now(),
         });
         cluster.read_map_soon();
         cluster
@@ -413,6 +423,28 @@ impl ClusterTarget {
         });
     }
 
+    /// A command went through the client because the map places its primary but has no
+    /// connection of the sidecar's own to it: the map is read again (which connects to every
+    /// primary without one) at most every [`RECONNECT_AFTER`]. A primary that did not answer
+    /// a map's `PING` (it hung for a moment, shorter than the Cluster's node timeout, so no
+    /// failover followed) otherwise stayed without its connection for good once it was back:
+    /// its commands went through the client, one write each, until something else asked for
+    /// the map. One that cannot be reached at all (a TLS name that does not match) costs an
+    /// attempt and a warning per interval, not per command.
+    fn reconnect_soon(self: &Arc<Self>) {
+        let now = u64::try_from(self.started.elapsed().as_millis()).unwrap_or(u64::MAX);
+        let last = self.reconnect_asked_ms.load(Ordering::Relaxed);
+        let due = last == 0 || now.saturating_sub(last) >= millis_of(RECONNECT_AFTER);
+        if due
+            && self
+                .reconnect_asked_ms
+                .compare_exchange(last, now.max(1), Ordering::Relaxed, Ordering::Relaxed)
+                .is_ok()
+        {
+            self.read_map_soon();
+        }
+    }
+
     /// `CLUSTER NODES` as the first node to answer gives it: every primary the map has a
     /// connection to and the cluster client are asked at once, each bounded by the store
     /// timeout. Asked through the client alone, the read could go to the very primary that
@@ -455,11 +487,14 @@ impl ClusterTarget {
         let map = self.current();
         let mut groups: Vec<Group<'_>> = Vec::new();
         let mut unknown = false;
+        let mut unconnected = false;
         for Pending { cmd, reply } in batch {
             let slot = command_slot(&cmd);
             let primary = slot.and_then(|slot| map.primary_of(slot));
-            // A slot the map does not place (not one whose primary it has no connection to).
-            unknown |= slot.is_some_and(|slot| map.owners.owner(slot).is_none());
+            // A slot the map does not place, or one whose primary it has no connection to.
+            let placed = slot.is_some_and(|slot| map.owners.owner(slot).is_some());
+            unknown |= slot.is_some() && !placed;
+            unconnected |= placed && primary.is_none();
             let same = primary.and_then(|(index, _)| {
                 groups
                     .iter_mut()
@@ -480,6 +515,9 @@ impl ClusterTarget {
         }
         if unknown {
             self.read_map_soon();
+        }
+        if unconnected {
+            self.reconnect_soon();
         }
         let answered = groups
             .into_iter()
@@ -567,8 +605,10 @@ impl ClusterTarget {
                 answer => answer,
             },
             None => {
-                if slot.is_some_and(|slot| map.owners.owner(slot).is_none()) {
-                    self.read_map_soon();
+                match slot.map(|slot| map.owners.owner(slot).is_some()) {
+                    Some(true) => self.reconnect_soon(),
+                    Some(false) => self.read_map_soon(),
+                    None => {}
                 }
                 self.conn.clone().req_packed_command(cmd).await
             }
@@ -641,6 +681,10 @@ impl Group<'_> {
     fn pipelined(&self) -> bool {
         self.primary.is_some() && self.replies.len() > 1
     }
+}
+
+fn millis_of(duration: Duration) -> u64 {
+    u64::try_from(duration.as_millis()).unwrap_or(u64::MAX)
 }
 
 /// `conn` once it answered a `PING` within `timeout`.
@@ -1207,6 +1251,50 @@ mod tests {
                 nodes.map(|n| n.lines().count()),
                 started.elapsed()
             );
+        }
+    }
+
+    /// A primary that hangs for a moment, shorter than the Cluster's node timeout (no
+    /// failover follows), loses its connection of the sidecar's own at the map read its
+    /// time-outs ask for (it does not answer the map's `PING`), and gets it back once it
+    /// answers again: its commands go in pipelines again, not one write each through the
+    /// client for good (as they did before `reconnect_soon`).
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_primary_that_hung_for_a_moment_gets_its_own_connection_back() {
+        let cluster = crate::testing::RedisCluster::start().unwrap();
+        let crate::StoreConfig::Redis(cfg) = cluster.store_config() else {
+            panic!("a Cluster's store configuration is Redis");
+        };
+        let timeout = std::time::Duration::from_secs(1);
+        let (gather, target) = sidecar_gather(&cfg, timeout).await;
+        let (port, _) = primary_port(&cluster, 0);
+        let node = cluster.nodes().iter().find(|n| n.port() == port).unwrap();
+        node.freeze().unwrap();
+        let frozen = try_incr_spread_within(&gather, timeout).await;
+        assert!(
+            frozen.iter().any(Result::is_err),
+            "the frozen primary answered"
+        );
+        // The map read its time-outs asked for drops its connection (bounded: the read's
+        // `PING` waits the store timeout).
+        map_read(&target, |(placed, connected)| placed && !connected).await;
+        node.thaw().unwrap();
+        // Bounded: the next try comes within RECONNECT_AFTER of the last.
+        let deadline = std::time::Instant::now() + super::RECONNECT_AFTER * 3;
+        loop {
+            let before = target.pipelined();
+            let replies = try_incr_spread_within(&gather, timeout).await;
+            assert!(replies.iter().all(Result::is_ok), "{replies:?}");
+            let pipelined = target.pipelined() - before;
+            if target.knows(0) == (true, true) && pipelined >= 56 {
+                break;
+            }
+            assert!(
+                std::time::Instant::now() < deadline,
+                "slot 0's primary is still without its own connection ({pipelined} of 64 \
+                 commands pipelined)"
+            );
+            tokio::time::sleep(std::time::Duration::from_millis(200)).await;
         }
     }
 
