@@ -37,6 +37,7 @@
 //! host, a partition) only times out, so without the time-outs asking, the map kept the
 //! hung node's slots on it after the Cluster had failed it over, for good.
 
+use super::super::millis;
 use super::conn::SentinelConn;
 use super::slots::{SlotOwners, command_slot};
 use redis::aio::{ConnectionLike, ConnectionManager};
@@ -261,9 +262,9 @@ pub(super) struct ClusterTarget {
     pipelined: AtomicU64,
     /// Slot map reads started (what the tests check the asking by).
     map_reads: AtomicU64,
-    /// When the sidecar was last asked to connect again to a primary it has no connection
-    /// to, in ms since `started`.
-    reconnect_asked_ms: AtomicU64,
+    /// When a primary without a connection of the sidecar's own may next be tried again
+    /// (`reconnect_soon`), in ms since `started`.
+    reconnect_due_ms: AtomicU64,
     started: std::time::Instant,
 }
 
@@ -350,7 +351,7 @@ impl ClusterTarget {
             reading: AtomicBool::new(false),
             pipelined: AtomicU64::new(0),
             map_reads: AtomicU64::new(0),
-            reconnect_asked_ms: AtomicU64::new(0),
+            reconnect_due_ms: AtomicU64::new(0),
             started: std::time::Instant::now(),
         });
         cluster.read_map_soon();
@@ -432,13 +433,13 @@ impl ClusterTarget {
     /// the map. One that cannot be reached at all (a TLS name that does not match) costs an
     /// attempt and a warning per interval, not per command.
     fn reconnect_soon(self: &Arc<Self>) {
-        let now = u64::try_from(self.started.elapsed().as_millis()).unwrap_or(u64::MAX);
-        let last = self.reconnect_asked_ms.load(Ordering::Relaxed);
-        let due = last == 0 || now.saturating_sub(last) >= millis_of(RECONNECT_AFTER);
-        if due
+        let now = millis(self.started.elapsed());
+        let due = self.reconnect_due_ms.load(Ordering::Relaxed);
+        let next = now.saturating_add(millis(RECONNECT_AFTER));
+        if now >= due
             && self
-                .reconnect_asked_ms
-                .compare_exchange(last, now.max(1), Ordering::Relaxed, Ordering::Relaxed)
+                .reconnect_due_ms
+                .compare_exchange(due, next, Ordering::Relaxed, Ordering::Relaxed)
                 .is_ok()
         {
             self.read_map_soon();
@@ -452,8 +453,11 @@ impl ClusterTarget {
     /// try, the map never changing: the slots stayed on the hung node after the Cluster had
     /// failed it over.
     async fn cluster_nodes(&self) -> RedisResult<String> {
-        type Asked<'a> = std::pin::Pin<Box<dyn Future<Output = RedisResult<String>> + Send + 'a>>;
-        fn ask<'a>(mut conn: impl ConnectionLike + Send + 'a, timeout: Duration) -> Asked<'a> {
+        use futures_util::future::BoxFuture;
+        fn ask<'a>(
+            mut conn: impl ConnectionLike + Send + 'a,
+            timeout: Duration,
+        ) -> BoxFuture<'a, RedisResult<String>> {
             Box::pin(async move {
                 let mut cmd = redis::cmd("CLUSTER");
                 cmd.arg("NODES");
@@ -463,7 +467,7 @@ impl ClusterTarget {
             })
         }
         let map = self.current();
-        let mut asked: Vec<Asked<'_>> = map
+        let mut asked: Vec<BoxFuture<'_, RedisResult<String>>> = map
             .primaries
             .iter()
             .filter_map(|p| p.conn.clone())
@@ -683,10 +687,6 @@ impl Group<'_> {
     }
 }
 
-fn millis_of(duration: Duration) -> u64 {
-    u64::try_from(duration.as_millis()).unwrap_or(u64::MAX)
-}
-
 /// `conn` once it answered a `PING` within `timeout`.
 async fn answers(conn: ConnectionManager, timeout: Duration) -> RedisResult<ConnectionManager> {
     let mut pinged = conn.clone();
@@ -848,6 +848,15 @@ mod tests {
         url: fn(&str, u16) -> String,
     ) -> (Arc<Gather>, Arc<ClusterTarget>) {
         let client = redis::cluster::ClusterClient::new(cluster.urls()).unwrap();
+        gather_over(&client, url).await
+    }
+
+    /// A gather over `client`'s connection, its connections of its own to a primary going
+    /// to `url(host, port)`.
+    async fn gather_over(
+        client: &redis::cluster::ClusterClient,
+        url: fn(&str, u16) -> String,
+    ) -> (Arc<Gather>, Arc<ClusterTarget>) {
         let conn = client.get_async_connection().await.unwrap();
         let target = ClusterTarget::new(
             conn,
@@ -893,6 +902,15 @@ mod tests {
         let target = Arc::clone(target);
         map_read(&target, |(_, connected)| connected).await;
         (gather, target)
+    }
+
+    /// The index (in [`crate::testing::RedisCluster::nodes`]) of the node on `port`.
+    fn node_index(cluster: &crate::testing::RedisCluster, port: u16) -> usize {
+        cluster
+            .nodes()
+            .iter()
+            .position(|n| n.port() == port)
+            .expect("a node of the cluster")
     }
 
     /// The port of the primary serving `slot`, as `CLUSTER NODES` says now, and that reply.
@@ -1021,7 +1039,7 @@ mod tests {
         // Every key of this test shares one slot (the hash tag): one primary's pipeline.
         let slot = key_slot(b"{ask}");
         let (owner_port, _) = primary_port(&cluster, slot);
-        let node = |port: u16| cluster.nodes().iter().find(|n| n.port() == port).unwrap();
+        let node = |port: u16| &cluster.nodes()[node_index(&cluster, port)];
         let (from, to) = (
             node(owner_port),
             cluster
@@ -1171,11 +1189,7 @@ mod tests {
             .map(crate::testing::RedisServer::port)
             .find(|port| line_of(*port).split_whitespace().nth(3) == Some(owner_id.as_str()))
             .expect("slot 0's primary has a replica");
-        let index = cluster
-            .nodes()
-            .iter()
-            .position(|n| n.port() == owner_port)
-            .unwrap();
+        let index = node_index(&cluster, owner_port);
         lose(&mut cluster, index);
         let lost = std::time::Instant::now();
         // Bounded: the node timeout is 2 s, the failover a few seconds after it.
@@ -1268,7 +1282,7 @@ mod tests {
         let timeout = std::time::Duration::from_secs(1);
         let (gather, target) = sidecar_gather(&cfg, timeout).await;
         let (port, _) = primary_port(&cluster, 0);
-        let node = cluster.nodes().iter().find(|n| n.port() == port).unwrap();
+        let node = &cluster.nodes()[node_index(&cluster, port)];
         node.freeze().unwrap();
         let frozen = try_incr_spread_within(&gather, timeout).await;
         assert!(
@@ -1313,28 +1327,12 @@ mod tests {
             .response_timeout(std::time::Duration::from_secs(1))
             .build()
             .unwrap();
-        let target = ClusterTarget::new(
-            client.get_async_connection().await.unwrap(),
-            Box::new(|_: &str, _: u16| {
-                let client = redis::Client::open("redis://127.0.0.1:1")?;
-                ConnectionManager::new_lazy_with_config(client, Default::default())
-            }),
-            std::time::Duration::from_secs(1),
-        );
-        let gather = Gather::new(
-            Target::Cluster(Arc::clone(&target)),
-            std::time::Duration::from_secs(5),
-        );
+        let (gather, target) = gather_over(&client, |_, _| "redis://127.0.0.1:1".to_owned()).await;
         map_read(&target, |(placed, connected)| placed && !connected).await;
         // Past the re-read interval, so that a read can start again.
         tokio::time::sleep(super::REREAD_AFTER * 2).await;
         let (port, _) = primary_port(&cluster, 0);
-        let index = cluster
-            .nodes()
-            .iter()
-            .position(|n| n.port() == port)
-            .unwrap();
-        cluster.stop_node(index);
+        cluster.stop_node(node_index(&cluster, port));
         // A key of the stopped primary's: slot 0 is its.
         let key = (0..)
             .map(|i| format!("k{i}"))
