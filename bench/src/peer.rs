@@ -40,6 +40,18 @@ pub const CRATE: &str = "idempotent-proxy-server";
 pub const VERSION: &str = "1.2.2";
 /// How long the installation may take (a cold build of the peer and its TLS stack).
 const INSTALL_LIMIT: Duration = Duration::from_secs(40 * 60);
+/// The peer built as its maintainers ship it: the `[profile.release]` of its workspace
+/// (github.com/ldclabs/idempotent-proxy, `Cargo.toml`: `lto = true`, `opt-level = 's'`,
+/// `strip = true`, `debug = false`), which its image's `cargo build --release` uses. A crate
+/// published from a workspace leaves the workspace's profile behind, so a plain `cargo install`
+/// would build it without; these set it again. idemgate's side is built the same way: the
+/// runner with the `dist` profile its sidecar image uses.
+const PEER_PROFILE: [(&str, &str); 4] = [
+    ("CARGO_PROFILE_RELEASE_LTO", "true"),
+    ("CARGO_PROFILE_RELEASE_OPT_LEVEL", "s"),
+    ("CARGO_PROFILE_RELEASE_STRIP", "true"),
+    ("CARGO_PROFILE_RELEASE_DEBUG", "false"),
+];
 
 /// Runs per product, alternating the two.
 const RUNS: usize = 3;
@@ -70,14 +82,17 @@ const CLIENT_THREADS: &str = "bench-client";
 /// The backend header giving a call's work time.
 const WORK_HEADER: &str = "x-work-ms";
 
-/// Installs the pinned peer under `target/peer` unless that version is already there, and
-/// returns its binary.
+/// Installs the pinned peer, built with its maintainers' profile, under `target/peer` unless
+/// that build is already there, and returns its binary.
 fn install(target: &Path) -> Result<PathBuf> {
     let root = target.join("peer");
     let binary = root.join("bin").join(CRATE);
-    // `cargo install` records what it installed, by version, in the root's `.crates.toml`.
-    let installed = std::fs::read_to_string(root.join(".crates.toml")).unwrap_or_default();
-    if binary.is_file() && installed.contains(&format!("\"{CRATE} {VERSION} ")) {
+    // What was installed, and how: `cargo install` does not record the profile, so the root
+    // keeps a line of its own saying both.
+    let stamp_path = root.join("idemgate-bench.stamp");
+    let stamp = format!("{CRATE} {VERSION} {PEER_PROFILE:?}\n");
+    let installed = std::fs::read_to_string(&stamp_path).unwrap_or_default();
+    if binary.is_file() && installed == stamp {
         return Ok(binary);
     }
     println!(
@@ -86,9 +101,10 @@ fn install(target: &Path) -> Result<PathBuf> {
     );
     let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
     let mut child = Command::new(cargo)
-        .args(["install", "--locked", "--version", VERSION, "--root"])
+        .args(["install", "--force", "--locked", "--version", VERSION, "--root"])
         .arg(&root)
         .arg(CRATE)
+        .envs(PEER_PROFILE)
         .spawn()
         .context("running cargo install")?;
     let deadline = Instant::now() + INSTALL_LIMIT;
@@ -97,6 +113,7 @@ fn install(target: &Path) -> Result<PathBuf> {
             if !status.success() {
                 bail!("cargo install {CRATE} {VERSION} failed ({status})");
             }
+            std::fs::write(&stamp_path, stamp)?;
             return Ok(binary);
         }
         if Instant::now() > deadline {
@@ -955,7 +972,9 @@ fn report(ours: &[Run], theirs: &[Run], load_before: &str, load_after: &str) -> 
             format!(
                 "**idemgate's figures run in the harness gateway, not Envoy.** The baseline \
                  column is `{CRATE}` {VERSION} from crates.io (installed once under \
-                 `target/peer` by `cargo install --locked`), a Rust reverse proxy that dedupes \
+                 `target/peer` by `cargo install --locked`, with the release profile of its \
+                 own workspace set again: fat LTO, `opt-level = 's'`, as its image is built), \
+                 a Rust reverse proxy that dedupes \
                  by `Idempotency-Key` on Redis: the first call takes a `SET NX PX` lock and \
                  stores the response, duplicates poll Redis for it. idemgate runs as the other \
                  gateway groups run it: `idemgate-gateway` (the project's wasmtime proxy-wasm \
@@ -963,7 +982,9 @@ fn report(ours: &[Run], theirs: &[Run], load_before: &str, load_after: &str) -> 
                  plugin configuration (`POST /payments`: idempotency, `on_conflict: queue`, \
                  `max_wait` 10 s, the default `max_queue` 16), and the sidecar in-process on \
                  its own runtime on Redis, with as many worker threads as the shipped \
-                 Deployment gives a pod ({SIDECAR_WORKERS}: its CPU request rounded up). Both products run on loopback in front of \
+                 Deployment gives a pod ({SIDECAR_WORKERS}: its CPU request rounded up), built as \
+                 its image is (this runner is built with the `dist` profile: fat LTO, one \
+                 codegen unit; so is the harness gateway in it). Both products run on loopback in front of \
                  one counting backend and each has its own `redis-server`; {RUNS} runs, \
                  alternating the two, each product restarted per run."
             ),

@@ -95,7 +95,10 @@ between runs): they are the stable figures. Wall-clock figures on a shared 2-cor
 to 1.5× between runs, and more while other builds run beside the bench (as they did when the \
 committed figures were taken), so read them as ratios to their same-run baselines. The bench's \
 process keeps the memory it frees (it runs itself with `MIMALLOC_PURGE_DELAY=-1`), as a gateway \
-in service keeps its working set: every gateway group starts fresh stacks in that one process.
+in service keeps its working set: every gateway group starts fresh stacks in that one process. \
+The bench is built with the `dist` profile (fat LTO, one codegen unit), the one the sidecar's \
+image is built with: the sidecar, the harness gateway and the bench's own clients all run in its \
+process, so their figures are those of the shipped build.
 
 Groups: `plugin` (cost per request in the VM, compile, VM start, memory, size), `host` (the \
 gateway with and without a filter), `sidecar` (claim+complete against raw Redis), `queue` \

@@ -348,8 +348,10 @@ fn demo(root: &Path, extra: &[String]) -> Result<()> {
     )
 }
 
-/// Builds the filter and the benchmark runner (release), installs the measuring tools, then
-/// runs the groups; the runner writes `BENCHMARKS.md` and `benchmarks/`.
+/// Builds the filter and the benchmark runner, installs the measuring tools, then runs the
+/// groups; the runner writes `BENCHMARKS.md` and `benchmarks/`. The runner is built with the
+/// `dist` profile, the one the sidecar's image is built with: the sidecar runs inside the
+/// runner, so its figures are those of the build users run (`Cargo.toml` says what `dist` is).
 fn bench(root: &Path, groups: &[String]) -> Result<()> {
     toolchain::ensure_apt(&[
         ("valgrind", "valgrind"),
@@ -362,14 +364,14 @@ fn bench(root: &Path, groups: &[String]) -> Result<()> {
     ])?;
     wasm::build_all(root)?;
     cmd::step(
-        "build the benchmark runner (release)",
+        "build the benchmark runner (dist: whole-program optimization, several minutes)",
         cmd::cargo()
-            .args(["build", "--release", "-p", "idemgate-bench"])
+            .args(["build", "--profile", "dist", "-p", "idemgate-bench"])
             .current_dir(root),
     )?;
     cmd::step(
         "benchmarks",
-        std::process::Command::new(root.join("target/release/idemgate-bench"))
+        std::process::Command::new(root.join("target/dist/idemgate-bench"))
             .arg("run")
             .args(groups)
             .arg("--target")

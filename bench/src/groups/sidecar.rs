@@ -94,7 +94,9 @@ pub fn group() -> Result<Group> {
                 "Closed loop: each client task claims a fresh key (lock mode), completes it, repeats, \
                  for {LOAD_SECONDS} s; {LOAD_RUNS} runs per configuration. The sidecar runs \
                  in-process on its own runtime (its worker threads as many as the shipped \
-                 Deployment gives a pod: {SIDECAR_WORKERS}, its CPU request rounded up) and is driven over up to 4 h2c connections, as Envoy multiplexes \
+                 Deployment gives a pod: {SIDECAR_WORKERS}, its CPU request rounded up; built, as \
+                 the whole runner is, with the `dist` profile its image uses) and is driven \
+                 over up to 4 h2c connections, as Envoy multiplexes \
                  callouts per worker thread. The baseline is the minimal equivalent in raw \
                  Redis — `SET key owner NX PX` then a compare-and-delete script — over one \
                  multiplexed (auto-pipelining) connection against the same `redis-server` in \
