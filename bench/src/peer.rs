@@ -101,7 +101,14 @@ fn install(target: &Path) -> Result<PathBuf> {
     );
     let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
     let mut child = Command::new(cargo)
-        .args(["install", "--force", "--locked", "--version", VERSION, "--root"])
+        .args([
+            "install",
+            "--force",
+            "--locked",
+            "--version",
+            VERSION,
+            "--root",
+        ])
         .arg(&root)
         .arg(CRATE)
         .envs(PEER_PROFILE)
