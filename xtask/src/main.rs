@@ -348,6 +348,9 @@ fn demo(root: &Path, extra: &[String]) -> Result<()> {
     )
 }
 
+/// The profile the benchmark runner is built with ([`bench`] says why).
+const BENCH_PROFILE: &str = "dist";
+
 /// Builds the filter and the benchmark runner, installs the measuring tools, then runs the
 /// groups; the runner writes `BENCHMARKS.md` and `benchmarks/`. The runner is built with the
 /// `dist` profile, the one the sidecar's image is built with: the sidecar runs inside the
@@ -366,18 +369,22 @@ fn bench(root: &Path, groups: &[String]) -> Result<()> {
     cmd::step(
         "build the benchmark runner (dist: whole-program optimization, several minutes)",
         cmd::cargo()
-            .args(["build", "--profile", "dist", "-p", "idemgate-bench"])
+            .args(["build", "--profile", BENCH_PROFILE, "-p", "idemgate-bench"])
             .current_dir(root),
     )?;
     cmd::step(
         "benchmarks",
-        std::process::Command::new(root.join("target/dist/idemgate-bench"))
-            .arg("run")
-            .args(groups)
-            .arg("--target")
-            .arg(root.join("target"))
-            .arg("--out")
-            .arg(root.join("BENCHMARKS.md"))
-            .current_dir(root),
+        std::process::Command::new(
+            root.join("target")
+                .join(BENCH_PROFILE)
+                .join("idemgate-bench"),
+        )
+        .arg("run")
+        .args(groups)
+        .arg("--target")
+        .arg(root.join("target"))
+        .arg("--out")
+        .arg(root.join("BENCHMARKS.md"))
+        .current_dir(root),
     )
 }

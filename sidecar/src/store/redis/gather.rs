@@ -424,6 +424,18 @@ impl ClusterTarget {
         });
     }
 
+    /// A command with `slot` goes through the client, the map giving no connection of the
+    /// sidecar's own for it: a slot the map does not place asks for the map, one whose
+    /// primary it places without a connection asks for a reconnect. Both are rate-limited,
+    /// so asking once per such command costs nothing more than asking once per batch.
+    fn through_the_client(self: &Arc<Self>, map: &ClusterMap, slot: Option<u16>) {
+        match slot.map(|slot| map.owners.owner(slot).is_some()) {
+            Some(true) => self.reconnect_soon(),
+            Some(false) => self.read_map_soon(),
+            None => {}
+        }
+    }
+
     /// A command went through the client because the map places its primary but has no
     /// connection of the sidecar's own to it: the map is read again (which connects to every
     /// primary without one) at most every [`RECONNECT_AFTER`]. A primary that did not answer
@@ -490,15 +502,12 @@ impl ClusterTarget {
     async fn batch(self: &Arc<Self>, batch: Vec<Pending>, timeout: Duration) {
         let map = self.current();
         let mut groups: Vec<Group<'_>> = Vec::new();
-        let mut unknown = false;
-        let mut unconnected = false;
         for Pending { cmd, reply } in batch {
             let slot = command_slot(&cmd);
             let primary = slot.and_then(|slot| map.primary_of(slot));
-            // A slot the map does not place, or one whose primary it has no connection to.
-            let placed = slot.is_some_and(|slot| map.owners.owner(slot).is_some());
-            unknown |= slot.is_some() && !placed;
-            unconnected |= placed && primary.is_none();
+            if primary.is_none() {
+                self.through_the_client(&map, slot);
+            }
             let same = primary.and_then(|(index, _)| {
                 groups
                     .iter_mut()
@@ -516,12 +525,6 @@ impl ClusterTarget {
                     groups.push(group);
                 }
             }
-        }
-        if unknown {
-            self.read_map_soon();
-        }
-        if unconnected {
-            self.reconnect_soon();
         }
         let answered = groups
             .into_iter()
@@ -609,11 +612,7 @@ impl ClusterTarget {
                 answer => answer,
             },
             None => {
-                match slot.map(|slot| map.owners.owner(slot).is_some()) {
-                    Some(true) => self.reconnect_soon(),
-                    Some(false) => self.read_map_soon(),
-                    None => {}
-                }
+                self.through_the_client(&map, slot);
                 self.conn.clone().req_packed_command(cmd).await
             }
         };
