@@ -348,7 +348,7 @@ fn demo(root: &Path, extra: &[String]) -> Result<()> {
     )
 }
 
-/// The profile the benchmark runner is built with ([`bench`] says why).
+/// The profile the benchmark runner is built with ([`bench()`] says why).
 const BENCH_PROFILE: &str = "dist";
 
 /// Builds the filter and the benchmark runner, installs the measuring tools, then runs the
