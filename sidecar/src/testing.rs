@@ -34,8 +34,17 @@ use std::time::{Duration, Instant};
 /// How long a starting server gets before the test fails.
 const START_TIMEOUT: Duration = Duration::from_secs(15);
 
-/// A `redis-server` process owned by a test; killed on drop.
+/// The Valkey server the tests start where they need a server with `SET … IFEQ` (Valkey
+/// 8.1 or later): `$IDEMGATE_VALKEY_SERVER`, which `cargo xtask test` sets to the one it
+/// builds, or `valkey-server` on PATH.
+pub fn valkey_server() -> String {
+    std::env::var("IDEMGATE_VALKEY_SERVER").unwrap_or_else(|_| "valkey-server".to_owned())
+}
+
+/// A `redis-server` (or Valkey) process owned by a test; killed on drop.
 pub struct RedisServer {
+    /// The server's executable: `redis-server`, or [`valkey_server`].
+    program: String,
     port: u16,
     dir: PathBuf,
     extra: Vec<String>,
@@ -59,11 +68,25 @@ impl RedisServer {
     /// # Errors
     /// `redis-server` is missing or does not come up.
     pub fn start_with(extra: &[&str]) -> io::Result<Self> {
+        Self::start_program("redis-server", extra)
+    }
+
+    /// Starts a throw-away Valkey server ([`valkey_server`]): a server with `SET … IFEQ`,
+    /// which a fresh grant's complete is sent as where the server has it.
+    ///
+    /// # Errors
+    /// The Valkey server is missing or does not come up.
+    pub fn start_valkey() -> io::Result<Self> {
+        Self::start_program(&valkey_server(), &[])
+    }
+
+    fn start_program(program: &str, extra: &[&str]) -> io::Result<Self> {
         let mut last_err = None;
         // A port found free can be taken before redis binds it: try a few.
         for _ in 0..5 {
             let port = free_port(false)?;
             let mut server = RedisServer {
+                program: program.to_owned(),
                 port,
                 dir: scratch_dir(port)?,
                 extra: extra.iter().map(|s| (*s).to_owned()).collect(),
@@ -107,7 +130,7 @@ impl RedisServer {
                 args
             }
         };
-        let child = Command::new("redis-server")
+        let child = Command::new(&self.program)
             .args(&args)
             .stdout(Stdio::null())
             .stderr(Stdio::null())
@@ -115,7 +138,10 @@ impl RedisServer {
             .map_err(|e| {
                 io::Error::new(
                     e.kind(),
-                    format!("cannot run redis-server ({e}); install it (cargo xtask test does)"),
+                    format!(
+                        "cannot run {} ({e}); install it (cargo xtask test does)",
+                        self.program
+                    ),
                 )
             })?;
         self.child = Some(child);
@@ -391,6 +417,7 @@ impl RedisCluster {
             let dir = scratch_dir(port)?;
             let conf = dir.join("nodes.conf").to_string_lossy().into_owned();
             let mut node = RedisServer {
+                program: "redis-server".to_owned(),
                 port,
                 dir,
                 extra: vec![
@@ -481,6 +508,7 @@ impl RedisSentinel {
                 ),
             )?;
             let mut sentinel = RedisServer {
+                program: "redis-server".to_owned(),
                 port,
                 dir,
                 extra: Vec::new(),

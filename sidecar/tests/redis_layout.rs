@@ -258,7 +258,8 @@ async fn the_queue_mark_goes_with_the_last_waiter() {
 }
 
 /// Commands Redis ran since the last `CONFIG RESETSTAT`, by name, as `INFO commandstats`
-/// counts them: a script's own `redis.call`s included, the test's `CONFIG` and `INFO` not.
+/// counts them: a script's own `redis.call`s included, the test's `CONFIG` and `INFO` and
+/// connections' setup not.
 fn commands_run(redis: &RedisServer) -> std::collections::BTreeMap<String, u64> {
     let info = redis.cli(&["INFO", "commandstats"]).unwrap();
     info.lines()
@@ -271,7 +272,10 @@ fn commands_run(redis: &RedisServer) -> std::collections::BTreeMap<String, u64> 
                 .parse()
                 .ok()?;
             let test_own = name == "info" || name.starts_with("config|");
-            (!test_own).then(|| (name.to_owned(), calls))
+            // A connection's own setup (redis-rs names itself with `CLIENT SETINFO`, which
+            // Redis 7.2 and Valkey count): not a pair's, whenever a connection opens.
+            let connecting = name.starts_with("client|") || name == "hello";
+            (!test_own && !connecting).then(|| (name.to_owned(), calls))
         })
         .collect()
 }
@@ -343,11 +347,32 @@ fn breakdown(counts: &[(&str, u64)]) -> std::collections::BTreeMap<String, u64> 
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_fresh_key_claim_and_complete_cost_four_cheap_redis_commands() {
-    let h = Harness::start(crate::util::Backend::Redis).await;
+    // Redis 7 has no `SET … IFEQ`: the complete, on the sidecar that answered the claim, is
+    // the small compare-and-set script (`COMPLETE_FRESH`: `EVALSHA`, `GET`, `SET`), which
+    // finds the grant as the sidecar wrote it and writes the record released, or with its
+    // stored response and expiry, packed by the sidecar. The first complete learnt that
+    // (its `SET … IFEQ` was refused, in the warm-up); no later one sends the command again.
+    fresh_pairs_cost(
+        crate::util::Backend::Redis,
+        &[("evalsha", 1), ("get", 1), ("set", 2)],
+    )
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn on_a_server_with_set_ifeq_a_fresh_key_claim_and_complete_cost_two_plain_sets() {
+    // Valkey 8.1 has `SET … IFEQ`: the same compare-and-set, without a script.
+    fresh_pairs_cost(crate::util::Backend::Valkey, &[("set", 2)]).await;
+}
+
+/// The commands per fresh claim+complete pair on `backend`: `same` with the complete on the
+/// sidecar that answered the claim, whichever way the claim is made; and on another sidecar.
+async fn fresh_pairs_cost(backend: crate::util::Backend, same: &[(&str, u64)]) {
+    let h = Harness::start(backend).await;
     let redis = h.redis.as_ref().unwrap();
     // A second sidecar on the same Redis, which answers none of the claims.
     let other = Harness::on_store(redis.store_config(), None, |_| {}).await;
-    // Loads both scripts (the first EVALSHA of each meets NOSCRIPT) before counting.
+    // Loads the scripts (the first EVALSHA of each meets NOSCRIPT) before counting.
     for mode in [Mode::Lock, Mode::Idempotency] {
         let key = format!("k-warm-{mode:?}");
         let (owner, _) = granted(&h.client.claim(&claim_req(&key, mode, 30_000)).await.0);
@@ -356,24 +381,18 @@ async fn a_fresh_key_claim_and_complete_cost_four_cheap_redis_commands() {
             OwnerOutcome::Released
         );
     }
+    let expected = breakdown(same);
     for mode in [Mode::Lock, Mode::Idempotency] {
         // The claim: one `SET NX GET PX`, no script (the grant, at the sidecar's reading of
-        // Redis's clock); the complete, on the sidecar that answered the claim: the small
-        // compare-and-set script (`COMPLETE_FRESH`: `EVALSHA`, `GET`, `SET`), which finds the
-        // grant as the sidecar wrote it and writes the record released, or with its stored
-        // response and expiry, packed by the sidecar.
-        // The same whether the claim would queue behind a holder (with its place named, as
-        // the shipped payments rule claims) or not: a fresh key has no queue to look at.
+        // Redis's clock). The same whether the claim would queue behind a holder (with its
+        // place named, as the shipped payments rule claims) or not: a fresh key has no queue
+        // to look at.
         for queued in [false, true] {
             let what = format!("same-{queued}");
-            let same =
+            let counted =
                 commands_per_fresh_pair(redis, &h.client, &h.client, mode, queued, &what).await;
-            assert_eq!(
-                same,
-                breakdown(&[("evalsha", 1), ("get", 1), ("set", 2)]),
-                "{mode:?}, queued: {queued}"
-            );
-            assert_eq!(same.values().sum::<u64>(), 4, "{mode:?}");
+            assert_eq!(counted, expected, "{mode:?}, queued: {queued}");
+            assert!(counted.values().sum::<u64>() <= 4, "{mode:?}");
         }
         // A complete on a sidecar that did not answer the claim reads the record and Redis's
         // clock first: `EVALSHA`, `GET`, `TIME`, `SET`.

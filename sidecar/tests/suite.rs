@@ -1,5 +1,5 @@
-//! One behavioural suite, expanded once per store (memory and Redis): the store trait's
-//! contract, observed through the HTTP API.
+//! One behavioural suite, expanded once per store (memory, and Redis on Redis 7 and on
+//! Valkey 8.1): the store trait's contract, observed through the HTTP API.
 
 use crate::util::{Backend, Harness, claim_req, granted, named_waiting, store_suite, waiting};
 use idemgate_wire::{ClaimOutcome, Mode, OwnerOutcome, StoredResponse};

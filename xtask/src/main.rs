@@ -7,6 +7,7 @@ mod image;
 mod observability;
 mod testrun;
 mod toolchain;
+mod valkey;
 mod wasm;
 
 use anyhow::{Context, Result, bail};
@@ -52,7 +53,7 @@ fn run() -> Result<()> {
     match args.first().map(String::as_str) {
         Some("wasm") => wasm::build_all(&root).map(|_| ()),
         Some("test") => test(&root),
-        Some("integration") => testrun::integration_tests(&root),
+        Some("integration") => testrun::integration_tests(&root, &valkey::ensure(&root)?),
         Some("bundle") => envoy::check_bundle(&root, envoy::cli_by_cargo_run(&root)),
         Some("image") => image::command(&root, &args[1..]),
         Some("demo") => demo(&root, &args[1..]),
@@ -92,7 +93,7 @@ fn test(root: &Path) -> Result<()> {
         ("kubectl", "kubectl"),
         ("promtool", "prometheus"),
     ];
-    toolchain::ensure_apt(&[&needs, image::APT_NEEDS].concat())?;
+    toolchain::ensure_apt(&[&needs, image::APT_NEEDS, valkey::APT_NEEDS].concat())?;
     cmd::step(
         "format",
         cmd::cargo()
@@ -102,7 +103,7 @@ fn test(root: &Path) -> Result<()> {
     let route = toolchain::wasm_route()?;
     let wasm_log = root.join("target/test-logs/wasm-lane.log");
     println!(
-        "==> wasm lane (clippy for wasm32, the modules, the fuzz targets): beside the native steps, output in {}",
+        "==> wasm lane (clippy for wasm32, the modules, the fuzz targets, Valkey): beside the native steps, output in {}",
         wasm_log.display()
     );
     let (native, wasm) = std::thread::scope(|scope| {
@@ -116,11 +117,13 @@ fn test(root: &Path) -> Result<()> {
                 // Its own target directory, so it runs beside the native lane's cargo
                 // instead of waiting for its lock; this lane ends well before that one.
                 cmd::step("fuzz targets compile", &mut fuzz_check(root))?;
+                // The Redis store's tests on a server with `SET … IFEQ` (built once).
+                let valkey = valkey::ensure(root)?;
                 cmd::say(format_args!(
                     "==> wasm lane: ok in {:.1?}",
                     started.elapsed()
                 ));
-                Ok(wasm)
+                Ok((wasm, valkey))
             })
         });
         let native = native_checks(root);
@@ -134,9 +137,9 @@ fn test(root: &Path) -> Result<()> {
         std::fs::read_to_string(&wasm_log).unwrap_or_default()
     );
     native?;
-    let wasm = wasm.context("wasm lane")?;
+    let (wasm, valkey) = wasm.context("wasm lane")?;
     // The integration tests load target/idemgate.wasm and the fixtures built above.
-    testrun::integration_tests(root)?;
+    testrun::integration_tests(root, &valkey)?;
     // The images, from the module above and the sidecar the integration tests built.
     image::build_and_check(root, &image::built_by_the_tests(root)?, &wasm)?;
     println!("xtask test: all steps passed");

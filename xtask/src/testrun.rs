@@ -7,10 +7,11 @@
 //! and every binary of the workspace they start (cargo lists them as JSON); no cargo runs while
 //! the tests do, since a cargo build relinks the binaries, and a test starting one mid-relink
 //! finds it missing. The test binaries run as cargo would run them: from their package's
-//! directory, with `CARGO` and `CARGO_MANIFEST_DIR` set, and with `IDEMGATE_BIN_DIR` naming
+//! directory, with `CARGO` and `CARGO_MANIFEST_DIR` set, with `IDEMGATE_BIN_DIR` naming
 //! the directory of the built binaries (the rig's tests look them up there instead of building
-//! them). Each binary's output is kept in a file and printed whole when it ends, so two
-//! binaries never interleave lines.
+//! them), and `IDEMGATE_VALKEY_SERVER` the Valkey server built for them (`valkey.rs`). Each
+//! binary's output is kept in a file and printed whole when it ends, so two binaries never
+//! interleave lines.
 
 use crate::cmd;
 use anyhow::{Context, Result, bail};
@@ -26,6 +27,8 @@ use std::time::Instant;
 const LANES: usize = 2;
 /// The variable the rig's tests find the built binaries by (`idemgate_rig::child::BIN_DIR_ENV`).
 const BIN_DIR_ENV: &str = "IDEMGATE_BIN_DIR";
+/// The variable the tests find the Valkey server by (`idemgate_sidecar::testing::valkey_server`).
+const VALKEY_ENV: &str = "IDEMGATE_VALKEY_SERVER";
 /// Binaries known to run longest, longest first: each goes to the lane that frees first, and
 /// the short ones fill in after them. Measured on a clean clone (two lanes): e2e 58 s, the
 /// sidecar's 54 s, faults 39 s, host-tests 23 s, the rest 4 s together; e2e and faults first
@@ -57,7 +60,7 @@ struct Built {
 
 /// Builds every integration test of the workspace and every binary, then runs the test
 /// binaries [`LANES`] at a time.
-pub fn integration_tests(root: &Path) -> Result<()> {
+pub fn integration_tests(root: &Path, valkey: &Path) -> Result<()> {
     let Built {
         tests: binaries,
         bin_dir,
@@ -77,7 +80,7 @@ pub fn integration_tests(root: &Path) -> Result<()> {
                 loop {
                     let next = queue.lock().map(|mut q| q.pop());
                     let Ok(Some(binary)) = next else { break };
-                    if let Err(err) = run(&binary, &bin_dir, &logs)
+                    if let Err(err) = run(&binary, &bin_dir, valkey, &logs)
                         && let Ok(mut f) = failures.lock()
                     {
                         f.push(format!("{}: {err:#}", binary.name));
@@ -196,7 +199,7 @@ fn bin_dir(bins: &[PathBuf]) -> Result<PathBuf> {
     Ok(dir.to_path_buf())
 }
 
-fn run(binary: &TestBinary, bin_dir: &Path, logs: &Path) -> Result<()> {
+fn run(binary: &TestBinary, bin_dir: &Path, valkey: &Path, logs: &Path) -> Result<()> {
     let log_path = logs.join(format!("{}.log", binary.name.replace("::", "-")));
     let log = std::fs::File::create(&log_path)?;
     let started = Instant::now();
@@ -212,6 +215,7 @@ fn run(binary: &TestBinary, bin_dir: &Path, logs: &Path) -> Result<()> {
         )
         .env("CARGO_MANIFEST_DIR", &binary.package_dir)
         .env(BIN_DIR_ENV, bin_dir)
+        .env(VALKEY_ENV, valkey)
         .stdin(Stdio::null())
         .stdout(log.try_clone()?)
         .stderr(log)

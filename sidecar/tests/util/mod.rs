@@ -30,7 +30,10 @@ pub struct Harness {
 #[derive(Clone, Copy, Debug)]
 pub enum Backend {
     Memory,
+    /// `redis-server` as the machine has it (Debian 12: 7.0, no `SET … IFEQ`).
     Redis,
+    /// Valkey 8.1 (`testing::valkey_server`): a server with `SET … IFEQ`.
+    Valkey,
 }
 
 impl Harness {
@@ -42,6 +45,10 @@ impl Harness {
         let redis = match backend {
             Backend::Memory => None,
             Backend::Redis => Some(RedisServer::start().expect("redis-server starts")),
+            Backend::Valkey => Some(
+                RedisServer::start_valkey()
+                    .expect("valkey-server starts (cargo xtask test builds it)"),
+            ),
         };
         let store = redis
             .as_ref()
@@ -328,7 +335,8 @@ pub fn granted(outcome: &ClaimOutcome) -> (String, u64) {
 }
 
 /// Expands each scenario `async fn name(Backend)` of the calling module into
-/// `memory::<name>` and `redis::<name>` tests, so both stores pass one suite.
+/// `memory::<name>`, `redis::<name>` and `valkey::<name>` tests, so both stores pass one
+/// suite, and the Redis store on a server with `SET … IFEQ` and on one without.
 macro_rules! store_suite {
     ($($name:ident),* $(,)?) => {
         mod memory {
@@ -344,6 +352,14 @@ macro_rules! store_suite {
                 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
                 async fn $name() {
                     super::$name(crate::util::Backend::Redis).await;
+                }
+            )*
+        }
+        mod valkey {
+            $(
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                async fn $name() {
+                    super::$name(crate::util::Backend::Valkey).await;
                 }
             )*
         }

@@ -2,6 +2,7 @@
 //! server, a Sentinel-managed master or a Cluster, plus this process's notification inbox.
 //!
 //! - `clock`: Redis's clock as this sidecar last read it;
+//! - `compare_set`: a fresh grant's complete as `SET … IFEQ`, or a script where Redis has none;
 //! - `conn`: connections by topology (and `Op`, what one call sends);
 //! - `gather`: the commands sent at the same moment, written as one pipeline;
 //! - `held`: the grants this sidecar answered, so their complete writes without reading;
@@ -14,6 +15,7 @@
 //!   store timeout.
 
 mod clock;
+mod compare_set;
 mod conn;
 mod gather;
 mod held;
@@ -36,6 +38,7 @@ use crate::config::RedisConfig;
 use crate::waiters::Waiters;
 use bytes::Bytes;
 use clock::{Reading, RedisClock};
+use compare_set::CompareSet;
 use conn::{Conn, Op};
 use held::HeldGrants;
 use idemgate_wire::{Mode, OwnerOutcome};
@@ -68,6 +71,8 @@ pub(crate) struct RedisStore {
     /// Cluster: every primary has its own clock, and a reading of one is no bound on another's,
     /// so there every claim runs the script on its key's primary.
     clock: Option<RedisClock>,
+    /// Whether a fresh grant's complete is sent as `SET … IFEQ` or as `COMPLETE_FRESH`.
+    compare_set: CompareSet,
 }
 
 impl Drop for RedisStore {
@@ -148,6 +153,7 @@ impl RedisStore {
             timer_floor,
             held: HeldGrants::default(),
             clock,
+            compare_set: CompareSet::default(),
         })
     }
 
@@ -280,9 +286,10 @@ impl RedisStore {
         reply::release(&reply)
     }
 
-    /// `COMPLETE_FRESH`: whether the record was `grant` byte for byte and is now `released`,
-    /// expiring after `expiry_ms` (`None`: its expiry kept). `false`: the record is anything
-    /// else, and nothing was written.
+    /// Whether the record was `grant` byte for byte and is now `released`, expiring after
+    /// `expiry_ms` (`None`: its expiry kept). `false`: the record is anything else, and
+    /// nothing was written. One `SET … IFEQ` where the server has it, else the
+    /// `COMPLETE_FRESH` script (`compare_set.rs`).
     async fn compare_and_release(
         &self,
         k: &LockKeys,
@@ -290,6 +297,28 @@ impl RedisStore {
         released: Vec<u8>,
         expiry_ms: Option<u64>,
     ) -> StoreResult<bool> {
+        if self.compare_set.command() {
+            let mut set = redis::cmd("SET");
+            set.arg(&k.record).arg(&released).arg("IFEQ").arg(grant);
+            match expiry_ms {
+                Some(ms) => set.arg("PX").arg(ms),
+                None => set.arg("KEEPTTL"),
+            };
+            match self.run::<Value>(Op::Command(&set)).await {
+                Ok(reply) => {
+                    self.compare_set.answered();
+                    return match reply {
+                        Value::Okay => Ok(true),
+                        Value::Nil => Ok(false),
+                        _ => Err(unexpected("SET IFEQ")),
+                    };
+                }
+                Err(StoreError::Redis(err)) if compare_set::is_refusal(&err) => {
+                    self.compare_set.refused(&err);
+                }
+                Err(err) => return Err(err),
+            }
+        }
         let script = &*scripts::COMPLETE_FRESH;
         let mut cmd = evalsha(script, &[&k.record]);
         cmd.arg(grant).arg(released);

@@ -19,7 +19,8 @@
 //! a claim without such a reading and for one whose `SET` found a record. Its complete, on
 //! the sidecar that answered it, is a compare-and-set (`COMPLETE_FRESH`): the record `GET`
 //! and, if it is still that grant byte for byte, the released record `SET`, packed by the
-//! sidecar (`record.rs`). A record that changed meanwhile takes `COMPLETE`, which writes
+//! sidecar (`record.rs`); on a server with `SET … IFEQ` that is one command, no script
+//! (`compare_set.rs`). A record that changed meanwhile takes `COMPLETE`, which writes
 //! the released record with `SET XX GET` and checks the one it replaced after. The fields,
 //! in their packed order (`false` = absent):
 //! - `fence`: the last fence issued for the key (kept while the key is free);
