@@ -654,9 +654,31 @@ fn storm(
 /// Every scenario's result for one product and run.
 struct Run {
     fresh: Load,
+    /// Fresh keys with the product's Redis a Valkey 8.1.
+    fresh_on_valkey: Load,
     replay: Load,
     in_flight: InFlight,
     storm: Storm,
+}
+
+/// What one start of a product measured: fresh keys, and the other scenarios when asked.
+struct Scenarios {
+    fresh: Load,
+    rest: Option<(Load, InFlight, Storm)>,
+}
+
+impl Run {
+    /// A run from the product's scenarios on Redis and its fresh keys on Valkey.
+    fn of(on_redis: Scenarios, on_valkey: Scenarios) -> Result<Run> {
+        let (replay, in_flight, storm) = on_redis.rest.context("the scenarios on Redis")?;
+        Ok(Run {
+            fresh: on_redis.fresh,
+            fresh_on_valkey: on_valkey.fresh,
+            replay,
+            in_flight,
+            storm,
+        })
+    }
 }
 
 fn scenarios(
@@ -664,16 +686,25 @@ fn scenarios(
     backend: &Backend,
     client: &tokio::runtime::Runtime,
     run: usize,
-) -> Result<Run> {
+    all: bool,
+) -> Result<Scenarios> {
     let nonce = |what: &str| {
         format!(
-            "{}-{}-{run}-{what}",
+            "{}-{}-{run}-{what}-{all}",
             std::process::id(),
             target.product.name()
         )
     };
-    println!("  run {}: {}: fresh keys", run + 1, target.product.name());
+    let on = if all { "" } else { " on Valkey" };
+    println!(
+        "  run {}: {}: fresh keys{on}",
+        run + 1,
+        target.product.name()
+    );
     let fresh = fresh_keys(target, backend, &nonce("fresh"))?;
+    if !all {
+        return Ok(Scenarios { fresh, rest: None });
+    }
     println!(
         "  run {}: {}: in-flight duplicates",
         run + 1,
@@ -684,11 +715,9 @@ fn scenarios(
     let storm = storm(target, backend, client, &nonce("storm"))?;
     println!("  run {}: {}: replays", run + 1, target.product.name());
     let replay = replays(target, backend, client, &nonce("replay"))?;
-    Ok(Run {
+    Ok(Scenarios {
         fresh,
-        replay,
-        in_flight,
-        storm,
+        rest: Some((replay, in_flight, storm)),
     })
 }
 
@@ -714,8 +743,19 @@ pub fn group(target: &Path, envoy_yaml: &Path, module: &Path) -> Result<Group> {
     let binary = install(target)?;
     let load_before = load_average();
     let backend = Backend::start()?;
-    let peer_redis = RedisServer::start().context("starting redis-server")?;
-    let our_redis = RedisServer::start().context("starting redis-server")?;
+    // Each product on Redis as Debian 12 has it (7.0), and, for fresh keys, on Valkey 8.1,
+    // where idemgate's complete is one `SET … IFEQ` instead of a script.
+    let servers = |start: fn() -> std::io::Result<RedisServer>, what: &str| -> Result<_> {
+        Ok((
+            start().with_context(|| format!("starting {what}"))?,
+            start().with_context(|| format!("starting {what}"))?,
+        ))
+    };
+    let (peer_redis, our_redis) = servers(RedisServer::start, "redis-server")?;
+    let (peer_valkey, our_valkey) = servers(
+        RedisServer::start_valkey,
+        "valkey-server (cargo xtask bench builds it)",
+    )?;
     let client = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .thread_name(CLIENT_THREADS)
@@ -727,35 +767,40 @@ pub fn group(target: &Path, envoy_yaml: &Path, module: &Path) -> Result<Group> {
         plugin_config: shipped_plugin_config(envoy_yaml)?,
         workers: GATEWAY_WORKERS,
     };
-    let (mut ours, mut theirs) = (Vec::new(), Vec::new());
-    for run in 0..RUNS {
-        let peer =
-            PeerProcess::start(&binary, &target.join("peer/run"), &peer_redis, backend.addr)?;
+    let on_peer = |redis: &RedisServer, run: usize, all: bool| -> Result<Scenarios> {
+        let peer = PeerProcess::start(&binary, &target.join("peer/run"), redis, backend.addr)?;
         let on_peer = Target {
             product: Product::Peer,
             addr: peer.addr,
             path: "/URL_BACKEND",
-            redis: &peer_redis,
-            redis_pid: redis_pid(&peer_redis)?,
+            redis,
+            redis_pid: redis_pid(redis)?,
             pid: Some(peer.child.id()),
         };
-        theirs.push(scenarios(&on_peer, &backend, &client, run)?);
-        drop(peer);
-        let stack = Stack::start(
-            our_redis.store_config(),
-            BackendSpec::At(backend.addr),
-            &spec,
-        )?;
+        scenarios(&on_peer, &backend, &client, run, all)
+    };
+    let on_idemgate = |redis: &RedisServer, run: usize, all: bool| -> Result<Scenarios> {
+        let stack = Stack::start(redis.store_config(), BackendSpec::At(backend.addr), &spec)?;
         let on_idemgate = Target {
             product: Product::Idemgate,
             addr: stack.gateway_addr,
             path: "/payments",
-            redis: &our_redis,
-            redis_pid: redis_pid(&our_redis)?,
+            redis,
+            redis_pid: redis_pid(redis)?,
             pid: None,
         };
-        ours.push(scenarios(&on_idemgate, &backend, &client, run)?);
+        let run = scenarios(&on_idemgate, &backend, &client, run, all)?;
         stack.stop()?;
+        Ok(run)
+    };
+    let (mut ours, mut theirs) = (Vec::new(), Vec::new());
+    for run in 0..RUNS {
+        let peer = on_peer(&peer_redis, run, true)?;
+        let peer_valkey = on_peer(&peer_valkey, run, false)?;
+        theirs.push(Run::of(peer, peer_valkey)?);
+        let idemgate = on_idemgate(&our_redis, run, true)?;
+        let idemgate_valkey = on_idemgate(&our_valkey, run, false)?;
+        ours.push(Run::of(idemgate, idemgate_valkey)?);
     }
     let load_after = load_average();
     report(&ours, &theirs, &load_before, &load_after)
@@ -800,6 +845,7 @@ fn report(ours: &[Run], theirs: &[Run], load_before: &str, load_after: &str) -> 
     let mut figures = Vec::new();
     for (what, load) in [
         ("fresh keys", (|r: &Run| r.fresh) as fn(&Run) -> Load),
+        ("fresh keys on Valkey 8.1", |r: &Run| r.fresh_on_valkey),
         ("replays of completed keys", |r: &Run| r.replay),
     ] {
         let name = |f: &str| format!("{what} (wrk c{}): {f}", wrk::CONNECTIONS);
@@ -847,7 +893,7 @@ fn report(ours: &[Run], theirs: &[Run], load_before: &str, load_after: &str) -> 
         ];
         // The goals are set on the common path, a fresh key's claim and complete; a replay
         // makes no sidecar call at all.
-        let fresh = what == "fresh keys";
+        let fresh = what.starts_with("fresh keys");
         for (row, unit, of, goal) in rows {
             let goal = goal.filter(|_| fresh);
             figures.push(pair(name(row), unit, ours, theirs, |r| of(&load(r)), goal)?);
@@ -952,6 +998,7 @@ fn report(ours: &[Run], theirs: &[Run], load_before: &str, load_after: &str) -> 
     let executed_once = |runs: &[Run]| {
         runs.iter().all(|r| {
             r.fresh.misexecuted == 0
+                && r.fresh_on_valkey.misexecuted == 0
                 && r.replay.misexecuted == 0
                 && r.in_flight.misexecuted == 0
                 && r.storm.executions == 1
@@ -995,6 +1042,13 @@ fn report(ours: &[Run], theirs: &[Run], load_before: &str, load_after: &str) -> 
                  one counting backend and each has its own `redis-server`; {RUNS} runs, \
                  alternating the two, each product restarted per run."
             ),
+            "Two servers: every scenario runs on Debian 12's `redis-server` (7.0.15), and \
+             the fresh keys again on Valkey 8.1.1 (built from Debian 13's source archive by \
+             `cargo xtask bench`), each product on a server of its own and restarted for it. \
+             On Valkey, idemgate's sidecar sends a fresh grant's complete as one \
+             `SET … IFEQ` (Valkey ≥ 8.1, Redis ≥ 8.4) where Redis 7.0 needs the \
+             compare-and-set script; the peer sends the same commands to both servers."
+                .to_owned(),
             "Which CPU figures compare: \"the sidecar alone vs the peer's whole process\" is \
              the comparison the performance goals are set on, but it is not like for like: the \
              peer's process also accepts the client's request and proxies it, which in idemgate \

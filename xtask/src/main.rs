@@ -368,6 +368,9 @@ fn bench(root: &Path, groups: &[String]) -> Result<()> {
             "fonts-dejavu-core",
         ),
     ])?;
+    toolchain::ensure_apt(valkey::APT_NEEDS)?;
+    // The peer group runs fresh keys on Valkey 8.1 too (`bench/src/peer.rs`).
+    let valkey = valkey::ensure(root)?;
     wasm::build_all(root)?;
     cmd::step(
         "build the benchmark runner (dist: whole-program optimization, several minutes)",
@@ -388,6 +391,7 @@ fn bench(root: &Path, groups: &[String]) -> Result<()> {
         .arg(root.join("target"))
         .arg("--out")
         .arg(root.join("BENCHMARKS.md"))
+        .env("IDEMGATE_VALKEY_SERVER", valkey)
         .current_dir(root),
     )
 }
