@@ -51,6 +51,12 @@ pub fn group() -> Result<Group> {
             }
             figures.extend(hop_figures(concurrency, &hop, &on_redis, &raw));
             if concurrency == 64 {
+                println!("  concurrency 64: sidecar on Valkey 8.1");
+                let valkey = RedisServer::start_valkey()
+                    .context("starting valkey-server (cargo xtask bench builds it)")?;
+                let target = Server::Sidecar(valkey.store_config());
+                let on_valkey = through(server, target, &[&valkey], concurrency).await?;
+                figures.extend(valkey_figures(&on_valkey, &on_redis, &hop));
                 println!("  concurrency 64: sidecar on a three-primary Cluster");
                 let cluster = RedisCluster::start().context("starting a Redis Cluster")?;
                 let primaries: Vec<&RedisServer> = cluster.nodes().iter().collect();
@@ -123,7 +129,13 @@ pub fn group() -> Result<Group> {
                  their sum. The baseline is the sidecar on one Redis server in the same run. \
                  On a Cluster a fresh key's claim runs the claim script on its key's primary \
                  (the primaries have no one clock the sidecar could read for the script-less \
-                 `SET`), so each round trip runs more commands there.".to_owned()],
+                 `SET`), so each round trip runs more commands there.".to_owned(),
+                "The Valkey rows: the sidecar on Valkey 8.1.1 (built from Debian 13's source \
+                 archive by `cargo xtask bench`), concurrency 64, its CPU against the HTTP hop \
+                 alone's (the goal's ratio) and its server's against `redis-server` 7.0's in \
+                 the sidecar-on-Redis rows. Valkey ≥ 8.1 (and Redis ≥ 8.4) has `SET … IFEQ`, \
+                 so a fresh grant's complete is that one command instead of the \
+                 compare-and-set script.".to_owned()],
         })
     })
 }
@@ -256,6 +268,38 @@ fn load_figures(
 
 /// The HTTP hop alone (the ceiling of any store) against raw Redis, and the sidecar on
 /// Redis against it.
+/// The sidecar on Valkey 8.1, where a fresh grant's complete is one `SET … IFEQ` instead of
+/// the compare-and-set script, against the HTTP hop alone and against itself on Redis 7.0.
+fn valkey_figures(on_valkey: &Repeated, on_redis: &Repeated, hop: &Repeated) -> Vec<Figure> {
+    let name = |what: &str| format!("sidecar on Valkey 8.1, concurrency 64: {what}");
+    vec![
+        Figure {
+            name: name("CPU per round trip, sidecar"),
+            unit: "µs",
+            value: on_valkey.cpu_sidecar,
+            baseline: Some(("HTTP hop alone, server".into(), hop.cpu_sidecar)),
+            goal: Some(Goal::RatioAtMost(1.5)),
+        },
+        Figure {
+            name: name("CPU per round trip, its server"),
+            unit: "µs",
+            value: on_valkey.cpu_redis,
+            baseline: Some((
+                "sidecar on Redis 7.0, redis-server".into(),
+                on_redis.cpu_redis,
+            )),
+            goal: None,
+        },
+        Figure {
+            name: name("Redis commands per round trip"),
+            unit: "commands",
+            value: on_valkey.redis_commands,
+            baseline: Some(("sidecar on Redis 7.0".into(), on_redis.redis_commands)),
+            goal: None,
+        },
+    ]
+}
+
 fn hop_figures(
     concurrency: usize,
     hop: &Repeated,
