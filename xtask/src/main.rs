@@ -22,11 +22,13 @@ commands:
   bench   [group...]  measure idemgate against same-run baselines and write BENCHMARKS.md
           (groups: plugin, host, sidecar, queue, storm, e2e; all when none is named; and
           peer, only when named: idemgate beside idempotent-proxy-server, installed once
-          from crates.io at a pinned version under target/peer)
+          from crates.io at a pinned version under target/peer; builds Valkey 8.1 once
+          under target/valkey for the sidecar and peer groups)
   wasm    build the filter to target/idemgate.wasm (and the host-test fixtures)
   test    the whole test suite: fmt, clippy (native and wasm32, as the code builds),
           docs (warnings denied), Envoy config schema checks, alerting rules (promtool),
-          unit tests, wasm build, then every test that loads the built wasm, then the images
+          unit tests, wasm build (and Valkey 8.1, once), then every test that loads the
+          built wasm or needs Valkey, then the images
   integration  only the last step of `test`: every integration test binary, two at a time
           (needs `cargo xtask wasm` first)
   bundle  render the Kubernetes overlays and validate them (schemas, token wiring, idemgate
@@ -369,7 +371,8 @@ fn bench(root: &Path, groups: &[String]) -> Result<()> {
         ),
     ])?;
     toolchain::ensure_apt(valkey::APT_NEEDS)?;
-    // The peer group runs fresh keys on Valkey 8.1 too (`bench/src/peer.rs`).
+    // The sidecar and peer groups run the sidecar on Valkey 8.1 too, where a fresh key's
+    // complete is one `SET … IFEQ` (`bench/src/groups/sidecar.rs`, `bench/src/peer.rs`).
     let valkey = valkey::ensure(root)?;
     wasm::build_all(root)?;
     cmd::step(
