@@ -651,34 +651,27 @@ fn storm(
     Ok(out)
 }
 
-/// Every scenario's result for one product and run.
-struct Run {
+/// Every scenario's result for one product on Redis 7.0.
+struct Scenarios {
     fresh: Load,
-    /// Fresh keys with the product's Redis a Valkey 8.1.
-    fresh_on_valkey: Load,
     replay: Load,
     in_flight: InFlight,
     storm: Storm,
 }
 
-/// What one start of a product measured: fresh keys, and the other scenarios when asked.
-struct Scenarios {
-    fresh: Load,
-    rest: Option<(Load, InFlight, Storm)>,
+/// One product's run: every scenario on Redis 7.0, and fresh keys again on Valkey 8.1.
+struct Run {
+    on_redis: Scenarios,
+    fresh_on_valkey: Load,
 }
 
-impl Run {
-    /// A run from the product's scenarios on Redis and its fresh keys on Valkey.
-    fn of(on_redis: Scenarios, on_valkey: Scenarios) -> Result<Run> {
-        let (replay, in_flight, storm) = on_redis.rest.context("the scenarios on Redis")?;
-        Ok(Run {
-            fresh: on_redis.fresh,
-            fresh_on_valkey: on_valkey.fresh,
-            replay,
-            in_flight,
-            storm,
-        })
-    }
+/// Keys of this process, product, run and scenario only.
+fn nonce(target: &Target<'_>, run: usize, what: &str) -> String {
+    format!(
+        "{}-{}-{run}-{what}",
+        std::process::id(),
+        target.product.name()
+    )
 }
 
 fn scenarios(
@@ -686,25 +679,10 @@ fn scenarios(
     backend: &Backend,
     client: &tokio::runtime::Runtime,
     run: usize,
-    all: bool,
 ) -> Result<Scenarios> {
-    let nonce = |what: &str| {
-        format!(
-            "{}-{}-{run}-{what}-{all}",
-            std::process::id(),
-            target.product.name()
-        )
-    };
-    let on = if all { "" } else { " on Valkey" };
-    println!(
-        "  run {}: {}: fresh keys{on}",
-        run + 1,
-        target.product.name()
-    );
+    let nonce = |what: &str| nonce(target, run, what);
+    println!("  run {}: {}: fresh keys", run + 1, target.product.name());
     let fresh = fresh_keys(target, backend, &nonce("fresh"))?;
-    if !all {
-        return Ok(Scenarios { fresh, rest: None });
-    }
     println!(
         "  run {}: {}: in-flight duplicates",
         run + 1,
@@ -717,8 +695,61 @@ fn scenarios(
     let replay = replays(target, backend, client, &nonce("replay"))?;
     Ok(Scenarios {
         fresh,
-        rest: Some((replay, in_flight, storm)),
+        replay,
+        in_flight,
+        storm,
     })
+}
+
+/// What a product is started from, for each measurement.
+struct Products<'a> {
+    peer_binary: &'a Path,
+    peer_dir: PathBuf,
+    backend: &'a Backend,
+    gateway: &'a GatewaySpec<'a>,
+}
+
+impl Products<'_> {
+    /// `measure` on `product`, started afresh on `redis` and stopped after it.
+    fn on<T>(
+        &self,
+        product: Product,
+        redis: &RedisServer,
+        measure: impl FnOnce(&Target<'_>) -> Result<T>,
+    ) -> Result<T> {
+        let redis_pid = redis_pid(redis)?;
+        match product {
+            Product::Peer => {
+                let peer =
+                    PeerProcess::start(self.peer_binary, &self.peer_dir, redis, self.backend.addr)?;
+                measure(&Target {
+                    product,
+                    addr: peer.addr,
+                    path: "/URL_BACKEND",
+                    redis,
+                    redis_pid,
+                    pid: Some(peer.child.id()),
+                })
+            }
+            Product::Idemgate => {
+                let stack = Stack::start(
+                    redis.store_config(),
+                    BackendSpec::At(self.backend.addr),
+                    self.gateway,
+                )?;
+                let measured = measure(&Target {
+                    product,
+                    addr: stack.gateway_addr,
+                    path: "/payments",
+                    redis,
+                    redis_pid,
+                    pid: None,
+                })?;
+                stack.stop()?;
+                Ok(measured)
+            }
+        }
+    }
 }
 
 /// The plugin configuration `envoy/envoy.yaml` ships (what a user gets).
@@ -767,40 +798,34 @@ pub fn group(target: &Path, envoy_yaml: &Path, module: &Path) -> Result<Group> {
         plugin_config: shipped_plugin_config(envoy_yaml)?,
         workers: GATEWAY_WORKERS,
     };
-    let on_peer = |redis: &RedisServer, run: usize, all: bool| -> Result<Scenarios> {
-        let peer = PeerProcess::start(&binary, &target.join("peer/run"), redis, backend.addr)?;
-        let on_peer = Target {
-            product: Product::Peer,
-            addr: peer.addr,
-            path: "/URL_BACKEND",
-            redis,
-            redis_pid: redis_pid(redis)?,
-            pid: Some(peer.child.id()),
-        };
-        scenarios(&on_peer, &backend, &client, run, all)
-    };
-    let on_idemgate = |redis: &RedisServer, run: usize, all: bool| -> Result<Scenarios> {
-        let stack = Stack::start(redis.store_config(), BackendSpec::At(backend.addr), &spec)?;
-        let on_idemgate = Target {
-            product: Product::Idemgate,
-            addr: stack.gateway_addr,
-            path: "/payments",
-            redis,
-            redis_pid: redis_pid(redis)?,
-            pid: None,
-        };
-        let run = scenarios(&on_idemgate, &backend, &client, run, all)?;
-        stack.stop()?;
-        Ok(run)
+    let products = Products {
+        peer_binary: &binary,
+        peer_dir: target.join("peer/run"),
+        backend: &backend,
+        gateway: &spec,
     };
     let (mut ours, mut theirs) = (Vec::new(), Vec::new());
     for run in 0..RUNS {
-        let peer = on_peer(&peer_redis, run, true)?;
-        let peer_valkey = on_peer(&peer_valkey, run, false)?;
-        theirs.push(Run::of(peer, peer_valkey)?);
-        let idemgate = on_idemgate(&our_redis, run, true)?;
-        let idemgate_valkey = on_idemgate(&our_valkey, run, false)?;
-        ours.push(Run::of(idemgate, idemgate_valkey)?);
+        for (product, redis, valkey, runs) in [
+            (Product::Peer, &peer_redis, &peer_valkey, &mut theirs),
+            (Product::Idemgate, &our_redis, &our_valkey, &mut ours),
+        ] {
+            let on_redis = products.on(product, redis, |target| {
+                scenarios(target, &backend, &client, run)
+            })?;
+            let fresh_on_valkey = products.on(product, valkey, |target| {
+                println!(
+                    "  run {}: {}: fresh keys on Valkey",
+                    run + 1,
+                    product.name()
+                );
+                fresh_keys(target, &backend, &nonce(target, run, "fresh-valkey"))
+            })?;
+            runs.push(Run {
+                on_redis,
+                fresh_on_valkey,
+            });
+        }
     }
     let load_after = load_average();
     report(&ours, &theirs, &load_before, &load_after)
@@ -844,9 +869,12 @@ type LoadRow = (&'static str, &'static str, fn(&Load) -> f64, Option<Goal>);
 fn report(ours: &[Run], theirs: &[Run], load_before: &str, load_after: &str) -> Result<Group> {
     let mut figures = Vec::new();
     for (what, load) in [
-        ("fresh keys", (|r: &Run| r.fresh) as fn(&Run) -> Load),
+        (
+            "fresh keys",
+            (|r: &Run| r.on_redis.fresh) as fn(&Run) -> Load,
+        ),
         ("fresh keys on Valkey 8.1", |r: &Run| r.fresh_on_valkey),
-        ("replays of completed keys", |r: &Run| r.replay),
+        ("replays of completed keys", |r: &Run| r.on_redis.replay),
     ] {
         let name = |f: &str| format!("{what} (wrk c{}): {f}", wrk::CONNECTIONS);
         let rows: [LoadRow; 9] = [
@@ -916,7 +944,7 @@ fn report(ours: &[Run], theirs: &[Run], load_before: &str, load_after: &str) -> 
             "µs",
             ours,
             theirs,
-            |r| pct(&r.in_flight.after_first_us, 50.0),
+            |r| pct(&r.on_redis.in_flight.after_first_us, 50.0),
             None,
         )?,
         pair(
@@ -924,7 +952,7 @@ fn report(ours: &[Run], theirs: &[Run], load_before: &str, load_after: &str) -> 
             "µs",
             ours,
             theirs,
-            |r| pct(&r.in_flight.after_first_us, 99.0),
+            |r| pct(&r.on_redis.in_flight.after_first_us, 99.0),
             None,
         )?,
         pair(
@@ -932,7 +960,7 @@ fn report(ours: &[Run], theirs: &[Run], load_before: &str, load_after: &str) -> 
             "%",
             ours,
             theirs,
-            |r| r.in_flight.answers.share_pct(),
+            |r| r.on_redis.in_flight.answers.share_pct(),
             Some(Goal::AtLeast(100.0)),
         )?,
         pair(
@@ -940,7 +968,7 @@ fn report(ours: &[Run], theirs: &[Run], load_before: &str, load_after: &str) -> 
             "commands",
             ours,
             theirs,
-            |r| r.in_flight.commands,
+            |r| r.on_redis.in_flight.commands,
             None,
         )?,
         pair(
@@ -948,7 +976,7 @@ fn report(ours: &[Run], theirs: &[Run], load_before: &str, load_after: &str) -> 
             "keys",
             ours,
             theirs,
-            |r| r.in_flight.misexecuted as f64,
+            |r| r.on_redis.in_flight.misexecuted as f64,
             Some(Goal::AtMost(0.0)),
         )?,
     ]);
@@ -959,7 +987,7 @@ fn report(ours: &[Run], theirs: &[Run], load_before: &str, load_after: &str) -> 
             "answers",
             ours,
             theirs,
-            |r| r.storm.answers.with_first_response as f64,
+            |r| r.on_redis.storm.answers.with_first_response as f64,
             None,
         )?,
         pair(
@@ -967,7 +995,7 @@ fn report(ours: &[Run], theirs: &[Run], load_before: &str, load_after: &str) -> 
             "µs",
             ours,
             theirs,
-            |r| pct(&r.storm.latencies_us, 50.0),
+            |r| pct(&r.on_redis.storm.latencies_us, 50.0),
             None,
         )?,
         pair(
@@ -975,7 +1003,7 @@ fn report(ours: &[Run], theirs: &[Run], load_before: &str, load_after: &str) -> 
             "µs",
             ours,
             theirs,
-            |r| pct(&r.storm.latencies_us, 99.0),
+            |r| pct(&r.on_redis.storm.latencies_us, 99.0),
             None,
         )?,
         pair(
@@ -983,7 +1011,7 @@ fn report(ours: &[Run], theirs: &[Run], load_before: &str, load_after: &str) -> 
             "commands",
             ours,
             theirs,
-            |r| r.storm.commands,
+            |r| r.on_redis.storm.commands,
             None,
         )?,
         pair(
@@ -991,17 +1019,17 @@ fn report(ours: &[Run], theirs: &[Run], load_before: &str, load_after: &str) -> 
             "executions",
             ours,
             theirs,
-            |r| r.storm.executions as f64,
+            |r| r.on_redis.storm.executions as f64,
             Some(Goal::AtMost(1.0)),
         )?,
     ]);
     let executed_once = |runs: &[Run]| {
         runs.iter().all(|r| {
-            r.fresh.misexecuted == 0
+            r.on_redis.fresh.misexecuted == 0
                 && r.fresh_on_valkey.misexecuted == 0
-                && r.replay.misexecuted == 0
-                && r.in_flight.misexecuted == 0
-                && r.storm.executions == 1
+                && r.on_redis.replay.misexecuted == 0
+                && r.on_redis.in_flight.misexecuted == 0
+                && r.on_redis.storm.executions == 1
         })
     };
     let statuses = |runs: &[Run], of: fn(&Run) -> &Answers| {
@@ -1080,10 +1108,10 @@ fn report(ours: &[Run], theirs: &[Run], load_before: &str, load_after: &str) -> 
                 c = wrk::CONNECTIONS,
                 s = wrk::SECONDS,
                 limit = CALL_LIMIT.as_secs(),
-                od = statuses(ours, |r| &r.in_flight.answers),
-                pd = statuses(theirs, |r| &r.in_flight.answers),
-                os = statuses(ours, |r| &r.storm.answers),
-                ps = statuses(theirs, |r| &r.storm.answers),
+                od = statuses(ours, |r| &r.on_redis.in_flight.answers),
+                pd = statuses(theirs, |r| &r.on_redis.in_flight.answers),
+                os = statuses(ours, |r| &r.on_redis.storm.answers),
+                ps = statuses(theirs, |r| &r.on_redis.storm.answers),
             ),
             format!(
                 "The peer's settings: `REQUEST_TIMEOUT={PEER_REQUEST_TIMEOUT_MS}` (its lock's \

@@ -361,7 +361,7 @@ const BENCH_PROFILE: &str = "dist";
 /// `dist` profile, the one the sidecar's image is built with: the sidecar runs inside the
 /// runner, so its figures are those of the build users run (`Cargo.toml` says what `dist` is).
 fn bench(root: &Path, groups: &[String]) -> Result<()> {
-    toolchain::ensure_apt(&[
+    let needs = [
         ("valgrind", "valgrind"),
         ("redis-server", "redis-server"),
         ("wrk", "wrk"),
@@ -369,8 +369,8 @@ fn bench(root: &Path, groups: &[String]) -> Result<()> {
             "/usr/share/fonts/truetype/dejavu/DejaVuSans.ttf",
             "fonts-dejavu-core",
         ),
-    ])?;
-    toolchain::ensure_apt(valkey::APT_NEEDS)?;
+    ];
+    toolchain::ensure_apt(&[&needs, valkey::APT_NEEDS].concat())?;
     // The sidecar and peer groups run the sidecar on Valkey 8.1 too, where a fresh key's
     // complete is one `SET … IFEQ` (`bench/src/groups/sidecar.rs`, `bench/src/peer.rs`).
     let valkey = valkey::ensure(root)?;
@@ -394,7 +394,7 @@ fn bench(root: &Path, groups: &[String]) -> Result<()> {
         .arg(root.join("target"))
         .arg("--out")
         .arg(root.join("BENCHMARKS.md"))
-        .env("IDEMGATE_VALKEY_SERVER", valkey)
+        .env(valkey::ENV, valkey)
         .current_dir(root),
     )
 }

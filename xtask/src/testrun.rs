@@ -27,8 +27,6 @@ use std::time::Instant;
 const LANES: usize = 2;
 /// The variable the rig's tests find the built binaries by (`idemgate_rig::child::BIN_DIR_ENV`).
 const BIN_DIR_ENV: &str = "IDEMGATE_BIN_DIR";
-/// The variable the tests find the Valkey server by (`idemgate_sidecar::testing::valkey_server`).
-const VALKEY_ENV: &str = "IDEMGATE_VALKEY_SERVER";
 /// Binaries known to run longest, longest first: each goes to the lane that frees first, and
 /// the short ones fill in after them. Measured on a clean clone (two lanes): e2e 58 s, the
 /// sidecar's 54 s, faults 39 s, host-tests 23 s, the rest 4 s together; e2e and faults first
@@ -215,7 +213,7 @@ fn run(binary: &TestBinary, bin_dir: &Path, valkey: &Path, logs: &Path) -> Resul
         )
         .env("CARGO_MANIFEST_DIR", &binary.package_dir)
         .env(BIN_DIR_ENV, bin_dir)
-        .env(VALKEY_ENV, valkey)
+        .env(crate::valkey::ENV, valkey)
         .stdin(Stdio::null())
         .stdout(log.try_clone()?)
         .stderr(log)

@@ -23,6 +23,10 @@ const ARCHIVE_URL: &str =
     "http://deb.debian.org/debian/pool/main/v/valkey/valkey_8.1.1+dfsg1.orig.tar.xz";
 const ARCHIVE_SHA256: &str = "d9bbd82eecb82f359e649a0007ad3dc1b47cc15afa626348ca86b73c4ae2c7ee";
 
+/// The variable the tests and the bench find the built server by
+/// (`idemgate_sidecar::testing::valkey_server`).
+pub const ENV: &str = "IDEMGATE_VALKEY_SERVER";
+
 /// What the build needs beyond the Rust toolchain: `(binary, Debian package)`.
 pub const APT_NEEDS: &[(&str, &str)] = &[
     ("curl", "curl"),

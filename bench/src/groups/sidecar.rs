@@ -266,8 +266,6 @@ fn load_figures(
     figures
 }
 
-/// The HTTP hop alone (the ceiling of any store) against raw Redis, and the sidecar on
-/// Redis against it.
 /// The sidecar on Valkey 8.1, where a fresh grant's complete is one `SET … IFEQ` instead of
 /// the compare-and-set script, against the HTTP hop alone and against itself on Redis 7.0.
 fn valkey_figures(on_valkey: &Repeated, on_redis: &Repeated, hop: &Repeated) -> Vec<Figure> {
@@ -300,6 +298,8 @@ fn valkey_figures(on_valkey: &Repeated, on_redis: &Repeated, hop: &Repeated) -> 
     ]
 }
 
+/// The HTTP hop alone (the ceiling of any store) against raw Redis, and the sidecar on
+/// Redis against it.
 fn hop_figures(
     concurrency: usize,
     hop: &Repeated,
