@@ -90,10 +90,11 @@ impl Api {
         if let Some(span) = &span {
             telemetry::finish(span, response.status(), store_time);
         }
-        self.metrics
-            .request_seconds
-            .with_label_values(&[route, response.status().as_str()])
-            .observe(started.elapsed().as_secs_f64());
+        self.metrics.observe_request(
+            route,
+            response.status().as_str(),
+            started.elapsed().as_secs_f64(),
+        );
         response
     }
 }

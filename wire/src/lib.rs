@@ -293,10 +293,13 @@ pub fn decode<'a, T: Deserialize<'a>>(frame: &'a [u8]) -> Result<(T, &'a [u8]), 
 
 /// A frame's head and payload (empty when absent).
 fn split(frame: &[u8]) -> (&[u8], &[u8]) {
-    let mut parts = frame.splitn(2, |&b| b == b'\n');
-    let head = parts.next().unwrap_or_default();
-    let payload = parts.next().unwrap_or_default();
-    (head, payload)
+    match memchr::memchr(b'\n', frame) {
+        Some(at) => {
+            let (head, rest) = frame.split_at(at);
+            (head, rest.get(1..).unwrap_or_default())
+        }
+        None => (frame, &[]),
+    }
 }
 
 #[cfg(test)]

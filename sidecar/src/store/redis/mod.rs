@@ -298,7 +298,8 @@ impl RedisStore {
         expiry_ms: Option<u64>,
     ) -> StoreResult<bool> {
         if self.compare_set.command() {
-            let mut set = redis::cmd("SET");
+            let mut set =
+                scripts::command("SET", 6, k.record.len() + released.len() + grant.len() + 32);
             set.arg(&k.record).arg(&released).arg("IFEQ").arg(grant);
             match expiry_ms {
                 Some(ms) => set.arg("PX").arg(ms),
@@ -344,14 +345,10 @@ impl RedisStore {
         let now_us = clock.read_us();
         let lease_ms = millis(args.lease);
         let fingerprint = args.fingerprint.unwrap_or("");
-        let mut set = redis::cmd("SET");
+        let packed = record::fresh_grant(now_us, args.owner, fingerprint, lease_ms);
+        let mut set = scripts::command("SET", 6, k.record.len() + packed.len() + 32);
         set.arg(&k.record)
-            .arg(record::fresh_grant(
-                now_us,
-                args.owner,
-                fingerprint,
-                lease_ms,
-            ))
+            .arg(packed)
             .arg("NX")
             .arg("GET")
             .arg("PX")

@@ -834,10 +834,21 @@ return 0
     ))
 });
 
+/// Command `name` with room for `args` more arguments of `bytes` in all. `redis::cmd` starts
+/// with two empty buffers that grow argument by argument: a few reallocations per command,
+/// ~2,500 instructions per fresh claim+complete pair (callgrind).
+pub(super) fn command(name: &str, args: usize, bytes: usize) -> Cmd {
+    let mut cmd = Cmd::with_capacity(1 + args, name.len() + bytes);
+    cmd.arg(name);
+    cmd
+}
+
 /// `EVALSHA <sha> <numkeys> <keys...>`, ready for the script's ARGV: built straight into one
 /// command buffer (redis-rs's `ScriptInvocation` copies every key and argument twice).
 pub(super) fn evalsha(script: &Script, keys: &[&str]) -> Cmd {
-    let mut cmd = redis::cmd("EVALSHA");
+    // Room for the keys and a dozen short arguments; a stored body grows it.
+    let key_bytes: usize = keys.iter().map(|k| k.len()).sum();
+    let mut cmd = command("EVALSHA", 2 + keys.len() + 12, 64 + key_bytes + 256);
     cmd.arg(script.get_hash()).arg(keys.len());
     for key in keys {
         cmd.arg(*key);
