@@ -9,9 +9,9 @@
 /// lease's start) for `lease_ms`, with fingerprint `fingerprint` ('' for none) and no
 /// pick-up deadline.
 pub(super) fn fresh_grant(now_us: u64, owner: &str, fingerprint: &str, lease_ms: u64) -> Vec<u8> {
-    let now = now_us.to_string();
-    let lease = lease_ms.to_string();
-    let fields: [&str; 7] = [&now, owner, fingerprint, &now, &now, &lease, "0"];
+    let (mut now, mut lease) = (itoa::Buffer::new(), itoa::Buffer::new());
+    let (now, lease) = (now.format(now_us), lease.format(lease_ms));
+    let fields: [&str; 7] = [now, owner, fingerprint, now, now, lease, "0"];
     let mut packed = Vec::with_capacity(16 + fields.iter().map(|f| f.len() + 3).sum::<usize>());
     // A fixarray of seven.
     packed.push(0x90 | 7);
@@ -26,15 +26,16 @@ pub(super) fn fresh_grant(now_us: u64, owner: &str, fingerprint: &str, lease_ms:
 /// rfp = .., kept = ..})` in `scripts::COMPLETE`, the fields between packed as `false` and
 /// trailing absent ones left out.
 pub(super) fn released(fence: u64, response: Option<&StoredFields<'_>>) -> Vec<u8> {
-    let fence = fence.to_string();
+    let mut fence_digits = itoa::Buffer::new();
+    let fence = fence_digits.format(fence);
     let Some(stored) = response else {
         let mut packed = Vec::with_capacity(2 + fence.len());
         packed.push(0x90 | 1);
         push_str(&mut packed, fence.as_bytes());
         return packed;
     };
-    let status = stored.status.to_string();
-    let kept = stored.kept_us.to_string();
+    let (mut status, mut kept) = (itoa::Buffer::new(), itoa::Buffer::new());
+    let (status, kept) = (status.format(stored.status), kept.format(stored.kept_us));
     let fields: [&[u8]; 5] = [
         status.as_bytes(),
         stored.headers.as_bytes(),
