@@ -404,6 +404,35 @@ mod tests {
         }
     }
 
+    /// The series resolved at start are the ones a lookup by label values finds: what the
+    /// resolved handles count shows under their labels, beside the series looked up then.
+    #[test]
+    fn resolved_series_count_under_their_labels() {
+        let text = super::Metrics::new()
+            .map(|m| {
+                m.observe_request(idemgate_wire::paths::COMPLETE, "200", 0.001);
+                m.observe_request(idemgate_wire::paths::COMPLETE, "200", 0.002);
+                m.observe_request(idemgate_wire::paths::COMPLETE, "409", 0.001);
+                m.observe_request("/healthz", "200", 0.001);
+                m.count_claim("granted");
+                m.count_claim("busy");
+                m.count_claim("busy");
+                m.render()
+            })
+            .unwrap_or_default();
+        for line in [
+            "idemgate_sidecar_request_seconds_count{route=\"/v1/complete\",status=\"200\"} 2",
+            "idemgate_sidecar_request_seconds_count{route=\"/v1/complete\",status=\"409\"} 1",
+            "idemgate_sidecar_request_seconds_count{route=\"/healthz\",status=\"200\"} 1",
+            "idemgate_sidecar_request_seconds_count{route=\"/v1/claim\",status=\"200\"} 0",
+            "idemgate_sidecar_claims_total{outcome=\"granted\"} 1",
+            "idemgate_sidecar_claims_total{outcome=\"busy\"} 2",
+            "idemgate_sidecar_claims_total{outcome=\"mismatch\"} 0",
+        ] {
+            assert!(text.contains(line), "{line}: {text}");
+        }
+    }
+
     #[test]
     fn every_metric_registers() {
         let metrics = super::Metrics::new().map_err(|e| e.to_string());
