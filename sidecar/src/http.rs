@@ -626,19 +626,8 @@ mod tests {
 
     #[test]
     fn route_labels_name_the_route_patterns() {
-        for route in [
-            paths::CLAIM,
-            paths::COMPLETE,
-            paths::ABORT,
-            paths::LEAVE,
-            paths::RENEW,
-            paths::RATE,
-            ADMIN_KEYS,
-            ADMIN_RELEASE,
-            HEALTHZ,
-            READYZ,
-            METRICS,
-        ] {
+        let others = [ADMIN_KEYS, ADMIN_RELEASE, HEALTHZ, READYZ, METRICS];
+        for route in crate::metrics::PROTOCOL_ROUTES.into_iter().chain(others) {
             assert_eq!(route_label(route), route);
         }
         assert_eq!(route_label("/admin/v1/keys/a/b"), ADMIN_KEY);

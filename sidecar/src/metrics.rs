@@ -103,8 +103,8 @@ pub(crate) struct Metrics {
     store_seconds: Vec<Histogram>,
 }
 
-/// The routes whose 200 answers' latency is resolved in advance.
-const PROTOCOL_ROUTES: [&str; 6] = [
+/// The protocol's routes: their 200 answers' latency is resolved in advance.
+pub(crate) const PROTOCOL_ROUTES: [&str; 6] = [
     paths::CLAIM,
     paths::COMPLETE,
     paths::ABORT,
