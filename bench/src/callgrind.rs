@@ -25,8 +25,14 @@ pub fn instructions(toggle: &str, program: &Path, args: &[String], scratch: &Pat
             args.join(" ")
         );
     }
-    let text = std::fs::read_to_string(&out)?;
-    let _ = std::fs::remove_file(&out);
+    take_totals(&out)
+}
+
+/// The total instructions in a finished run's output file `out`, which is then removed.
+pub fn take_totals(out: &Path) -> Result<u64> {
+    let text =
+        std::fs::read_to_string(out).with_context(|| format!("reading {}", out.display()))?;
+    let _ = std::fs::remove_file(out);
     totals(&text).with_context(|| format!("no totals in {}", out.display()))
 }
 

@@ -11,6 +11,7 @@ mod peer;
 mod plugin_cost;
 mod queue_handoff;
 mod report;
+mod sidecar_instructions;
 mod sidecar_load;
 mod stack;
 mod stats;
@@ -58,6 +59,12 @@ enum Command {
         kind: String,
         #[arg(long)]
         requests: u64,
+    },
+    /// Internal: the sidecar process `valgrind --tool=callgrind` runs for one sidecar count.
+    SidecarChild {
+        /// `hop`, `memory` or a `redis://` URL.
+        #[arg(long)]
+        serve: String,
     },
 }
 
@@ -110,5 +117,6 @@ fn main() -> Result<()> {
             }
             plugin_cost::measured_requests(&mut driver, requests)
         }
+        Command::SidecarChild { serve } => sidecar_instructions::child(&serve),
     }
 }

@@ -75,12 +75,12 @@ impl H2 {
         self.request(request).await
     }
 
-    async fn claim(&self, req: &ClaimRequest) -> Result<ClaimOutcome> {
+    pub(crate) async fn claim(&self, req: &ClaimRequest) -> Result<ClaimOutcome> {
         let body = self.post(paths::CLAIM, req).await?;
         Ok(idemgate_wire::decode::<ClaimOutcome>(&body)?.0)
     }
 
-    async fn complete(&self, key: &str, owner: &str) -> Result<()> {
+    pub(crate) async fn complete(&self, key: &str, owner: &str) -> Result<()> {
         let req = CompleteRequest {
             key: key.to_owned(),
             owner: owner.to_owned(),
@@ -102,7 +102,7 @@ impl H2 {
     }
 }
 
-fn lock_claim(key: String, wait: bool) -> ClaimRequest {
+pub(crate) fn lock_claim(key: String, wait: bool) -> ClaimRequest {
     ClaimRequest {
         key,
         mode: Mode::Lock,

@@ -3,6 +3,7 @@
 
 use super::LOAD_RUNS;
 use crate::report::{Figure, Goal, Group};
+use crate::sidecar_instructions::{self, Served};
 use crate::sidecar_load::{self, Repeated, Server};
 use crate::stack::SIDECAR_WORKERS;
 use crate::stats::{Summary, percentile};
@@ -13,6 +14,8 @@ use idemgate_sidecar::testing::{RedisCluster, RedisServer};
 /// Seconds per closed-loop run, hand-off samples per run.
 const LOAD_SECONDS: f64 = 3.0;
 const HANDOFF_SAMPLES: usize = 100;
+/// Callgrind counts per configuration (each two whole sidecar processes).
+const COUNTED_RUNS: usize = 2;
 
 pub fn group() -> Result<Group> {
     let runtime = tokio::runtime::Builder::new_multi_thread()
@@ -57,6 +60,11 @@ pub fn group() -> Result<Group> {
                 let target = Server::Sidecar(valkey.store_config());
                 let on_valkey = through(server, target, &[&valkey], concurrency).await?;
                 figures.extend(valkey_figures(&on_valkey, &on_redis, &hop));
+                println!(
+                    "  instructions per pair (callgrind): HTTP hop alone, memory, Redis 7.0, \
+                     Valkey 8.1"
+                );
+                figures.extend(instruction_figures(redis, &valkey).await?);
                 println!("  concurrency 64: sidecar on a three-primary Cluster");
                 let cluster = RedisCluster::start().context("starting a Redis Cluster")?;
                 let primaries: Vec<&RedisServer> = cluster.nodes().iter().collect();
@@ -135,9 +143,55 @@ pub fn group() -> Result<Group> {
                  alone's (the goal's ratio) and its server's against `redis-server` 7.0's in \
                  the sidecar-on-Redis rows. Valkey ≥ 8.1 (and Redis ≥ 8.4) has `SET … IFEQ`, \
                  so a fresh grant's complete is that one command instead of the \
-                 compare-and-set script.".to_owned()],
+                 compare-and-set script.".to_owned(),
+                format!("The instruction rows: the sidecar alone in a child process under \
+                 `valgrind --tool=callgrind` ({SIDECAR_WORKERS} worker thread), driven over \
+                 real sockets by the same client, 64 tasks over 4 h2c connections, each \
+                 claiming a fresh key (lock mode) and completing it; the process's total for \
+                 6,000 pairs less its total for 1,000, over 5,000, so start-up and shutdown \
+                 cancel; {COUNTED_RUNS} counts per configuration. They repeat within a few \
+                 percent where the CPU rows move by 5–10 %, and they leave out the kernel \
+                 (system calls, wake-ups), which the CPU rows include. Under callgrind one \
+                 thread runs at a time, so commands gather into smaller batches than at full \
+                 speed: compare these rows with each other, not with the CPU rows.")],
         })
     })
+}
+
+/// Callgrind's count of the sidecar's instructions per pair on each store beside the HTTP hop
+/// alone's (`sidecar_instructions`): the goal's ratio as a figure that repeats within a few
+/// percent, where the CPU rows add the kernel's share and the machine's drift.
+async fn instruction_figures(redis: &RedisServer, valkey: &RedisServer) -> Result<Vec<Figure>> {
+    async fn counted(served: Served<'_>) -> Result<Summary> {
+        let mut samples = Vec::with_capacity(COUNTED_RUNS);
+        for _ in 0..COUNTED_RUNS {
+            samples.push(sidecar_instructions::per_pair(served).await?);
+        }
+        Summary::of(&samples).context("no counts")
+    }
+    let hop = counted(Served::HttpHop).await?;
+    let mut figures = vec![Figure {
+        name: "HTTP hop alone: instructions per round trip, server (callgrind)".into(),
+        unit: "instr/round trip",
+        value: hop,
+        baseline: None,
+        goal: None,
+    }];
+    let (redis_url, valkey_url) = (redis.url(), valkey.url());
+    for (name, served) in [
+        ("sidecar on memory", Served::Memory),
+        ("sidecar on Redis 7.0", Served::Redis(&redis_url)),
+        ("sidecar on Valkey 8.1", Served::Redis(&valkey_url)),
+    ] {
+        figures.push(Figure {
+            name: format!("{name}: instructions per round trip, sidecar (callgrind)"),
+            unit: "instr/round trip",
+            value: counted(served).await?,
+            baseline: Some(("HTTP hop alone, server".into(), hop)),
+            goal: None,
+        });
+    }
+    Ok(figures)
 }
 
 /// `LOAD_RUNS` runs of claim+complete pairs through `target` at `concurrency`, the CPU and
