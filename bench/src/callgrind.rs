@@ -9,11 +9,8 @@ use std::process::Command;
 /// `--toggle-collect` pattern) while running `program args`.
 pub fn instructions(toggle: &str, program: &Path, args: &[String], scratch: &Path) -> Result<u64> {
     let out = scratch.join(format!("callgrind.{}.out", std::process::id()));
-    let status = Command::new("valgrind")
-        .arg("--tool=callgrind")
+    let status = valgrind(&out)
         .arg(format!("--toggle-collect={toggle}"))
-        .arg(format!("--callgrind-out-file={}", out.display()))
-        .arg("--quiet")
         .arg(program)
         .args(args)
         .status()
@@ -26,6 +23,17 @@ pub fn instructions(toggle: &str, program: &Path, args: &[String], scratch: &Pat
         );
     }
     take_totals(&out)
+}
+
+/// `valgrind --tool=callgrind`, quiet, writing its counts to `out`: the program and its
+/// arguments (and any further callgrind options) follow.
+pub fn valgrind(out: &Path) -> Command {
+    let mut valgrind = Command::new("valgrind");
+    valgrind
+        .arg("--tool=callgrind")
+        .arg(format!("--callgrind-out-file={}", out.display()))
+        .arg("--quiet");
+    valgrind
 }
 
 /// The total instructions in a finished run's output file `out`, which is then removed.

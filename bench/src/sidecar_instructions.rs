@@ -12,11 +12,10 @@
 //! compare configurations with each other, not with the CPU rows.
 
 use crate::callgrind;
-use crate::sidecar_load::{H2, lock_claim};
+use crate::sidecar_load::{self, H2, Server};
 use crate::stack::SIDECAR_WORKERS;
 use anyhow::{Context, Result, bail};
-use idemgate_sidecar::{Config, RedisConfig, RedisTopology, Sidecar, StoreConfig};
-use idemgate_wire::ClaimOutcome;
+use idemgate_sidecar::{RedisConfig, RedisTopology, StoreConfig};
 use std::io::Read;
 use std::net::SocketAddr;
 use std::process::Stdio;
@@ -27,15 +26,11 @@ use tokio::io::AsyncBufReadExt;
 
 /// Pairs of the short and the long run.
 const COUNTED_PAIRS: (u64, u64) = (1_000, 6_000);
-/// Concurrent client tasks, and connections they share (as the sidecar group at 64).
+/// Concurrent client tasks (as the sidecar group's load at 64).
 const CONCURRENCY: usize = 64;
-const CONNECTIONS: usize = 4;
 /// Bounds on one run under valgrind (about 50 times slower than native).
 const START_LIMIT: Duration = Duration::from_secs(120);
 const RUN_LIMIT: Duration = Duration::from_secs(600);
-
-/// Counted runs so far in this process: each claims keys no earlier run used.
-static COUNTED_RUNS: AtomicU64 = AtomicU64::new(0);
 
 /// What a counted sidecar serves: its HTTP stack's fixed answers, or a store.
 #[derive(Clone, Copy)]
@@ -55,6 +50,20 @@ impl Served<'_> {
             Served::Redis(url) => url,
         }
     }
+
+    /// What the child serves for its `--serve` argument.
+    fn server(arg: &str) -> Server {
+        match arg {
+            "hop" => Server::HttpHop,
+            "memory" => Server::Sidecar(StoreConfig::Memory),
+            url => Server::Sidecar(StoreConfig::Redis(RedisConfig {
+                urls: vec![url.to_owned()],
+                topology: RedisTopology::Standalone,
+                prefix: "idemgate".to_owned(),
+                tls: Default::default(),
+            })),
+        }
+    }
 }
 
 /// Instructions the sidecar's process executes per fresh claim+complete pair, serving `served`.
@@ -70,15 +79,12 @@ pub async fn per_pair(served: Served<'_>) -> Result<f64> {
 
 /// Total instructions of one sidecar process under callgrind that answered `pairs` pairs.
 async fn counted_run(served: Served<'_>, pairs: u64) -> Result<u64> {
-    let run = COUNTED_RUNS.fetch_add(1, Ordering::Relaxed);
+    let run = sidecar_load::next_run();
     let out = std::env::temp_dir().join(format!(
         "callgrind.sidecar.{}.{run}.out",
         std::process::id()
     ));
-    let mut child = tokio::process::Command::new("valgrind")
-        .arg("--tool=callgrind")
-        .arg(format!("--callgrind-out-file={}", out.display()))
-        .arg("--quiet")
+    let mut child = tokio::process::Command::from(callgrind::valgrind(&out))
         .arg(std::env::current_exe().context("finding the bench's own executable")?)
         .args(["sidecar-child", "--serve", served.arg()])
         .stdin(Stdio::piped())
@@ -109,17 +115,14 @@ async fn counted_run(served: Served<'_>, pairs: u64) -> Result<u64> {
     callgrind::take_totals(&out)
 }
 
-/// `pairs` fresh claim+complete pairs from [`CONCURRENCY`] tasks over [`CONNECTIONS`] h2c
-/// connections to `addr`.
+/// `pairs` fresh claim+complete pairs from [`CONCURRENCY`] tasks over the connections they
+/// share to `addr`.
 async fn drive(addr: SocketAddr, pairs: u64, run: u64) -> Result<()> {
-    let mut clients = Vec::with_capacity(CONNECTIONS);
-    for _ in 0..CONNECTIONS {
-        clients.push(H2::connect(addr).await?);
-    }
+    let clients = H2::connect_for(addr, CONCURRENCY).await?;
     let next = Arc::new(AtomicU64::new(0));
     let tasks: Vec<_> = (0..CONCURRENCY)
         .map(|task| {
-            let client = clients.get(task % CONNECTIONS).cloned();
+            let client = clients.get(task % clients.len().max(1)).cloned();
             let next = Arc::clone(&next);
             tokio::spawn(async move {
                 let client = client.context("no connection")?;
@@ -128,13 +131,7 @@ async fn drive(addr: SocketAddr, pairs: u64, run: u64) -> Result<()> {
                     if i >= pairs {
                         return Ok::<_, anyhow::Error>(());
                     }
-                    let key = format!("counted-{run}-{i}");
-                    match client.claim(&lock_claim(key.clone(), false)).await? {
-                        ClaimOutcome::Granted { owner, .. } => {
-                            client.complete(&key, &owner).await?
-                        }
-                        other => bail!("claim answered {other:?}"),
-                    }
+                    client.fresh_pair(&format!("counted-{run}-{i}")).await?;
                 }
             })
         })
@@ -153,21 +150,7 @@ pub fn child(serve: &str) -> Result<()> {
         .worker_threads(SIDECAR_WORKERS)
         .enable_all()
         .build()?;
-    let sidecar = runtime.block_on(async {
-        match serve {
-            "hop" => Sidecar::spawn_canned(Config::loopback(StoreConfig::Memory)).await,
-            "memory" => Sidecar::spawn(Config::loopback(StoreConfig::Memory)).await,
-            url => {
-                Sidecar::spawn(Config::loopback(StoreConfig::Redis(RedisConfig {
-                    urls: vec![url.to_owned()],
-                    topology: RedisTopology::Standalone,
-                    prefix: "idemgate".to_owned(),
-                    tls: Default::default(),
-                })))
-                .await
-            }
-        }
-    })?;
+    let sidecar = runtime.block_on(Served::server(serve).spawn())?;
     println!("{}", sidecar.addr());
     // Blocks this thread only: the sidecar runs on the runtime's worker meanwhile.
     let mut ignored = Vec::new();

@@ -35,7 +35,7 @@ use tokio::runtime::Handle;
 pub use idemgate_rig::sidecar::SIDECAR_THREADS;
 
 /// h2c connections a run uses at most (Envoy: one per worker thread).
-const CONNECTIONS: usize = 4;
+pub(crate) const CONNECTIONS: usize = 4;
 
 /// A multiplexed h2c connection to the sidecar.
 #[derive(Clone)]
@@ -58,6 +58,24 @@ impl H2 {
         })
     }
 
+    /// The connections `concurrency` callers share: one each, up to [`CONNECTIONS`].
+    pub(crate) async fn connect_for(addr: SocketAddr, concurrency: usize) -> Result<Vec<H2>> {
+        let mut clients = Vec::with_capacity(concurrency.min(CONNECTIONS));
+        for _ in 0..concurrency.min(CONNECTIONS) {
+            clients.push(H2::connect(addr).await?);
+        }
+        Ok(clients)
+    }
+
+    /// One round trip of the figures: claims `key`, a key nobody holds (lock mode), and
+    /// completes it.
+    pub(crate) async fn fresh_pair(&self, key: &str) -> Result<()> {
+        match self.claim(&lock_claim(key.to_owned(), false)).await? {
+            ClaimOutcome::Granted { owner, .. } => self.complete(key, &owner).await,
+            other => bail!("claim answered {other:?}"),
+        }
+    }
+
     async fn request(&self, request: hyper::Request<Full<Bytes>>) -> Result<Bytes> {
         let mut send = self.send.clone();
         send.ready().await?;
@@ -75,12 +93,12 @@ impl H2 {
         self.request(request).await
     }
 
-    pub(crate) async fn claim(&self, req: &ClaimRequest) -> Result<ClaimOutcome> {
+    async fn claim(&self, req: &ClaimRequest) -> Result<ClaimOutcome> {
         let body = self.post(paths::CLAIM, req).await?;
         Ok(idemgate_wire::decode::<ClaimOutcome>(&body)?.0)
     }
 
-    pub(crate) async fn complete(&self, key: &str, owner: &str) -> Result<()> {
+    async fn complete(&self, key: &str, owner: &str) -> Result<()> {
         let req = CompleteRequest {
             key: key.to_owned(),
             owner: owner.to_owned(),
@@ -102,7 +120,7 @@ impl H2 {
     }
 }
 
-pub(crate) fn lock_claim(key: String, wait: bool) -> ClaimRequest {
+fn lock_claim(key: String, wait: bool) -> ClaimRequest {
     ClaimRequest {
         key,
         mode: Mode::Lock,
@@ -224,6 +242,13 @@ where
 /// Sidecar runs so far in this process: each claims keys no earlier run used.
 static RUNS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
 
+/// A number no earlier sidecar run of this process had. Keys of one run only: a key claimed
+/// by an earlier run still has its record (its fence, for `--fence-ttl-secs`), and claiming
+/// it is not the fresh-key path.
+pub(crate) fn next_run() -> u64 {
+    RUNS.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+}
+
 /// What answers the bench client's claims and completes.
 #[derive(Clone)]
 pub enum Server {
@@ -232,6 +257,16 @@ pub enum Server {
     /// The sidecar's HTTP stack answering fixed bodies without a store
     /// ([`Sidecar::spawn_canned`]): the HTTP hop alone, which no store change can remove.
     HttpHop,
+}
+
+impl Server {
+    /// A sidecar serving this on 127.0.0.1, on the current runtime.
+    pub async fn spawn(self) -> Result<Sidecar> {
+        Ok(match self {
+            Server::Sidecar(store) => Sidecar::spawn(Config::loopback(store)).await?,
+            Server::HttpHop => Sidecar::spawn_canned(Config::loopback(StoreConfig::Memory)).await?,
+        })
+    }
 }
 
 /// claim (granted) + complete (released) round trips through `target`, served by the
@@ -244,32 +279,14 @@ pub async fn sidecar_round_trips(
     concurrency: usize,
     seconds: f64,
 ) -> Result<Run> {
-    let sidecar = server
-        .spawn(async move {
-            match target {
-                Server::Sidecar(store) => Sidecar::spawn(Config::loopback(store)).await,
-                Server::HttpHop => {
-                    Sidecar::spawn_canned(Config::loopback(StoreConfig::Memory)).await
-                }
-            }
-        })
-        .await??;
-    let mut clients = Vec::new();
-    for _ in 0..concurrency.min(CONNECTIONS) {
-        clients.push(H2::connect(sidecar.addr()).await?);
-    }
-    // Keys of this run only: a key claimed by an earlier run still has its record (its
-    // fence, for `--fence-ttl-secs`), and claiming it is not the fresh-key path.
-    let run_id = RUNS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let sidecar = server.spawn(target.spawn()).await??;
+    let clients = H2::connect_for(sidecar.addr(), concurrency).await?;
+    let run_id = next_run();
     let run = closed_loop(redis, concurrency, seconds, move |w, i| {
         let client = clients.get(w % clients.len().max(1)).cloned();
         async move {
             let client = client.context("no connection")?;
-            let key = format!("bench-{run_id}-{w}-{i}");
-            match client.claim(&lock_claim(key.clone(), false)).await? {
-                ClaimOutcome::Granted { owner, .. } => client.complete(&key, &owner).await,
-                other => bail!("claim answered {other:?}"),
-            }
+            client.fresh_pair(&format!("bench-{run_id}-{w}-{i}")).await
         }
     })
     .await;

@@ -31,6 +31,9 @@ use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
+/// The Redis server the tests start (Debian 12's is 7.0).
+const REDIS_SERVER: &str = "redis-server";
+
 /// How long a starting server gets before the test fails.
 const START_TIMEOUT: Duration = Duration::from_secs(15);
 
@@ -68,7 +71,7 @@ impl RedisServer {
     /// # Errors
     /// `redis-server` is missing or does not come up.
     pub fn start_with(extra: &[&str]) -> io::Result<Self> {
-        Self::start_program("redis-server", extra)
+        Self::start_program(REDIS_SERVER, extra)
     }
 
     /// Starts a throw-away Valkey server ([`valkey_server`]): a server with `SET … IFEQ`,
@@ -417,7 +420,7 @@ impl RedisCluster {
             let dir = scratch_dir(port)?;
             let conf = dir.join("nodes.conf").to_string_lossy().into_owned();
             let mut node = RedisServer {
-                program: "redis-server".to_owned(),
+                program: REDIS_SERVER.to_owned(),
                 port,
                 dir,
                 extra: vec![
@@ -508,7 +511,7 @@ impl RedisSentinel {
                 ),
             )?;
             let mut sentinel = RedisServer {
-                program: "redis-server".to_owned(),
+                program: REDIS_SERVER.to_owned(),
                 port,
                 dir,
                 extra: Vec::new(),
