@@ -329,7 +329,14 @@ fn bearer_token(value: &[u8]) -> Option<&[u8]> {
 // === protocol ===
 
 /// Reads the whole body, refusing more than the configured limit allows.
+///
+/// By hand rather than with `axum::body::to_bytes`: a protocol body is one DATA frame with
+/// the end of the stream on it, which this returns as it came (no copy, no list of frames to
+/// collect it in) and without polling the stream again to learn that it ended. That was
+/// about a third of reading it, on every request (`benchmarks/sidecar.notes.md`).
 async fn read_body<S>(app: &App<S>, req: Request) -> Result<Bytes, Rejection> {
+    use axum::body::HttpBody as _;
+    use http_body_util::BodyExt;
     let limit = app.config.limits.max_body.saturating_add(HEAD_ALLOWANCE);
     let too_large = || {
         problem(
@@ -347,18 +354,35 @@ async fn read_body<S>(app: &App<S>, req: Request) -> Result<Bytes, Rejection> {
     if declared.is_some_and(|n| n > limit as u64) {
         return Err(too_large());
     }
-    axum::body::to_bytes(req.into_body(), limit)
-        .await
-        .map_err(|err| {
-            let mut source: Option<&(dyn std::error::Error + 'static)> = Some(&err);
-            while let Some(e) = source {
-                if e.is::<http_body_util::LengthLimitError>() {
-                    return too_large();
-                }
-                source = e.source();
-            }
-            bad_request(format!("cannot read the request body: {err}"))
-        })
+    let mut body = req.into_body();
+    // The first data frame as it came, and the frames joined once a second one arrives.
+    let mut first = Bytes::new();
+    let mut joined = bytes::BytesMut::new();
+    while !body.is_end_stream() {
+        let Some(frame) = body.frame().await else {
+            break;
+        };
+        let frame =
+            frame.map_err(|err| bad_request(format!("cannot read the request body: {err}")))?;
+        // Trailers carry nothing the protocol reads.
+        let Ok(data) = frame.into_data() else {
+            continue;
+        };
+        if first.len() + joined.len() + data.len() > limit {
+            return Err(too_large());
+        }
+        if first.is_empty() && joined.is_empty() {
+            first = data;
+        } else {
+            joined.extend_from_slice(&std::mem::take(&mut first));
+            joined.extend_from_slice(&data);
+        }
+    }
+    Ok(if joined.is_empty() {
+        first
+    } else {
+        joined.freeze()
+    })
 }
 
 fn framed<T: serde::Serialize>(head: &T, payload: &[u8]) -> Response {

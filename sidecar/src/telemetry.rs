@@ -374,36 +374,88 @@ tokio::task_local! {
 }
 
 /// Runs `request` with a store clock: the time of every [`timed_store_call`] it makes adds up,
-/// and is returned beside its output.
-pub(crate) async fn store_clock<T>(
-    request: impl std::future::Future<Output = T>,
-) -> (T, std::time::Duration) {
-    STORE_TIME
-        .scope(std::cell::Cell::new(std::time::Duration::ZERO), async {
-            let out = request.await;
-            (
-                out,
-                STORE_TIME
-                    .try_with(std::cell::Cell::get)
-                    .unwrap_or_default(),
-            )
-        })
-        .await
+/// and is returned beside its output. (Futures rather than `async fn`s, for the reason
+/// [`timed_store_call`] gives: this one wraps every traced request.)
+pub(crate) fn store_clock<F: std::future::Future>(
+    request: F,
+) -> impl std::future::Future<Output = (F::Output, std::time::Duration)> {
+    STORE_TIME.scope(
+        std::cell::Cell::new(std::time::Duration::ZERO),
+        WithStoreTime { request },
+    )
+}
+
+pin_project_lite::pin_project! {
+    /// A request's future whose output comes with the store clock's reading when it ends
+    /// (polled inside the clock's scope, see [`store_clock`]).
+    struct WithStoreTime<F> {
+        #[pin]
+        request: F,
+    }
+}
+
+impl<F: std::future::Future> std::future::Future for WithStoreTime<F> {
+    type Output = (F::Output, std::time::Duration);
+
+    fn poll(
+        self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Self::Output> {
+        let out = std::task::ready!(self.project().request.poll(cx));
+        let store_time = STORE_TIME
+            .try_with(std::cell::Cell::get)
+            .unwrap_or_default();
+        std::task::Poll::Ready((out, store_time))
+    }
 }
 
 /// Awaits one store call, observes its latency by `verb` and adds it to the request's store
 /// clock (calls outside a request, such as an abandoned waiter's cleanup, only count).
-pub(crate) async fn timed_store_call<T>(
-    metrics: &crate::metrics::Metrics,
+///
+/// A future of its own rather than an `async fn`: an `async fn` keeps a future passed as its
+/// argument and the copy it awaits side by side, so every store call's state machine (a few
+/// KiB on Redis) was twice its size in every request's future above it, and copied whole
+/// each time that future moved.
+pub(crate) fn timed_store_call<'m, F: std::future::Future>(
+    metrics: &'m crate::metrics::Metrics,
     verb: crate::metrics::StoreVerb,
-    call: impl std::future::Future<Output = T>,
-) -> T {
-    let started = std::time::Instant::now();
-    let out = call.await;
-    let took = started.elapsed();
-    metrics.observe_store(verb, took);
-    let _ = STORE_TIME.try_with(|total| total.set(total.get() + took));
-    out
+    call: F,
+) -> TimedStoreCall<'m, F> {
+    TimedStoreCall {
+        call,
+        metrics,
+        verb,
+        started: None,
+    }
+}
+
+pin_project_lite::pin_project! {
+    /// [`timed_store_call`]'s future.
+    pub(crate) struct TimedStoreCall<'m, F> {
+        #[pin]
+        call: F,
+        metrics: &'m crate::metrics::Metrics,
+        verb: crate::metrics::StoreVerb,
+        // Set on the first poll: the call's time runs from when it is first awaited.
+        started: Option<std::time::Instant>,
+    }
+}
+
+impl<F: std::future::Future> std::future::Future for TimedStoreCall<'_, F> {
+    type Output = F::Output;
+
+    fn poll(
+        self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<F::Output> {
+        let this = self.project();
+        let started = *this.started.get_or_insert_with(std::time::Instant::now);
+        let out = std::task::ready!(this.call.poll(cx));
+        let took = started.elapsed();
+        this.metrics.observe_store(*this.verb, took);
+        let _ = STORE_TIME.try_with(|total| total.set(total.get() + took));
+        std::task::Poll::Ready(out)
+    }
 }
 
 /// A key as logs may show it: the first 8 bytes of its SHA-256, hex. Keys from the filter are

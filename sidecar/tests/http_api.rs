@@ -111,6 +111,71 @@ payload"#
     );
 }
 
+/// One HTTP/1.1 request with a chunked body (no declared length), sent as `chunks`; the
+/// answer's status line and body.
+async fn chunked_post(
+    addr: std::net::SocketAddr,
+    path: &str,
+    chunks: &[&[u8]],
+) -> (String, String) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut conn = tokio::net::TcpStream::connect(addr).await.unwrap();
+    let head = format!(
+        "POST {path} HTTP/1.1\r\nhost: sidecar\r\ncontent-type: {}\r\n\
+         transfer-encoding: chunked\r\nconnection: close\r\n\r\n",
+        idemgate_wire::CONTENT_TYPE
+    );
+    conn.write_all(head.as_bytes()).await.unwrap();
+    for chunk in chunks {
+        conn.write_all(format!("{:x}\r\n", chunk.len()).as_bytes())
+            .await
+            .unwrap();
+        conn.write_all(chunk).await.unwrap();
+        conn.write_all(b"\r\n").await.unwrap();
+        // Each chunk its own read at the sidecar, as far as the network allows.
+        conn.flush().await.unwrap();
+        tokio::time::sleep(std::time::Duration::from_millis(5)).await;
+    }
+    // A body refused early may close the connection before its end is written.
+    let _ = conn.write_all(b"0\r\n\r\n").await;
+    let mut answer = Vec::new();
+    tokio::time::timeout(
+        std::time::Duration::from_secs(10),
+        conn.read_to_end(&mut answer),
+    )
+    .await
+    .expect("the sidecar answers")
+    .unwrap();
+    let answer = String::from_utf8_lossy(&answer).into_owned();
+    let status = answer.lines().next().unwrap_or_default().to_owned();
+    let body = answer
+        .split_once("\r\n\r\n")
+        .map(|(_, b)| b.to_owned())
+        .unwrap_or_default();
+    (status, body)
+}
+
+/// A body without a declared length is read frame by frame: frames are joined, and the limit
+/// holds against their sum.
+#[tokio::test]
+async fn bodies_of_several_frames_are_joined_and_limited() {
+    let h = Harness::start_with(Backend::Memory, |c| c.limits.max_body = 1000).await;
+    let claim = br#"{"key":"chunked","mode":"lock","lease_ms":10000}"#;
+    let (status, body) = chunked_post(
+        h.sidecar.addr(),
+        paths::CLAIM,
+        &[&claim[..10], &claim[10..30], &claim[30..]],
+    )
+    .await;
+    assert!(status.contains(" 200 "), "{status}: {body}");
+    assert!(body.contains("granted"), "{body}");
+    // Each frame under the limit (1,000 bytes and the head's allowance), their sum over it.
+    let (status, body) =
+        chunked_post(h.sidecar.addr(), paths::CLAIM, &[&[b' '; 30_000][..]; 3]).await;
+    assert!(status.contains(" 413 "), "{status}: {body}");
+    assert!(body.contains(problem_types::TOO_LARGE), "{body}");
+}
+
 #[tokio::test]
 async fn bearer_token_guards_protocol_and_admin_but_not_health() {
     let h = Harness::start_with(Backend::Memory, |c| c.auth_token = Some("s3cret".into())).await;

@@ -168,11 +168,14 @@ impl RedisStore {
     ) -> StoreResult<T> {
         match tokio::time::timeout(self.timeout, request).await {
             Ok(result) => Ok(result?),
-            Err(_) => {
-                self.conn.timed_out().await;
-                Err(StoreError::Timeout(self.timeout))
-            }
+            Err(_) => Err(self.timed_out().await),
         }
+    }
+
+    /// A call ran out of the store timeout: the connection hears of it, the caller gets this.
+    async fn timed_out(&self) -> StoreError {
+        self.conn.timed_out().await;
+        StoreError::Timeout(self.timeout)
     }
 
     /// One page of `SCAN` for lock records, on `node` (a Cluster primary) or the one server.
@@ -203,7 +206,12 @@ impl RedisStore {
 
     /// Runs one command or script on the current connection, bounded by the store timeout.
     async fn run<T: FromRedisValue>(&self, op: Op<'_>) -> StoreResult<T> {
-        self.bounded(self.conn.send(op)).await
+        // Not `self.bounded(self.conn.send(op))`: an `async fn` keeps a future passed as its
+        // argument and the copy it awaits side by side, and this is every store call's path.
+        match tokio::time::timeout(self.timeout, self.conn.send(op)).await {
+            Ok(result) => Ok(result?),
+            Err(_) => Err(self.timed_out().await),
+        }
     }
 
     async fn force_release_script(&self, key: &str) -> StoreResult<Value> {
