@@ -5,42 +5,56 @@
 //! escapes them (and `%`) percent-style — an injective mapping that [`tag_to_key`] reverses.
 
 /// The keys of one lock, in the order the scripts take them as KEYS.
+///
+/// Built on every store call, so only the record's key is spelled out: the fresh-key path
+/// (`SET … NX`, `SET … IFEQ`) touches nothing else, and the queue's and waiters' keys are
+/// spelled from it when a script needs them.
 pub(crate) struct LockKeys {
     /// String, the lock's record: last fence, holder and lease deadline, stored response,
     /// whether waiters may be queued (packed fields, see `scripts.rs`). All the common path
     /// touches.
     pub record: String,
-    /// List of queued owner tokens, FIFO (only while there are waiters).
-    pub queue: String,
-    /// Hash: owner token → `inbox|deadline_ms|lease_ms|fingerprint` of each queued waiter.
-    pub waiters: String,
+    /// Where the lock's own suffix starts in `record` (what the three keys share ends).
+    base: usize,
 }
 
+const RECORD: &str = ":record";
+
 impl LockKeys {
-    /// Built on every store call: one escape pass and one exact-size allocation per key
-    /// (no formatting machinery on the hot path).
+    /// One escape pass and one exact-size allocation (no formatting machinery on the hot
+    /// path).
     pub(crate) fn new(prefix: &str, key: &str) -> Self {
-        let mut base = String::with_capacity(prefix.len() + key.len() + 3);
-        base.push_str(prefix);
-        base.push_str(":{");
-        push_tag(&mut base, key);
-        base.push('}');
-        let with = |suffix: &str| {
-            let mut k = String::with_capacity(base.len() + suffix.len());
-            k.push_str(&base);
-            k.push_str(suffix);
-            k
-        };
-        LockKeys {
-            record: with(":record"),
-            queue: with(":queue"),
-            waiters: with(":waiters"),
-        }
+        let mut record = String::with_capacity(prefix.len() + key.len() + 3 + RECORD.len());
+        record.push_str(prefix);
+        record.push_str(":{");
+        push_tag(&mut record, key);
+        record.push('}');
+        let base = record.len();
+        record.push_str(RECORD);
+        LockKeys { record, base }
+    }
+
+    fn with(&self, suffix: &str) -> String {
+        let base = self.record.get(..self.base).unwrap_or_default();
+        let mut key = String::with_capacity(base.len() + suffix.len());
+        key.push_str(base);
+        key.push_str(suffix);
+        key
+    }
+
+    /// List of queued owner tokens, FIFO (only while there are waiters).
+    pub(crate) fn queue(&self) -> String {
+        self.with(":queue")
+    }
+
+    /// Hash: owner token → `inbox|deadline_ms|lease_ms|fingerprint` of each queued waiter.
+    pub(crate) fn waiters(&self) -> String {
+        self.with(":waiters")
     }
 
     /// All three, as KEYS.
-    pub(crate) fn all(&self) -> [&str; 3] {
-        [&self.record, &self.queue, &self.waiters]
+    pub(crate) fn all(&self) -> [String; 3] {
+        [self.record.clone(), self.queue(), self.waiters()]
     }
 }
 
@@ -117,9 +131,8 @@ mod tests {
     #[test]
     fn all_keys_of_a_lock_share_one_hash_tag() {
         for key in ["abc", "}x{", "{", "a%7Bb", "%", "é{ü}%ß"] {
-            let keys = LockKeys::new("p", key);
+            let keys = LockKeys::new("p", key).all();
             let tags: Vec<&str> = keys
-                .all()
                 .iter()
                 .map(|k| {
                     let open = k.find('{').unwrap_or(0);
@@ -128,7 +141,7 @@ mod tests {
                 })
                 .collect();
             assert!(tags.iter().all(|t| *t == tags[0] && !t.is_empty()), "{key}");
-            assert_eq!(key_of_record("p", &keys.record).as_deref(), Some(key));
+            assert_eq!(key_of_record("p", &keys[0]).as_deref(), Some(key));
         }
     }
 
@@ -136,7 +149,7 @@ mod tests {
     fn keys_follow_the_documented_layout() {
         let keys = LockKeys::new("idemgate", "a%b{c}d");
         assert_eq!(keys.record, "idemgate:{a%25b%7Bc%7Dd}:record");
-        assert_eq!(keys.waiters, "idemgate:{a%25b%7Bc%7Dd}:waiters");
-        assert_eq!(LockKeys::new("p", "").queue, "p:{}:queue");
+        assert_eq!(keys.waiters(), "idemgate:{a%25b%7Bc%7Dd}:waiters");
+        assert_eq!(LockKeys::new("p", "").queue(), "p:{}:queue");
     }
 }

@@ -200,7 +200,7 @@ impl RedisStore {
                 let page = self.bounded(c.clone().route_command(scan, routing)).await?;
                 redis::from_redis_value(page).map_err(|e| unexpected(&e.to_string()))
             }
-            _ => self.run(Op::Command(&scan)).await,
+            _ => self.run(Op::Command(scan)).await,
         }
     }
 
@@ -313,7 +313,7 @@ impl RedisStore {
                 Some(ms) => set.arg("PX").arg(ms),
                 None => set.arg("KEEPTTL"),
             };
-            match self.run::<Value>(Op::Command(&set)).await {
+            match self.run::<Value>(Op::Command(set)).await {
                 Ok(reply) => {
                     self.compare_set.answered();
                     return match reply {
@@ -362,7 +362,7 @@ impl RedisStore {
             .arg("PX")
             .arg(grant_ttl_ms);
         let sent = Instant::now();
-        match self.run::<Value>(Op::Command(&set)).await? {
+        match self.run::<Value>(Op::Command(set)).await? {
             Value::Nil => {}
             Value::BulkString(_) => return Ok(None),
             _ => return Err(unexpected("SET NX GET")),
@@ -528,7 +528,7 @@ impl Store for RedisStore {
     async fn renew(&self, key: &str, owner: &str, lease: Duration) -> StoreResult<OwnerOutcome> {
         let k = self.keys(key);
         let script = &*scripts::RENEW;
-        let mut cmd = evalsha(script, &[&k.record, &k.queue]);
+        let mut cmd = evalsha(script, &[k.record.as_str(), &k.queue()]);
         cmd.arg(owner).arg(millis(lease)).arg(self.record_ttl_ms);
         let renewed: i64 = self.run(Op::Script(script, &cmd)).await?;
         Ok(if renewed == 1 {
@@ -543,7 +543,7 @@ impl Store for RedisStore {
     async fn inspect(&self, key: &str) -> StoreResult<KeyInfo> {
         let k = self.keys(key);
         let script = &*scripts::INSPECT;
-        let cmd = evalsha(script, &[&k.record, &k.queue]);
+        let cmd = evalsha(script, &[k.record.as_str(), &k.queue()]);
         let items: Vec<Value> = self.run(Op::Script(script, &cmd)).await?;
         let held = number(items.first())? == 1;
         let last_fence = number(items.get(4))?;
@@ -637,7 +637,7 @@ impl Store for RedisStore {
             .arg(&self.inbox)
             .arg("PX")
             .arg(10_000);
-        let ok: String = self.run(Op::Command(&probe)).await?;
+        let ok: String = self.run(Op::Command(probe)).await?;
         if ok == "OK" {
             Ok(())
         } else {

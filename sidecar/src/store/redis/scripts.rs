@@ -845,13 +845,13 @@ pub(super) fn command(name: &str, args: usize, bytes: usize) -> Cmd {
 
 /// `EVALSHA <sha> <numkeys> <keys...>`, ready for the script's ARGV: built straight into one
 /// command buffer (redis-rs's `ScriptInvocation` copies every key and argument twice).
-pub(super) fn evalsha(script: &Script, keys: &[&str]) -> Cmd {
+pub(super) fn evalsha(script: &Script, keys: &[impl AsRef<str>]) -> Cmd {
     // Room for the keys and a dozen short arguments; a stored body grows it.
-    let key_bytes: usize = keys.iter().map(|k| k.len()).sum();
+    let key_bytes: usize = keys.iter().map(|k| k.as_ref().len()).sum();
     let mut cmd = command("EVALSHA", 2 + keys.len() + 12, 64 + key_bytes + 256);
     cmd.arg(script.get_hash()).arg(keys.len());
     for key in keys {
-        cmd.arg(*key);
+        cmd.arg(key.as_ref());
     }
     cmd
 }
