@@ -15,7 +15,8 @@ use crate::callgrind;
 use crate::sidecar_load::{self, H2, Server};
 use crate::stack::SIDECAR_WORKERS;
 use anyhow::{Context, Result, bail};
-use idemgate_sidecar::{RedisConfig, RedisTopology, StoreConfig};
+use idemgate_sidecar::StoreConfig;
+use idemgate_sidecar::testing::standalone_store;
 use std::io::Read;
 use std::net::SocketAddr;
 use std::process::Stdio;
@@ -56,12 +57,7 @@ impl Served<'_> {
         match arg {
             "hop" => Server::HttpHop,
             "memory" => Server::Sidecar(StoreConfig::Memory),
-            url => Server::Sidecar(StoreConfig::Redis(RedisConfig {
-                urls: vec![url.to_owned()],
-                topology: RedisTopology::Standalone,
-                prefix: "idemgate".to_owned(),
-                tls: Default::default(),
-            })),
+            url => Server::Sidecar(standalone_store(url.to_owned(), "idemgate")),
         }
     }
 }

@@ -35,7 +35,7 @@ use tokio::runtime::Handle;
 pub use idemgate_rig::sidecar::SIDECAR_THREADS;
 
 /// h2c connections a run uses at most (Envoy: one per worker thread).
-pub(crate) const CONNECTIONS: usize = 4;
+const CONNECTIONS: usize = 4;
 
 /// A multiplexed h2c connection to the sidecar.
 #[derive(Clone)]

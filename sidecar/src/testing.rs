@@ -34,6 +34,16 @@ use std::time::{Duration, Instant};
 /// The Redis server the tests start (Debian 12's is 7.0).
 const REDIS_SERVER: &str = "redis-server";
 
+/// The store of one Redis (or Valkey) server at `url`, its keys under `prefix`, no TLS.
+pub fn standalone_store(url: String, prefix: &str) -> StoreConfig {
+    StoreConfig::Redis(RedisConfig {
+        urls: vec![url],
+        topology: RedisTopology::Standalone,
+        prefix: prefix.to_owned(),
+        tls: RedisTls::default(),
+    })
+}
+
 /// How long a starting server gets before the test fails.
 const START_TIMEOUT: Duration = Duration::from_secs(15);
 
@@ -178,12 +188,7 @@ impl RedisServer {
     }
 
     pub fn store_config_with_prefix(&self, prefix: &str) -> StoreConfig {
-        StoreConfig::Redis(RedisConfig {
-            urls: vec![self.url()],
-            topology: RedisTopology::Standalone,
-            prefix: prefix.to_owned(),
-            tls: RedisTls::default(),
-        })
+        standalone_store(self.url(), prefix)
     }
 
     /// Kills the server (its data is gone; the port stays reserved for [`Self::restart`]).

@@ -15,7 +15,6 @@ use redis::{
     Cmd, ConnectionAddr, ErrorKind, FromRedisValue, IntoConnectionInfo, RedisError, RedisResult,
     RetryMethod, Script, ServerErrorKind, Value,
 };
-use std::borrow::Cow;
 use std::sync::Arc;
 use std::time::Duration;
 use tokio::sync::{Mutex, RwLock};
@@ -190,24 +189,16 @@ impl Conn {
     /// pay for them (they made every request's future several kilobytes, copied at each
     /// layer: a quarter of the sidecar's instructions per claim).
     pub(super) async fn send<T: FromRedisValue>(&self, op: Op<'_>) -> Result<T, RedisError> {
-        let value = match op {
-            // Handed over whole: nothing sends it again.
-            Op::Command(cmd) => self.send_once(Cow::Owned(cmd)).await,
-            Op::Script(script, cmd) => {
-                let first = self.send_once(Cow::Borrowed(cmd)).await;
-                match &first {
-                    Err(e) if e.kind() == ErrorKind::Server(ServerErrorKind::NoScript) => {
-                        Box::pin(self.load_and_send(script, cmd)).await
-                    }
-                    _ => first,
-                }
-            }
+        let first = self.send_once(op.cmd()).await;
+        let value = match op.missing_script(&first) {
+            Some(script) => Box::pin(self.load_and_send(script, op.cmd())).await,
+            None => first,
         }?;
         Ok(redis::from_redis_value(value)?)
     }
 
     /// One command; its reply, with a server error as `Err`.
-    async fn send_once(&self, cmd: Cow<'_, Cmd>) -> RedisResult<Value> {
+    async fn send_once(&self, cmd: &Cmd) -> RedisResult<Value> {
         self.gather().send(cmd).await
     }
 
@@ -215,7 +206,7 @@ impl Conn {
     /// command once more.
     async fn load_and_send(&self, script: &Script, cmd: &Cmd) -> RedisResult<Value> {
         Box::pin(self.gather().target().load_script(script, cmd)).await?;
-        self.send_once(Cow::Borrowed(cmd)).await
+        self.send_once(cmd).await
     }
 }
 
@@ -254,11 +245,33 @@ fn primary_connections(
 }
 
 /// What [`RedisStore::run`] sends.
+#[derive(Clone, Copy)]
 pub(super) enum Op<'a> {
-    Command(Cmd),
+    Command(&'a Cmd),
     /// An `EVALSHA` built by [`evalsha`] for this script: loaded and retried once when the
     /// server does not know the script (first use, restart, failover).
     Script(&'a Script, &'a Cmd),
+}
+
+impl<'a> Op<'a> {
+    /// The command itself (a script's `EVALSHA`).
+    fn cmd(self) -> &'a Cmd {
+        match self {
+            Op::Command(cmd) | Op::Script(_, cmd) => cmd,
+        }
+    }
+
+    /// The script to load when `reply` says the server does not know it.
+    fn missing_script(self, reply: &RedisResult<Value>) -> Option<&'a Script> {
+        match (self, reply) {
+            (Op::Script(script, _), Err(e))
+                if e.kind() == ErrorKind::Server(ServerErrorKind::NoScript) =>
+            {
+                Some(script)
+            }
+            _ => None,
+        }
+    }
 }
 
 pub(super) fn sentinel_client(cfg: &RedisConfig, master: &str) -> StoreResult<SentinelClient> {

@@ -43,7 +43,6 @@ use super::slots::{SlotOwners, command_slot};
 use redis::aio::{ConnectionLike, ConnectionManager};
 use redis::cluster_async::ClusterConnection;
 use redis::{Cmd, ErrorKind, RedisError, RedisResult, Value};
-use std::borrow::Cow;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, PoisonError, RwLock};
 use std::time::Duration;
@@ -99,17 +98,16 @@ impl Gather {
     /// Sends `cmd`: at once when nothing else is in flight (a lone request pays no gathering),
     /// else with whatever else is sent in this scheduler pass. Its reply, with a server error
     /// as `Err`.
-    /// (A command handed over whole joins a batch as it is; one lent is copied.)
-    pub(super) async fn send(self: &Arc<Self>, cmd: Cow<'_, Cmd>) -> RedisResult<Value> {
+    pub(super) async fn send(self: &Arc<Self>, cmd: &Cmd) -> RedisResult<Value> {
         let (_in_flight, alone) = InFlight::enter(&self.in_flight);
         if alone {
-            return self.target.one(&cmd).await.and_then(Value::extract_error);
+            return self.target.one(cmd).await.and_then(Value::extract_error);
         }
         let (reply, answer) = oneshot::channel();
         let first = {
             let mut pending = self.pending.lock().unwrap_or_else(PoisonError::into_inner);
             pending.push(Pending {
-                cmd: cmd.into_owned(),
+                cmd: cmd.clone(),
                 reply,
             });
             pending.len() == 1
@@ -769,7 +767,6 @@ async fn send_batch(
 mod tests {
     use super::{ClusterTarget, Gather, Target};
     use redis::aio::ConnectionManager;
-    use std::borrow::Cow;
     use std::collections::BTreeSet;
     use std::sync::Arc;
 
@@ -788,21 +785,13 @@ mod tests {
         let redis = crate::testing::RedisServer::start().unwrap();
         let gather = gather_on(&redis).await;
         // Connected and idle before counting.
-        let _: String = redis::from_redis_value(
-            gather
-                .send(Cow::Borrowed(&redis::cmd("PING")))
-                .await
-                .unwrap(),
-        )
-        .unwrap();
+        let _: String =
+            redis::from_redis_value(gather.send(&redis::cmd("PING")).await.unwrap()).unwrap();
         let tasks: Vec<_> = (0..TASKS)
             .map(|_| {
                 let gather = std::sync::Arc::clone(&gather);
                 tokio::spawn(async move {
-                    let reply = gather
-                        .send(Cow::Borrowed(redis::cmd("INCR").arg("n")))
-                        .await
-                        .unwrap();
+                    let reply = gather.send(redis::cmd("INCR").arg("n")).await.unwrap();
                     redis::from_redis_value::<i64>(reply).unwrap()
                 })
             })
@@ -825,7 +814,7 @@ mod tests {
         redis.cli(&["SET", "text", "not a number"]).unwrap();
         let send = |cmd: redis::Cmd| {
             let gather = std::sync::Arc::clone(&gather);
-            tokio::spawn(async move { gather.send(Cow::Borrowed(&cmd)).await })
+            tokio::spawn(async move { gather.send(&cmd).await })
         };
         // In flight for 200 ms (and holding the connection's replies back): what follows is
         // gathered.
@@ -958,9 +947,7 @@ mod tests {
                 let gather = Arc::clone(gather);
                 tokio::spawn(async move {
                     let cmd = redis::cmd("INCR").arg(format!("n:{{{i}}}")).clone();
-                    let Ok(reply) =
-                        tokio::time::timeout(timeout, gather.send(Cow::Borrowed(&cmd))).await
-                    else {
+                    let Ok(reply) = tokio::time::timeout(timeout, gather.send(&cmd)).await else {
                         let timed_out = super::timeout_error();
                         gather.target().note(Err(&timed_out)).await;
                         return Err(timed_out);
@@ -1076,10 +1063,7 @@ mod tests {
                     let gather = Arc::clone(&gather);
                     tokio::spawn(async move {
                         let cmd = redis::cmd("INCR").arg(format!("{{ask}}:{i}")).clone();
-                        redis::from_redis_value::<i64>(
-                            gather.send(Cow::Borrowed(&cmd)).await.unwrap(),
-                        )
-                        .unwrap()
+                        redis::from_redis_value::<i64>(gather.send(&cmd).await.unwrap()).unwrap()
                     })
                 })
                 .collect::<Vec<_>>();
@@ -1356,7 +1340,7 @@ mod tests {
         let reads = target.map_reads();
         let sent = tokio::time::timeout(
             std::time::Duration::from_secs(10),
-            gather.send(Cow::Borrowed(redis::cmd("INCR").arg(&key))),
+            gather.send(redis::cmd("INCR").arg(&key)),
         )
         .await;
         assert!(matches!(sent, Ok(Err(_))), "{sent:?}");

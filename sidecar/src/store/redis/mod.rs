@@ -166,16 +166,23 @@ impl RedisStore {
         &self,
         request: impl Future<Output = Result<T, RedisError>>,
     ) -> StoreResult<T> {
-        match tokio::time::timeout(self.timeout, request).await {
-            Ok(result) => Ok(result?),
-            Err(_) => Err(self.timed_out().await),
-        }
+        let bounded = tokio::time::timeout(self.timeout, request).await;
+        self.settle(bounded).await
     }
 
-    /// A call ran out of the store timeout: the connection hears of it, the caller gets this.
-    async fn timed_out(&self) -> StoreError {
-        self.conn.timed_out().await;
-        StoreError::Timeout(self.timeout)
+    /// A bounded call's outcome as the store's: its reply or error, or, when it ran out of
+    /// the store timeout, [`StoreError::Timeout`] once the connection has heard of it.
+    async fn settle<T>(
+        &self,
+        bounded: Result<Result<T, RedisError>, tokio::time::error::Elapsed>,
+    ) -> StoreResult<T> {
+        match bounded {
+            Ok(result) => Ok(result?),
+            Err(_) => {
+                self.conn.timed_out().await;
+                Err(StoreError::Timeout(self.timeout))
+            }
+        }
     }
 
     /// One page of `SCAN` for lock records, on `node` (a Cluster primary) or the one server.
@@ -200,7 +207,7 @@ impl RedisStore {
                 let page = self.bounded(c.clone().route_command(scan, routing)).await?;
                 redis::from_redis_value(page).map_err(|e| unexpected(&e.to_string()))
             }
-            _ => self.run(Op::Command(scan)).await,
+            _ => self.run(Op::Command(&scan)).await,
         }
     }
 
@@ -208,10 +215,10 @@ impl RedisStore {
     async fn run<T: FromRedisValue>(&self, op: Op<'_>) -> StoreResult<T> {
         // Not `self.bounded(self.conn.send(op))`: an `async fn` keeps a future passed as its
         // argument and the copy it awaits side by side, and this is every store call's path.
-        match tokio::time::timeout(self.timeout, self.conn.send(op)).await {
-            Ok(result) => Ok(result?),
-            Err(_) => Err(self.timed_out().await),
-        }
+        // (The timeout's outcome bound first: as a call's argument it would stay a live
+        // temporary beside `settle`'s future, and the state machine would hold both.)
+        let bounded = tokio::time::timeout(self.timeout, self.conn.send(op)).await;
+        self.settle(bounded).await
     }
 
     async fn force_release_script(&self, key: &str) -> StoreResult<Value> {
@@ -313,7 +320,7 @@ impl RedisStore {
                 Some(ms) => set.arg("PX").arg(ms),
                 None => set.arg("KEEPTTL"),
             };
-            match self.run::<Value>(Op::Command(set)).await {
+            match self.run::<Value>(Op::Command(&set)).await {
                 Ok(reply) => {
                     self.compare_set.answered();
                     return match reply {
@@ -362,7 +369,7 @@ impl RedisStore {
             .arg("PX")
             .arg(grant_ttl_ms);
         let sent = Instant::now();
-        match self.run::<Value>(Op::Command(set)).await? {
+        match self.run::<Value>(Op::Command(&set)).await? {
             Value::Nil => {}
             Value::BulkString(_) => return Ok(None),
             _ => return Err(unexpected("SET NX GET")),
@@ -637,7 +644,7 @@ impl Store for RedisStore {
             .arg(&self.inbox)
             .arg("PX")
             .arg(10_000);
-        let ok: String = self.run(Op::Command(probe)).await?;
+        let ok: String = self.run(Op::Command(&probe)).await?;
         if ok == "OK" {
             Ok(())
         } else {
