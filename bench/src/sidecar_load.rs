@@ -399,17 +399,46 @@ where
     for _ in 0..runs {
         all.push(one().await?);
     }
-    let summary = |value: fn(&Run) -> f64| {
-        Summary::of(&all.iter().map(value).collect::<Vec<_>>()).context("no runs")
-    };
-    Ok(Repeated {
-        ops: summary(|r| r.ops_per_sec)?,
-        p50: summary(|r| r.p50_us)?,
-        p99: summary(|r| r.p99_us)?,
-        cpu_client: summary(|r| r.cpu.client)?,
-        cpu_sidecar: summary(|r| r.cpu.sidecar)?,
-        cpu_redis: summary(|r| r.cpu.redis)?,
-        cpu_total: summary(|r| r.cpu.client + r.cpu.sidecar + r.cpu.redis)?,
-        redis_commands: summary(|r| r.redis_commands)?,
-    })
+    Repeated::of(&all)
+}
+
+/// `rounds` rounds of one run of `a` then one of `b`: two configurations measured side by
+/// side, so that each run of `b` has a run of `a` beside it, minutes or seconds apart rather
+/// than a whole series apart. On a VM whose speed drifts by tens of percent between minutes,
+/// the ratio within a round repeats where the ratio of two series' medians does not.
+pub async fn alternate<A, FutA, B, FutB>(
+    rounds: usize,
+    mut a: A,
+    mut b: B,
+) -> Result<(Vec<Run>, Vec<Run>)>
+where
+    A: FnMut() -> FutA,
+    FutA: Future<Output = Result<Run>>,
+    B: FnMut() -> FutB,
+    FutB: Future<Output = Result<Run>>,
+{
+    let (mut runs_a, mut runs_b) = (Vec::with_capacity(rounds), Vec::with_capacity(rounds));
+    for _ in 0..rounds {
+        runs_a.push(a().await?);
+        runs_b.push(b().await?);
+    }
+    Ok((runs_a, runs_b))
+}
+
+impl Repeated {
+    pub fn of(runs: &[Run]) -> Result<Repeated> {
+        let summary = |value: fn(&Run) -> f64| {
+            Summary::of(&runs.iter().map(value).collect::<Vec<_>>()).context("no runs")
+        };
+        Ok(Repeated {
+            ops: summary(|r| r.ops_per_sec)?,
+            p50: summary(|r| r.p50_us)?,
+            p99: summary(|r| r.p99_us)?,
+            cpu_client: summary(|r| r.cpu.client)?,
+            cpu_sidecar: summary(|r| r.cpu.sidecar)?,
+            cpu_redis: summary(|r| r.cpu.redis)?,
+            cpu_total: summary(|r| r.cpu.client + r.cpu.sidecar + r.cpu.redis)?,
+            redis_commands: summary(|r| r.redis_commands)?,
+        })
+    }
 }
