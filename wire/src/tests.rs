@@ -43,6 +43,30 @@ fn payload_with_newlines_and_binary_roundtrips() {
     assert_eq!(payload, body);
 }
 
+/// The head is checked for UTF-8 as a whole: text beyond ASCII and escapes still decode,
+/// bytes that are not UTF-8 are refused wherever they stand, and the payload after the head
+/// is never checked.
+#[test]
+fn heads_must_be_utf8_and_payloads_need_not_be() {
+    let (abort, payload): (AbortRequest, _) =
+        decode("{\"key\":\"cl\u{e9}\",\"owner\":\"\\u00e9\\n\"}\n\u{ff}".as_bytes()).unwrap();
+    assert_eq!(abort.key, "cl\u{e9}");
+    assert_eq!(abort.owner, "\u{e9}\n");
+    assert_eq!(payload, "\u{ff}".as_bytes());
+    for head in [
+        &b"{\"key\":\"a\xff\",\"owner\":\"b\"}"[..],
+        b"{\"key\":\"a\",\"owner\":\"b\xc3\"}",
+        b"{\"key\":\"a\",\"own\xe9r\":\"b\"}",
+        b"{\"key\":\"a\",\"owner\":\"b\"}\xff",
+    ] {
+        let decoded: Result<(AbortRequest, _), _> = decode(head);
+        assert!(decoded.is_err(), "{head:?} decoded");
+    }
+    let (_, payload): (AbortRequest, _) =
+        decode(b"{\"key\":\"a\",\"owner\":\"b\"}\n\xff\xfe").unwrap();
+    assert_eq!(payload, b"\xff\xfe");
+}
+
 #[test]
 fn outcomes_are_tagged_snake_case() {
     let bytes = encode(
