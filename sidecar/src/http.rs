@@ -5,6 +5,7 @@
 //! else is an RFC 9457 problem. Nothing answers 200 unless the store agreed.
 
 use crate::config::Config;
+use crate::heads;
 use crate::locks::{LockError, Locks};
 use crate::metrics::{Metrics, StoreVerb};
 use crate::store::{Store, StoreError};
@@ -19,8 +20,8 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use bytes::Bytes;
 use idemgate_wire::{
-    AbortRequest, ClaimRequest, CompleteRequest, FieldError, LeaveRequest, Problem, RateRequest,
-    RenewRequest, paths, problem_types,
+    AbortRequest, ClaimOutcome, ClaimRequest, CompleteRequest, FieldError, LeaveRequest,
+    OwnerOutcome, Problem, RateRequest, RenewRequest, paths, problem_types,
 };
 use serde::Deserialize;
 use std::net::SocketAddr;
@@ -334,10 +335,11 @@ fn bearer_token(value: &[u8]) -> Option<&[u8]> {
 /// the end of the stream on it, which this returns as it came (no copy, no list of frames to
 /// collect it in) and without polling the stream again to learn that it ended. That was
 /// about a third of reading it, on every request (`benchmarks/sidecar.notes.md`).
-async fn read_body<S>(app: &App<S>, req: Request) -> Result<Bytes, Rejection> {
+/// The HTTP hop alone reads its bodies here too, so that the benchmarks' baseline is the
+/// sidecar's own HTTP stack.
+async fn read_body(limit: usize, req: Request) -> Result<Bytes, Rejection> {
     use axum::body::HttpBody as _;
     use http_body_util::BodyExt;
-    let limit = app.config.limits.max_body.saturating_add(HEAD_ALLOWANCE);
     let too_large = || {
         problem(
             StatusCode::PAYLOAD_TOO_LARGE,
@@ -386,12 +388,42 @@ async fn read_body<S>(app: &App<S>, req: Request) -> Result<Bytes, Rejection> {
 }
 
 fn framed<T: serde::Serialize>(head: &T, payload: &[u8]) -> Response {
+    protocol_answer(idemgate_wire::encode(head, payload))
+}
+
+/// A claim's answer: a grant's head written by hand (`heads`), anything else through serde.
+fn framed_claim(outcome: &ClaimOutcome, payload: &[u8]) -> Response {
+    match payload
+        .is_empty()
+        .then(|| heads::claim_head(outcome))
+        .flatten()
+    {
+        Some(head) => protocol_answer(head),
+        None => framed(outcome, payload),
+    }
+}
+
+/// A complete's, abort's, leave's or renewal's answer: `released` as a constant (`heads`),
+/// anything else through serde.
+fn framed_owner(outcome: &OwnerOutcome) -> Response {
+    match heads::owner_head(outcome) {
+        Some(head) => protocol_answer(head),
+        None => framed(outcome, &[]),
+    }
+}
+
+fn protocol_answer(frame: impl Into<Body>) -> Response {
     (
         StatusCode::OK,
         [(header::CONTENT_TYPE, idemgate_wire::CONTENT_TYPE)],
-        idemgate_wire::encode(head, payload),
+        frame.into(),
     )
         .into_response()
+}
+
+/// The longest request body read: the largest stored body and the head beside it.
+fn body_limit(config: &Config) -> usize {
+    config.limits.max_body.saturating_add(HEAD_ALLOWANCE)
 }
 
 /// Decodes a framed request; `with_payload` says whether a payload may follow the head.
@@ -408,15 +440,15 @@ fn decode<'a, T: Deserialize<'a>>(
 }
 
 async fn claim<S: Store>(State(app): AppState<S>, _: Authorized, req: Request) -> Answer {
-    let frame = read_body(&app, req).await?;
+    let frame = read_body(body_limit(&app.config), req).await?;
     let (req, _): (ClaimRequest, _) = decode(&frame, false)?;
     app.config.limits.claim(&req).map_err(field_problem)?;
     let (outcome, payload) = app.locks.claim(&req).await.map_err(|e| app.lock_error(e))?;
-    Ok(framed(&outcome, &payload))
+    Ok(framed_claim(&outcome, &payload))
 }
 
 async fn rate<S: Store>(State(app): AppState<S>, _: Authorized, req: Request) -> Answer {
-    let frame = read_body(&app, req).await?;
+    let frame = read_body(body_limit(&app.config), req).await?;
     let (req, _): (RateRequest, _) = decode(&frame, false)?;
     req.validate(app.config.limits.max_key_len)
         .map_err(field_problem)?;
@@ -435,7 +467,7 @@ async fn rate<S: Store>(State(app): AppState<S>, _: Authorized, req: Request) ->
 }
 
 async fn complete<S: Store>(State(app): AppState<S>, _: Authorized, req: Request) -> Answer {
-    let frame = read_body(&app, req).await?;
+    let frame = read_body(body_limit(&app.config), req).await?;
     let (req, payload): (CompleteRequest, _) = decode(&frame, true)?;
     app.config
         .limits
@@ -452,39 +484,40 @@ async fn complete<S: Store>(State(app): AppState<S>, _: Authorized, req: Request
         .complete(req, body)
         .await
         .map_err(|e| app.lock_error(e))?;
-    Ok(framed(&outcome, &[]))
+    Ok(framed_owner(&outcome))
 }
 
 async fn abort<S: Store>(State(app): AppState<S>, _: Authorized, req: Request) -> Answer {
-    let frame = read_body(&app, req).await?;
+    let frame = read_body(body_limit(&app.config), req).await?;
     let (req, _): (AbortRequest, _) = decode(&frame, false)?;
     app.config.limits.abort(&req).map_err(field_problem)?;
     let outcome = app.locks.abort(&req).await.map_err(|e| app.lock_error(e))?;
-    Ok(framed(&outcome, &[]))
+    Ok(framed_owner(&outcome))
 }
 
 async fn leave<S: Store>(State(app): AppState<S>, _: Authorized, req: Request) -> Answer {
-    let frame = read_body(&app, req).await?;
+    let frame = read_body(body_limit(&app.config), req).await?;
     let (req, _): (LeaveRequest, _) = decode(&frame, false)?;
     app.config.limits.leave(&req).map_err(field_problem)?;
     let outcome = app.locks.leave(&req).await.map_err(|e| app.lock_error(e))?;
-    Ok(framed(&outcome, &[]))
+    Ok(framed_owner(&outcome))
 }
 
 async fn renew<S: Store>(State(app): AppState<S>, _: Authorized, req: Request) -> Answer {
-    let frame = read_body(&app, req).await?;
+    let frame = read_body(body_limit(&app.config), req).await?;
     let (req, _): (RenewRequest, _) = decode(&frame, false)?;
     app.config.limits.renew(&req).map_err(field_problem)?;
     let outcome = app.locks.renew(&req).await.map_err(|e| app.lock_error(e))?;
-    Ok(framed(&outcome, &[]))
+    Ok(framed_owner(&outcome))
 }
 
 /// The HTTP hop alone, for benchmarks: `claim` answers `granted` and `complete` answers
-/// `released`, fixed bodies after reading the request, with no decoding, store or metrics —
+/// `released`, fixed bodies after reading the request as the sidecar does (`read_body`),
+/// with no decoding, store or metrics —
 /// what every sidecar request costs before any protocol work.
 #[cfg(feature = "testing")]
 pub(crate) fn canned_router(config: &Config) -> Router {
-    let limit = config.limits.max_body.saturating_add(HEAD_ALLOWANCE);
+    let limit = body_limit(config);
     let granted = idemgate_wire::ClaimOutcome::Granted {
         owner: "0".repeat(32),
         fence: 1,
@@ -493,14 +526,14 @@ pub(crate) fn canned_router(config: &Config) -> Router {
     };
     let answer = move |head: Bytes| {
         post(move |req: Request| async move {
-            match axum::body::to_bytes(req.into_body(), limit).await {
+            match read_body(limit, req).await {
                 Ok(_) => (
                     StatusCode::OK,
                     [(header::CONTENT_TYPE, idemgate_wire::CONTENT_TYPE)],
                     head,
                 )
                     .into_response(),
-                Err(err) => bad_request(err.to_string()).into_response(),
+                Err(rejection) => rejection.into_response(),
             }
         })
     };
@@ -584,7 +617,7 @@ async fn force_release<S: Store>(State(app): AppState<S>, _: Authorized, req: Re
         .get::<ConnectInfo<SocketAddr>>()
         .map(|c| c.0.to_string())
         .unwrap_or_default();
-    let body = read_body(&app, req).await?;
+    let body = read_body(body_limit(&app.config), req).await?;
     let release: ReleaseRequest =
         serde_json::from_slice(&body).map_err(|e| bad_request(e.to_string()))?;
     app.config.limits.key(&release.key).map_err(field_problem)?;

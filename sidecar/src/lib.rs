@@ -28,6 +28,7 @@
 mod batched;
 pub mod check;
 pub mod config;
+mod heads;
 mod hints;
 mod http;
 mod locks;
