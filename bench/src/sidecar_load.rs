@@ -12,7 +12,7 @@
 //! Redis ran per round trip: on a CPU-bound machine that split, not the wall clock, says
 //! where a ratio comes from.
 
-use crate::cpu::{cpu_of, redis_commands, threads_cpu};
+use crate::cpu::{UserSystem, cpu_of, redis_commands, threads_cpu_split};
 use crate::stats::{Summary, percentile};
 use anyhow::{Context, Result, bail};
 use bytes::Bytes;
@@ -153,16 +153,19 @@ pub struct CpuSplit {
     pub client: f64,
     /// The sidecar runtime's threads (HTTP server, protocol, Redis client).
     pub sidecar: f64,
+    /// The kernel's part of `sidecar` (system calls, wake-ups, the sockets' work), as the
+    /// kernel's sampling splits it.
+    pub sidecar_kernel: f64,
     /// The `redis-server` process (its own `INFO cpu`).
     pub redis: f64,
 }
 
 /// CPU seconds used so far: (this process, its sidecar threads, the Redis servers).
-fn cpu_seconds(redis: &[&RedisServer]) -> Result<(f64, f64, f64)> {
+fn cpu_seconds(redis: &[&RedisServer]) -> Result<(f64, UserSystem, f64)> {
     let process = cpu_of(Path::new("/proc/self"))
         .context("cannot parse /proc/self/stat")?
         .1;
-    let sidecar = threads_cpu(SIDECAR_THREADS);
+    let sidecar = threads_cpu_split(SIDECAR_THREADS);
     let mut redis_seconds = 0.0;
     for server in redis {
         let info = server.cli(&["INFO", "cpu"])?;
@@ -224,10 +227,11 @@ where
     let cpu_after = cpu_seconds(redis)?;
     let commands = commands_of(redis)? - commands_before;
     let per_op = |before: f64, after: f64| (after - before) * 1e6 / all.len().max(1) as f64;
-    let sidecar = per_op(cpu_before.1, cpu_after.1);
+    let sidecar = per_op(cpu_before.1.total(), cpu_after.1.total());
     let cpu = CpuSplit {
         client: per_op(cpu_before.0, cpu_after.0) - sidecar,
         sidecar,
+        sidecar_kernel: per_op(cpu_before.1.system, cpu_after.1.system),
         redis: per_op(cpu_before.2, cpu_after.2),
     };
     Ok(Run {
