@@ -393,13 +393,9 @@ fn framed<T: serde::Serialize>(head: &T, payload: &[u8]) -> Response {
 
 /// A claim's answer: a grant's head written by hand (`heads`), anything else through serde.
 fn framed_claim(outcome: &ClaimOutcome, payload: &[u8]) -> Response {
-    match payload
-        .is_empty()
-        .then(|| heads::claim_head(outcome))
-        .flatten()
-    {
-        Some(head) => protocol_answer(head),
-        None => framed(outcome, payload),
+    match heads::claim_head(outcome) {
+        Some(head) if payload.is_empty() => protocol_answer(head),
+        _ => framed(outcome, payload),
     }
 }
 
@@ -513,12 +509,12 @@ async fn renew<S: Store>(State(app): AppState<S>, _: Authorized, req: Request) -
 
 /// The HTTP hop alone, for benchmarks: `claim` answers `granted` and `complete` answers
 /// `released`, fixed bodies after reading the request as the sidecar does (`read_body`),
-/// with no decoding, store or metrics —
-/// what every sidecar request costs before any protocol work.
+/// with no decoding, store or metrics — what every sidecar request costs before any
+/// protocol work.
 #[cfg(feature = "testing")]
 pub(crate) fn canned_router(config: &Config) -> Router {
     let limit = body_limit(config);
-    let granted = idemgate_wire::ClaimOutcome::Granted {
+    let granted = ClaimOutcome::Granted {
         owner: "0".repeat(32),
         fence: 1,
         lease_ms: 30_000,
@@ -527,12 +523,7 @@ pub(crate) fn canned_router(config: &Config) -> Router {
     let answer = move |head: Bytes| {
         post(move |req: Request| async move {
             match read_body(limit, req).await {
-                Ok(_) => (
-                    StatusCode::OK,
-                    [(header::CONTENT_TYPE, idemgate_wire::CONTENT_TYPE)],
-                    head,
-                )
-                    .into_response(),
+                Ok(_) => protocol_answer(head),
                 Err(rejection) => rejection.into_response(),
             }
         })
@@ -545,7 +536,7 @@ pub(crate) fn canned_router(config: &Config) -> Router {
         .route(
             paths::COMPLETE,
             answer(Bytes::from(idemgate_wire::encode(
-                &idemgate_wire::OwnerOutcome::Released,
+                &OwnerOutcome::Released,
                 &[],
             ))),
         )
