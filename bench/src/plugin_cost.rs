@@ -53,15 +53,40 @@ pub enum Kind {
     /// completed call replayed by the local tier, in turn.
     Mixed,
     RateLimited,
+    /// A storm in miniature: [`STORM`] identical requests, the first claiming through the
+    /// sidecar and the rest parked behind it (queue mode), answered with its response.
+    Storm,
 }
 
+/// Requests per storm of [`Kind::Storm`].
+pub const STORM: usize = 64;
+
+/// [`CONFIG`]'s payments rule queueing duplicates, as the shipped configuration does.
+const STORM_CONFIG: &str = r#"{
+  "sidecar": {"cluster": "idemgate_sidecar"},
+  "rules": [
+    {"name": "payments", "match": {"methods": ["POST"], "path_prefix": "/payments"},
+     "mode": "idempotency", "scope": {"headers": ["x-user-id"]},
+     "on_conflict": "queue", "queue": {"max_wait": "10s", "max_queue": 16}}
+  ]
+}"#;
+
 impl Kind {
-    pub const ALL: [Kind; 4] = [
+    pub const ALL: [Kind; 5] = [
         Kind::NoRule,
         Kind::LocalDuplicate,
         Kind::SidecarClaim,
         Kind::RateLimited,
+        Kind::Storm,
     ];
+
+    /// Requests one [`Driver::one`] runs: a whole storm for [`Kind::Storm`], else one.
+    pub fn requests_per_call(self) -> u64 {
+        match self {
+            Kind::Storm => STORM as u64,
+            _ => 1,
+        }
+    }
 
     pub fn name(self) -> &'static str {
         match self {
@@ -70,6 +95,7 @@ impl Kind {
             Kind::SidecarClaim => "sidecar-claim",
             Kind::Mixed => "mixed",
             Kind::RateLimited => "rate-limited",
+            Kind::Storm => "storm",
         }
     }
 
@@ -87,6 +113,9 @@ impl Kind {
             Kind::SidecarClaim => "claim through the sidecar (claim + upstream + complete)",
             Kind::Mixed => "no-rule, sidecar claim and local replay in turn",
             Kind::RateLimited => "request over its rate limit (local tier, 429)",
+            Kind::Storm => {
+                "a request of a local storm (64 identical: one claims, 63 park and get its response)"
+            }
         }
     }
 }
@@ -115,7 +144,12 @@ impl Driver {
             name: "idemgate".into(),
             root_id: "idemgate".into(),
             vm_id: "idemgate".into(),
-            configuration: CONFIG.as_bytes().to_vec(),
+            configuration: match kind {
+                Kind::Storm => STORM_CONFIG,
+                _ => CONFIG,
+            }
+            .as_bytes()
+            .to_vec(),
             ..PluginSettings::default()
         };
         let clusters = Arc::new(BTreeMap::from([(
@@ -174,7 +208,8 @@ impl Driver {
         Ok(())
     }
 
-    /// Runs one request of this driver's kind to its end.
+    /// Runs one request of this driver's kind to its end ([`Kind::requests_per_call`] of
+    /// them for a storm).
     pub fn one(&mut self) -> Result<()> {
         self.seq += 1;
         match self.kind {
@@ -187,7 +222,59 @@ impl Driver {
                 _ => self.local_replay(),
             },
             Kind::RateLimited => self.rate_limited(),
+            Kind::Storm => self.storm(),
         }
+    }
+
+    /// [`STORM`] identical requests: the first claims through the sidecar and goes upstream,
+    /// the others park on this VM's shared data; when the first completes, each parked one
+    /// is answered with its response (the tick, or the wake-up its release sends).
+    fn storm(&mut self) -> Result<()> {
+        let key = format!("storm-{}", self.seq);
+        let post = || request("POST", "/payments", Some(&key));
+        let first = self.vm.new_stream(StreamInfo::default());
+        self.vm.headers(first, Direction::Request, post(), true);
+        let granted = ClaimOutcome::Granted {
+            owner: format!("owner-{}", self.seq),
+            fence: self.seq,
+            lease_ms: 30_000,
+            waited_ms: 0,
+        };
+        self.answer_next_callout(&idemgate_wire::encode(&granted, b""))?;
+        self.expect_upstream(first)?;
+        let mut parked = Vec::with_capacity(STORM - 1);
+        for _ in 1..STORM {
+            let id = self.vm.new_stream(StreamInfo::default());
+            self.vm.headers(id, Direction::Request, post(), true);
+            if !self.vm.take_events(id).is_empty() || !self.vm.take_new_callouts().is_empty() {
+                bail!("a duplicate of a running call did not park");
+            }
+            parked.push(id);
+        }
+        self.vm.headers(
+            first,
+            Direction::Response,
+            HeaderMap::from([(":status", "201"), ("content-type", "application/json")]),
+            false,
+        );
+        self.vm
+            .data(first, Direction::Response, br#"{"payment":1}"#, true);
+        let _ = self.vm.take_events(first);
+        self.vm.remove_stream(first);
+        self.answer_next_callout(&idemgate_wire::encode(&OwnerOutcome::Released, b""))?;
+        self.advance(Duration::from_millis(2));
+        for id in parked {
+            let replayed = self
+                .vm
+                .take_events(id)
+                .iter()
+                .any(|e| matches!(e, StreamEvent::LocalReply(r) if r.status == 201));
+            if !replayed {
+                bail!("a parked duplicate was not answered with the first response");
+            }
+            self.vm.remove_stream(id);
+        }
+        Ok(())
     }
 
     fn rate_limited(&mut self) -> Result<()> {
@@ -365,11 +452,12 @@ pub fn measured_requests(driver: &mut Driver, n: u64) -> Result<()> {
     Ok(())
 }
 
-/// Warms up, then returns the wall time per request of `n` requests.
+/// Warms up, then returns the wall time per request of about `n` requests.
 pub fn wall_time(module: &Path, kind: Kind, n: u64) -> Result<Duration> {
     let mut driver = Driver::boot(module, kind)?;
-    measured_requests(&mut driver, n / 10 + 1)?;
+    let calls = (n / kind.requests_per_call()).max(1);
+    measured_requests(&mut driver, calls / 10 + 1)?;
     let started = Instant::now();
-    measured_requests(&mut driver, n)?;
-    Ok(started.elapsed() / n.max(1) as u32)
+    measured_requests(&mut driver, calls)?;
+    Ok(started.elapsed() / (calls * kind.requests_per_call()) as u32)
 }

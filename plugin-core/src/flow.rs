@@ -930,7 +930,7 @@ impl Flow {
     /// 422 when the key's request (in flight or completed) differs from this one.
     fn answer_known(&mut self, config: &Config, found: LocalClaim, env: &mut Env<'_>) -> Action {
         match found {
-            LocalClaim::Completed(done) => self.replay_local(config, done, env),
+            LocalClaim::Completed(done) => self.replay_local(config, &done, env),
             _ => {
                 env.telemetry.count(Counter::LocalHits);
                 self.refuse_mismatch(config, env)
@@ -938,7 +938,7 @@ impl Flow {
         }
     }
 
-    fn replay_local(&mut self, config: &Config, done: LocalResponse, env: &mut Env<'_>) -> Action {
+    fn replay_local(&mut self, config: &Config, done: &LocalResponse, env: &mut Env<'_>) -> Action {
         env.telemetry.count(Counter::LocalHits);
         if done.fingerprint != self.fingerprint {
             return self.refuse_mismatch(config, env);
@@ -1050,6 +1050,10 @@ impl Flow {
                 self.go_upstream_granted(config, grant, until_ms, true, env)
             }
             Phase::Parked { since_ms, until_ms } => {
+                if let Some(done) = seen.completed(&self.key) {
+                    note_queued(env, env.now_ms.saturating_sub(since_ms));
+                    return Some(self.replay_local(config, done, env));
+                }
                 let found = seen.lookup(
                     &Table {
                         config: &config.local,
@@ -1061,7 +1065,9 @@ impl Flow {
                 let retry_after_ms = match found {
                     Some(LocalClaim::Completed(done)) => {
                         note_queued(env, env.now_ms.saturating_sub(since_ms));
-                        return Some(self.replay_local(config, done, env));
+                        let action = self.replay_local(config, &done, env);
+                        seen.completed = Some((self.key.clone(), done));
+                        return Some(action);
                     }
                     Some(LocalClaim::InFlight { retry_after_ms }) => retry_after_ms,
                     // Freed: the call aborted, or its response was not kept here.
@@ -1451,12 +1457,17 @@ impl Flow {
 /// What one tick read of the keys its parked requests wait on (see
 /// [`Flow::on_local_wait_tick`]): a key still in flight reads the same for every request
 /// parked on it after one another (the tick goes through them in stream order, so a storm's
-/// are read once); a completed one is read by each (once: it answers them), a freed one
-/// again (the first to see it takes it over).
+/// are read once), and so does a completed one, which answers them all; a freed one is read
+/// again by each (the first to see it takes it over).
 #[derive(Debug, Default)]
 pub struct Lookups {
     /// The last key read in flight, with its `retry_after_ms`.
     in_flight: Option<(String, u64)>,
+    /// The last key read completed, with its response: every other duplicate parked on it
+    /// replays that copy. Reading the slot again for each one copied the whole stored
+    /// response out of the host and decoded it, per duplicate: most of the filter's part of
+    /// a storm's fan-out (`benchmarks/storm.notes.md`).
+    completed: Option<(String, LocalResponse)>,
 }
 
 impl Lookups {
@@ -1466,6 +1477,14 @@ impl Lookups {
     pub fn unchanged(&self, flow: &Flow, now_ms: u64) -> bool {
         matches!(flow.phase, Phase::Parked { until_ms, .. } if now_ms < until_ms)
             && self.in_flight.as_ref().is_some_and(|(k, _)| *k == flow.key)
+    }
+
+    /// The response of `key` if this tick already read it completed.
+    fn completed(&self, key: &str) -> Option<&LocalResponse> {
+        self.completed
+            .as_ref()
+            .filter(|(k, _)| k == key)
+            .map(|(_, done)| done)
     }
 
     fn lookup(&mut self, table: &Table<'_>, key: &str, now_ms: u64) -> Option<LocalClaim> {
