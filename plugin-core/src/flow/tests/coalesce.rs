@@ -66,7 +66,14 @@ fn duplicates_wait_here_for_the_holder_and_get_its_response_with_one_claim() {
     gw.respond(&mut holder, "201", "application/json", &[b"{\"id\":1}"]);
     assert_eq!(release(&mut holder).0, paths::COMPLETE);
     gw.now += 2;
-    for action in tick_all(&mut gw, &mut parked) {
+    let reads = gw.shared.gets.get();
+    let answers = tick_all(&mut gw, &mut parked);
+    assert_eq!(
+        gw.shared.gets.get() - reads,
+        1,
+        "the tick that answers them reads the completed key once, not once per duplicate"
+    );
+    for action in answers {
         let r = reply(action.expect("answered"));
         assert_eq!((r.status, r.body.as_slice()), (201, &b"{\"id\":1}"[..]));
         assert_eq!(header(&r, "idempotent-replayed"), Some("true"));
