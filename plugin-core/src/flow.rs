@@ -324,9 +324,9 @@ impl Flow {
         if let Some(spec) = &rule.fingerprint {
             let fp = Fingerprint::start(spec, head, req);
             if spec.max_body == 0 {
-                self.fingerprint = Some(fp.finish());
+                self.fingerprint = Some(fp.finish(None, env.digests));
             } else if let Some(body) = body {
-                self.fingerprint = Some(fp.body(body).finish());
+                self.fingerprint = Some(fp.finish(Some(body), env.digests));
             } else {
                 self.phase = Phase::Body {
                     fingerprint: fp,
@@ -385,7 +385,7 @@ impl Flow {
                 rate_checks,
                 ..
             } => {
-                self.fingerprint = Some(fingerprint.body(&body).finish());
+                self.fingerprint = Some(fingerprint.finish(Some(&body), env.digests));
                 self.decide(config, rate_checks, env)
             }
             Phase::BodyKey { head, .. } => {

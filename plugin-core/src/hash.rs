@@ -44,6 +44,11 @@ impl PartHasher {
         h
     }
 
+    /// Goes on from parts already encoded (`encoded` starts with its domain's part).
+    pub(crate) fn continuing(encoded: &[u8]) -> Self {
+        PartHasher(Sha256::new_with_prefix(encoded))
+    }
+
     pub(crate) fn finish_hex(self) -> String {
         hex(&self.0.finalize())
     }
@@ -78,6 +83,14 @@ impl<'m> PartBytes<'m> {
     }
 }
 
+/// Parts encoded into a buffer of their own: a digest that is kept across callbacks
+/// (a fingerprint waiting for its body) and hashed through the memo at the end.
+impl Parts for Vec<u8> {
+    fn raw(&mut self, bytes: &[u8]) {
+        self.extend_from_slice(bytes);
+    }
+}
+
 impl Parts for PartBytes<'_> {
     #[inline(never)]
     fn raw(&mut self, bytes: &[u8]) {
@@ -90,11 +103,11 @@ impl Parts for PartBytes<'_> {
 const MEMO_SLOTS: usize = 64;
 /// Longer inputs (long keys or scope headers) are hashed every time, so the memo stays
 /// within `MEMO_SLOTS × MEMO_MAX_INPUT` bytes (32 KiB) per worker whatever the traffic.
-const MEMO_MAX_INPUT: usize = 512;
+pub(crate) const MEMO_MAX_INPUT: usize = 512;
 
 /// The SHA-256 digests this worker made last, by their input, kept spelled in hex. A blocked
-/// duplicate (a local 409's stored key, a limited caller's rate key) is mostly an input the
-/// same worker hashed moments ago, and SHA-256 of a typical key's parts (two 64-byte blocks:
+/// duplicate (a local 409's stored key, a limited caller's rate key, a parked duplicate's
+/// fingerprint) is mostly an input the same worker hashed moments ago, and SHA-256 of a typical key's parts (two 64-byte blocks:
 /// every part carries an 8-byte length) and its hex cost ~8,000 instructions in the filter,
 /// where finding it here costs a few hundred. Direct-mapped by a cheap hash of the input and
 /// checked against the input itself, so a collision, crafted or not, costs only a
@@ -112,7 +125,7 @@ impl DigestMemo {
         DigestMemo::default()
     }
 
-    fn digest_hex(&mut self, input: &[u8]) -> String {
+    pub(crate) fn digest_hex(&mut self, input: &[u8]) -> String {
         if input.len() > MEMO_MAX_INPUT {
             return hex(&sha256(input));
         }
