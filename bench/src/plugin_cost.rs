@@ -232,16 +232,7 @@ impl Driver {
     fn storm(&mut self) -> Result<()> {
         let key = format!("storm-{}", self.seq);
         let post = || request("POST", "/payments", Some(&key));
-        let first = self.vm.new_stream(StreamInfo::default());
-        self.vm.headers(first, Direction::Request, post(), true);
-        let granted = ClaimOutcome::Granted {
-            owner: format!("owner-{}", self.seq),
-            fence: self.seq,
-            lease_ms: 30_000,
-            waited_ms: 0,
-        };
-        self.answer_next_callout(&idemgate_wire::encode(&granted, b""))?;
-        self.expect_upstream(first)?;
+        let first = self.claimed(post())?;
         let mut parked = Vec::with_capacity(STORM - 1);
         for _ in 1..STORM {
             let id = self.vm.new_stream(StreamInfo::default());
@@ -251,17 +242,7 @@ impl Driver {
             }
             parked.push(id);
         }
-        self.vm.headers(
-            first,
-            Direction::Response,
-            HeaderMap::from([(":status", "201"), ("content-type", "application/json")]),
-            false,
-        );
-        self.vm
-            .data(first, Direction::Response, br#"{"payment":1}"#, true);
-        let _ = self.vm.take_events(first);
-        self.vm.remove_stream(first);
-        self.answer_next_callout(&idemgate_wire::encode(&OwnerOutcome::Released, b""))?;
+        self.complete(first)?;
         self.advance(Duration::from_millis(2));
         for id in parked {
             let replayed = self
@@ -345,13 +326,14 @@ impl Driver {
 
     fn sidecar_claim(&mut self) -> Result<()> {
         let key = format!("key-{}", self.seq);
+        let id = self.claimed(request("POST", "/payments", Some(&key)))?;
+        self.complete(id)
+    }
+
+    /// A request whose sidecar claim is answered `granted`: it must go upstream.
+    fn claimed(&mut self, headers: HeaderMap) -> Result<StreamId> {
         let id = self.vm.new_stream(StreamInfo::default());
-        self.vm.headers(
-            id,
-            Direction::Request,
-            request("POST", "/payments", Some(&key)),
-            true,
-        );
+        self.vm.headers(id, Direction::Request, headers, true);
         let granted = ClaimOutcome::Granted {
             owner: format!("owner-{}", self.seq),
             fence: self.seq,
@@ -360,6 +342,11 @@ impl Driver {
         };
         self.answer_next_callout(&idemgate_wire::encode(&granted, b""))?;
         self.expect_upstream(id)?;
+        Ok(id)
+    }
+
+    /// The upstream answers a claimed request 201, and its complete is answered `released`.
+    fn complete(&mut self, id: StreamId) -> Result<()> {
         self.vm.headers(
             id,
             Direction::Response,
