@@ -107,9 +107,9 @@ pub(crate) const MEMO_MAX_INPUT: usize = 512;
 
 /// The SHA-256 digests this worker made last, by their input, kept spelled in hex. A blocked
 /// duplicate (a local 409's stored key, a limited caller's rate key, a parked duplicate's
-/// fingerprint) is mostly an input the same worker hashed moments ago, and SHA-256 of a typical key's parts (two 64-byte blocks:
-/// every part carries an 8-byte length) and its hex cost ~8,000 instructions in the filter,
-/// where finding it here costs a few hundred. Direct-mapped by a cheap hash of the input and
+/// fingerprint) is mostly an input the same worker hashed moments ago, and SHA-256 of a
+/// typical key's parts (two 64-byte blocks: every part carries an 8-byte length) and its hex
+/// cost ~8,000 instructions in the filter, where finding it here costs a few hundred. Direct-mapped by a cheap hash of the input and
 /// checked against the input itself, so a collision, crafted or not, costs only a
 /// recomputation.
 #[derive(Debug, Default)]
