@@ -113,10 +113,31 @@ impl Default for HeldGrants {
 
 /// An owner token (32 hex digits, from `random_token`) as a number; anything else is not one
 /// of this sidecar's.
+///
+/// Decoded without a branch per digit, unlike `hex::decode_to_slice`, whose "digit or
+/// letter?" branch the random digits of a token mispredict about every other time: that
+/// decoding, done at each claim and each complete, was 2 % of the sidecar's CPU on a fresh
+/// key's claim and complete (`perf`, benchmarks/sidecar.notes.md, Session 27).
 fn token_id(owner: &str) -> Option<u128> {
-    let mut bytes = [0u8; 16];
-    hex::decode_to_slice(owner, &mut bytes).ok()?;
-    Some(u128::from_be_bytes(bytes))
+    let digits: &[u8; 32] = owner.as_bytes().try_into().ok()?;
+    // In two 64-bit halves: shifting one 128-bit number costs two instructions a digit.
+    let (mut halves, mut valid) = ([0u64; 2], true);
+    for (half, digits) in halves.iter_mut().zip(digits.chunks_exact(16)) {
+        for &byte in digits {
+            let digit = byte.wrapping_sub(b'0');
+            // Either case: the two differ only in 0x20.
+            let letter = (byte | 0x20).wrapping_sub(b'a');
+            valid &= (digit < 10) | (letter < 6);
+            let value = if digit < 10 {
+                digit
+            } else {
+                letter.wrapping_add(10)
+            };
+            *half = *half << 4 | u64::from(value & 0xF);
+        }
+    }
+    let [high, low] = halves;
+    valid.then_some(u128::from(high) << 64 | u128::from(low))
 }
 
 impl HeldGrants {
@@ -188,6 +209,52 @@ mod tests {
             fresh: false,
         };
         grants.insert(owner, &grant);
+    }
+
+    #[test]
+    fn a_token_reads_as_hex_decoding_reads_it_and_nothing_else_is_a_token() {
+        let decoded = |owner: &str| {
+            let mut bytes = [0u8; 16];
+            hex::decode_to_slice(owner, &mut bytes)
+                .ok()
+                .map(|()| u128::from_be_bytes(bytes))
+        };
+        let mut owners = vec![
+            OWNER.to_owned(),
+            OWNER.to_uppercase(),
+            "f".repeat(32),
+            "0".repeat(32),
+            "0123456789ABCDEFabcdef0123456789".to_owned(),
+        ];
+        for i in 0..4096u128 {
+            owners.push(format!(
+                "{:032x}",
+                i.wrapping_mul(0x9E37_79B9_7F4A_7C15_F39C_C060_5CED_C835)
+            ));
+        }
+        for owner in &owners {
+            assert_eq!(token_id(owner), decoded(owner), "{owner}");
+            assert!(token_id(owner).is_some());
+        }
+        // Every byte that is not a hex digit, at every place, and the wrong lengths.
+        for place in 0..32 {
+            for byte in 0..=255u8 {
+                let mut bytes = OWNER.as_bytes().to_vec();
+                bytes[place] = byte;
+                let Ok(owner) = String::from_utf8(bytes) else {
+                    continue;
+                };
+                assert_eq!(token_id(&owner), decoded(&owner), "{owner:?}");
+            }
+        }
+        for owner in [
+            "",
+            &OWNER[..31],
+            &format!("{OWNER}0"),
+            &format!("{OWNER}{OWNER}"),
+        ] {
+            assert_eq!(token_id(owner), None, "{owner:?}");
+        }
     }
 
     #[test]
