@@ -254,8 +254,8 @@ fn queued_lock_holders_run_in_arrival_order() {
         gw.host
             .metric("idemgate.queue.wait_ms")
             .unwrap()
-            .samples
-            .len(),
+            .histogram
+            .count(),
         3
     );
 }

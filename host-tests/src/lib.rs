@@ -8,7 +8,8 @@
 //!
 //! Inside: [`vm`](crate::Vm) is one worker's VM and the filter chain around it, `hostcalls`
 //! and `wasi` are the module's imports, `plugin` loads modules and holds plugin settings,
-//! `shared` is the process-wide state (shared data, queues, metrics, logs), `upstream` and
+//! `shared` is the process-wide state (shared data, queues, metrics, logs; histograms binned
+//! as Envoy bins them, `histogram`), `upstream` and
 //! `client` carry callouts and routed requests over real sockets.
 
 mod abi;
@@ -17,6 +18,7 @@ pub mod gateway;
 pub mod grpc;
 mod grpc_upstream;
 mod headers;
+mod histogram;
 mod hostcalls;
 mod local_reply;
 mod plugin;
@@ -29,6 +31,7 @@ mod wasi;
 
 pub use abi::{Direction, LogLevel, MetricKind, Status};
 pub use headers::HeaderMap;
+pub use histogram::Histogram;
 pub use plugin::{Cluster, Clusters, FailurePolicy, LoadError, PluginSettings, WasmModule};
 pub use shared::{CANARY_WORKER, Clock, LogRecord, MAIN_THREAD, Metric, SharedState};
 pub use vm::{

@@ -3,6 +3,7 @@
 //! the captured log.
 
 use crate::abi::{LogLevel, MetricKind, Status};
+use crate::histogram::Histogram;
 use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
@@ -135,8 +136,8 @@ pub struct Metric {
     pub kind: MetricKind,
     /// Counter/gauge value.
     pub value: i64,
-    /// Histogram samples in recording order.
-    pub samples: Vec<u64>,
+    /// A histogram's values, binned as Envoy bins them.
+    pub histogram: Histogram,
 }
 
 /// A `proxy_on_queue_ready` posted to a VM's event loop.
@@ -344,7 +345,7 @@ impl SharedState {
             .or_insert(Metric {
                 kind,
                 value: 0,
-                samples: Vec::new(),
+                histogram: Histogram::default(),
             });
     }
 
@@ -370,7 +371,7 @@ impl SharedState {
         match metric.kind {
             MetricKind::Counter => metric.value = metric.value.saturating_add(as_i64),
             MetricKind::Gauge => metric.value = as_i64,
-            MetricKind::Histogram => metric.samples.push(value),
+            MetricKind::Histogram => metric.histogram.record(value),
         }
         Status::Ok
     }
@@ -542,5 +543,30 @@ mod tests {
         assert_eq!(s.metric_value("c"), Ok(5));
         assert_eq!(s.metric_value("h"), Err(Status::BadArgument));
         assert_eq!(s.increment_metric("nope", 1), Status::NotFound);
+    }
+
+    /// A live gateway records a histogram value per request for as long as it runs: what it
+    /// keeps must not grow with them. The metric's printed form stands for what it holds.
+    #[test]
+    fn a_histogram_holds_as_much_after_a_hundred_thousand_values_as_after_a_thousand() {
+        let s = state();
+        s.define_metric(MetricKind::Histogram, "h");
+        let record_a_thousand = || {
+            for value in 0..1_000 {
+                assert_eq!(s.record_metric("h", value * 37), Status::Ok);
+            }
+        };
+        record_a_thousand();
+        let held = |s: &SharedState| format!("{:?}", s.metrics()["h"]).len();
+        let after_a_thousand = held(&s);
+        for _ in 0..99 {
+            record_a_thousand();
+        }
+        // The counts' digits may grow; the values themselves are not kept.
+        assert!(
+            held(&s) < after_a_thousand + 1_000,
+            "{} bytes printed after 100,000 values against {after_a_thousand} after 1,000",
+            held(&s)
+        );
     }
 }

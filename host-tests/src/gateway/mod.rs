@@ -620,30 +620,6 @@ struct Admin {
     tags: Vec<config::StatsTag>,
 }
 
-/// Envoy's default histogram buckets (`source/common/stats/histogram_impl.h`,
-/// `HistogramSettingsImpl::defaultBuckets`), which `/stats/prometheus` prints as `le`.
-const DEFAULT_BUCKETS: [f64; 19] = [
-    0.5,
-    1.0,
-    5.0,
-    10.0,
-    25.0,
-    50.0,
-    100.0,
-    250.0,
-    500.0,
-    1_000.0,
-    2_500.0,
-    5_000.0,
-    10_000.0,
-    30_000.0,
-    60_000.0,
-    300_000.0,
-    600_000.0,
-    1_800_000.0,
-    3_600_000.0,
-];
-
 impl Admin {
     fn stats_text(&self) -> String {
         let mut out = String::new();
@@ -653,14 +629,11 @@ impl Admin {
         for (name, metric) in self.shared.metrics() {
             match metric.kind {
                 crate::abi::MetricKind::Histogram => {
-                    let mut samples = metric.samples.clone();
-                    samples.sort_unstable();
+                    let histogram = &metric.histogram;
                     let quantile = |q: f64| -> String {
-                        if samples.is_empty() {
-                            return "nan".into();
-                        }
-                        let at = ((samples.len() - 1) as f64 * q).round() as usize;
-                        samples.get(at).map_or("nan".into(), u64::to_string)
+                        histogram
+                            .quantile(q)
+                            .map_or_else(|| "nan".into(), |v| v.to_string())
                     };
                     let _ = writeln!(
                         out,
@@ -668,7 +641,7 @@ impl Admin {
                         quantile(0.5),
                         quantile(0.9),
                         quantile(0.99),
-                        samples.len()
+                        histogram.count()
                     );
                 }
                 _ => {
@@ -726,16 +699,15 @@ impl Admin {
                     let _ = writeln!(out, "{name}{} {}", braced(""), metric.value);
                     continue;
                 }
-                for le in DEFAULT_BUCKETS {
-                    let count = metric.samples.iter().filter(|&&v| v as f64 <= le).count();
+                for (le, count) in metric.histogram.buckets() {
                     let _ = writeln!(
                         out,
                         "{name}_bucket{} {count}",
                         braced(&format!("le=\"{le}\""))
                     );
                 }
-                let total = metric.samples.len();
-                let sum: u64 = metric.samples.iter().sum();
+                let total = metric.histogram.count();
+                let sum = metric.histogram.sum();
                 let _ = writeln!(out, "{name}_bucket{} {total}", braced("le=\"+Inf\""));
                 let _ = writeln!(out, "{name}_sum{} {sum}", braced(""));
                 let _ = writeln!(out, "{name}_count{} {total}", braced(""));
