@@ -63,7 +63,13 @@ impl Reading {
 
     /// Redis's clock now, never behind it (module docs), in µs.
     pub(super) fn now_us(&self) -> u64 {
-        let passed = u64::try_from(self.sent.elapsed().as_micros()).unwrap_or(u64::MAX);
+        self.at_us(Instant::now())
+    }
+
+    /// Redis's clock at `now` (not before the reading was sent), never behind it, in µs.
+    fn at_us(&self, now: Instant) -> u64 {
+        let passed =
+            u64::try_from(now.saturating_duration_since(self.sent).as_micros()).unwrap_or(u64::MAX);
         self.clock_us
             .saturating_add(passed)
             .saturating_add(passed / 1000)
@@ -95,9 +101,12 @@ impl RedisClock {
     /// is younger than [`FRESH_FOR`].
     pub(super) fn fresh(&self) -> Option<Reading> {
         let last = (*self.last.lock().unwrap_or_else(PoisonError::into_inner))?;
-        (last.sent.elapsed() < FRESH_FOR).then(|| Reading {
-            clock_us: last.now_us(),
-            sent: Instant::now(),
+        // One reading of the machine's clock for the age, the clock and the new `sent`: each
+        // read costs tens of nanoseconds here, and the clock is then exactly that of `sent`.
+        let now = Instant::now();
+        (now.saturating_duration_since(last.sent) < FRESH_FOR).then(|| Reading {
+            clock_us: last.at_us(now),
+            sent: now,
         })
     }
 }
