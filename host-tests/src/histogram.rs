@@ -5,10 +5,9 @@
 //! (`circllhist`, used by `source/common/stats/histogram_impl.cc`): a value falls in the bin
 //! of its first two significant digits, `/stats` prints quantiles approximated from the bins
 //! (`hist_approx_quantile`), and `/stats/prometheus` counts per bucket. So does this host,
-//! and its memory stays bounded however long a live gateway runs: at most 100 bins below 100
-//! and 90 per decade above, under 1,800 for all of `u64`. Until this type, every recorded
-//! value was kept, so a histogram recorded per request grew by eight bytes a request and
-//! each `/stats` scrape sorted all of them.
+//! so that a live gateway recording a value per request for days holds as much as after a
+//! minute (at most 100 bins below 100 and 90 per decade above, under 1,800 for all of
+//! `u64`), and a `/stats` scrape costs the bins, not the requests.
 //!
 //! Unlike Envoy's, the bucket counts and the sum here are exact (kept as values arrive), not
 //! approximated from the bins; quantiles below 100 are exact too.
@@ -39,6 +38,7 @@ pub(crate) const DEFAULT_BUCKETS: [f64; 19] = [
     3_600_000.0,
 ];
 
+/// One plugin histogram's values, aggregated across the VMs that record it.
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
 pub struct Histogram {
     count: u64,
