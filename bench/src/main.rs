@@ -66,6 +66,18 @@ enum Command {
         #[arg(long)]
         serve: String,
     },
+    /// For profiling by hand: drives a `sidecar-child` (or any sidecar) at `addr` with the
+    /// counted runs' load, `pairs` fresh claim+complete pairs, then exits. Run the child under
+    /// `perf` or `valgrind` and this beside it (benchmarks/sidecar.notes.md, Session 27).
+    DriveSidecar {
+        #[arg(long)]
+        addr: std::net::SocketAddr,
+        #[arg(long)]
+        pairs: u64,
+        /// Client runtime threads.
+        #[arg(long, default_value_t = 1)]
+        threads: usize,
+    },
 }
 
 /// mimalloc's setting for how long freed memory stays before it goes back to the OS.
@@ -118,5 +130,19 @@ fn main() -> Result<()> {
             plugin_cost::measured_requests(&mut driver, requests)
         }
         Command::SidecarChild { serve } => sidecar_instructions::child(&serve),
+        Command::DriveSidecar {
+            addr,
+            pairs,
+            threads,
+        } => tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(threads.max(1))
+            .enable_all()
+            .build()?
+            // Keys of their own per process: a sidecar driven twice meets no key it has seen.
+            .block_on(sidecar_instructions::drive(
+                addr,
+                pairs,
+                u64::from(std::process::id()),
+            )),
     }
 }

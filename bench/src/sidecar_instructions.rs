@@ -113,7 +113,7 @@ async fn counted_run(served: Served<'_>, pairs: u64) -> Result<u64> {
 
 /// `pairs` fresh claim+complete pairs from [`CONCURRENCY`] tasks over the connections they
 /// share to `addr`.
-async fn drive(addr: SocketAddr, pairs: u64, run: u64) -> Result<()> {
+pub async fn drive(addr: SocketAddr, pairs: u64, run: u64) -> Result<()> {
     let clients = H2::connect_for(addr, CONCURRENCY).await?;
     let next = Arc::new(AtomicU64::new(0));
     let tasks: Vec<_> = (0..CONCURRENCY)
