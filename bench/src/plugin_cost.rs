@@ -61,15 +61,17 @@ pub enum Kind {
 /// Requests per storm of [`Kind::Storm`].
 pub const STORM: usize = 64;
 
-/// [`CONFIG`]'s payments rule queueing duplicates, as the shipped configuration does.
-const STORM_CONFIG: &str = r#"{
-  "sidecar": {"cluster": "idemgate_sidecar"},
-  "rules": [
-    {"name": "payments", "match": {"methods": ["POST"], "path_prefix": "/payments"},
-     "mode": "idempotency", "scope": {"headers": ["x-user-id"]},
-     "on_conflict": "queue", "queue": {"max_wait": "10s", "max_queue": 16}}
-  ]
-}"#;
+/// [`CONFIG`] with its payments rule queueing duplicates, as the shipped configuration does.
+fn storm_config() -> String {
+    const PAYMENTS: &str = r#""mode": "idempotency", "scope": {"headers": ["x-user-id"]}"#;
+    CONFIG.replacen(
+        PAYMENTS,
+        &format!(
+            r#"{PAYMENTS}, "on_conflict": "queue", "queue": {{"max_wait": "10s", "max_queue": 16}}"#
+        ),
+        1,
+    )
+}
 
 impl Kind {
     pub const ALL: [Kind; 5] = [
@@ -145,11 +147,10 @@ impl Driver {
             root_id: "idemgate".into(),
             vm_id: "idemgate".into(),
             configuration: match kind {
-                Kind::Storm => STORM_CONFIG,
-                _ => CONFIG,
+                Kind::Storm => storm_config(),
+                _ => CONFIG.to_owned(),
             }
-            .as_bytes()
-            .to_vec(),
+            .into_bytes(),
             ..PluginSettings::default()
         };
         let clusters = Arc::new(BTreeMap::from([(

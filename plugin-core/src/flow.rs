@@ -1050,10 +1050,6 @@ impl Flow {
                 self.go_upstream_granted(config, grant, until_ms, true, env)
             }
             Phase::Parked { since_ms, until_ms } => {
-                if let Some(done) = seen.completed(&self.key) {
-                    note_queued(env, env.now_ms.saturating_sub(since_ms));
-                    return Some(self.replay_local(config, done, env));
-                }
                 let found = seen.lookup(
                     &Table {
                         config: &config.local,
@@ -1063,22 +1059,20 @@ impl Flow {
                     env.now_ms,
                 );
                 let retry_after_ms = match found {
-                    Some(LocalClaim::Completed(done)) => {
+                    Seen::Completed(done) => {
                         note_queued(env, env.now_ms.saturating_sub(since_ms));
-                        let action = self.replay_local(config, &done, env);
-                        seen.completed = Some((self.key.clone(), done));
-                        return Some(action);
+                        return Some(self.replay_local(config, done, env));
                     }
-                    Some(LocalClaim::InFlight { retry_after_ms }) => retry_after_ms,
+                    Seen::InFlight { retry_after_ms } => retry_after_ms,
                     // Freed: the call aborted, or its response was not kept here.
-                    _ if env.now_ms < until_ms => {
+                    Seen::Free if env.now_ms < until_ms => {
                         return match self.claim_within(config, Some(until_ms), env) {
                             // Another waiter took it first.
                             Action::Wait => None,
                             action => Some(action),
                         };
                     }
-                    _ => 0,
+                    Seen::Free => 0,
                 };
                 if env.now_ms < until_ms {
                     self.phase = Phase::Parked { since_ms, until_ms };
@@ -1479,28 +1473,45 @@ impl Lookups {
             && self.in_flight.as_ref().is_some_and(|(k, _)| *k == flow.key)
     }
 
-    /// The response of `key` if this tick already read it completed.
-    fn completed(&self, key: &str) -> Option<&LocalResponse> {
-        self.completed
-            .as_ref()
-            .filter(|(k, _)| k == key)
-            .map(|(_, done)| done)
-    }
-
-    fn lookup(&mut self, table: &Table<'_>, key: &str, now_ms: u64) -> Option<LocalClaim> {
+    /// What the local tier holds for `key`, read once per tick for a key in flight or
+    /// completed.
+    fn lookup(&mut self, table: &Table<'_>, key: &str, now_ms: u64) -> Seen<'_> {
         if let Some((k, retry_after_ms)) = &self.in_flight
             && k == key
         {
-            return Some(LocalClaim::InFlight {
+            return Seen::InFlight {
                 retry_after_ms: *retry_after_ms,
-            });
+            };
         }
-        let found = table.lookup(key, now_ms);
-        if let Some(LocalClaim::InFlight { retry_after_ms }) = found {
-            self.in_flight = Some((key.to_string(), retry_after_ms));
+        if self.completed.as_ref().is_some_and(|(k, _)| k == key) {
+            return self
+                .completed
+                .as_ref()
+                .map_or(Seen::Free, |(_, done)| Seen::Completed(done));
         }
-        found
+        match table.lookup(key, now_ms) {
+            Some(LocalClaim::InFlight { retry_after_ms }) => {
+                self.in_flight = Some((key.to_string(), retry_after_ms));
+                Seen::InFlight { retry_after_ms }
+            }
+            Some(LocalClaim::Completed(done)) => {
+                let (_, done) = self.completed.insert((key.to_string(), done));
+                Seen::Completed(done)
+            }
+            _ => Seen::Free,
+        }
     }
+}
+
+/// What [`Lookups::lookup`] found of a key.
+enum Seen<'a> {
+    InFlight {
+        retry_after_ms: u64,
+    },
+    /// Its response, which every request parked on the key replays.
+    Completed(&'a LocalResponse),
+    /// Neither: the call aborted, or its response was not kept here.
+    Free,
 }
 
 /// What became of a complete/abort/leave callout.

@@ -109,9 +109,9 @@ pub(crate) const MEMO_MAX_INPUT: usize = 512;
 /// duplicate (a local 409's stored key, a limited caller's rate key, a parked duplicate's
 /// fingerprint) is mostly an input the same worker hashed moments ago, and SHA-256 of a
 /// typical key's parts (two 64-byte blocks: every part carries an 8-byte length) and its hex
-/// cost ~8,000 instructions in the filter, where finding it here costs a few hundred. Direct-mapped by a cheap hash of the input and
-/// checked against the input itself, so a collision, crafted or not, costs only a
-/// recomputation.
+/// cost ~8,000 instructions in the filter, where finding it here costs a few hundred.
+/// Direct-mapped by a cheap hash of the input and checked against the input itself, so a
+/// collision, crafted or not, costs only a recomputation.
 #[derive(Debug, Default)]
 pub struct DigestMemo {
     /// `(input, its digest in hex)`; a slot's buffers are reused by the next input it takes.
